@@ -1,0 +1,229 @@
+"""The tool catalog: a TOML file declaring each tool's provider call and contract.
+
+Secrets never live in the file: header values may reference environment variables as
+`${NAME}`, resolved only by the dispatcher at call time. Invalid catalogs fail at load with a
+message naming the tool and the field.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .digest import digest
+from .errors import CatalogError, UnknownTool
+
+TOOL_NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
+ENV_REF = re.compile(r"\$\{([A-Z_][A-Z0-9_]*)\}")
+PLACEHOLDER = re.compile(r"\{(operation_key|operation_id|epoch|args(?:\.[A-Za-z0-9_]+)+)\}")
+
+
+class EffectClass(StrEnum):
+    READ_ONLY = "read_only"
+    IDEMPOTENT = "idempotent"
+    REVERSIBLE = "reversible"
+    COMPENSATABLE = "compensatable"
+    NON_IDEMPOTENT = "non_idempotent"
+    UNKNOWN = "unknown"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Capabilities(_Strict):
+    accepts_idempotency_key: bool = False
+    readback: bool = False
+    webhooks: bool = False
+    fencing_token: bool = False
+    async_acceptance: bool = False
+
+
+class FoundWhen(_Strict):
+    """How a readback answer says "found": a status code, or a JSON path that is non-empty."""
+
+    status: int | None = None
+    json_path: str | None = None
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> FoundWhen:
+        if (self.status is None) == (self.json_path is None):
+            raise ValueError("set exactly one of 'status' or 'json_path'")
+        return self
+
+
+class Readback(_Strict):
+    url: str
+    method: Literal["GET"] = "GET"
+    found_when: FoundWhen = FoundWhen(status=200)
+    not_found_status: int = 404
+
+
+class Tool(_Strict):
+    name: str
+    endpoint: str
+    method: Literal["POST", "PUT", "PATCH", "DELETE", "GET"] = "POST"
+    body_encoding: Literal["json", "form"] = "json"
+    # Maps the request body; values may be templates. Absent: the arguments are the body.
+    body: dict[str, Any] | None = None
+    headers: dict[str, str] = Field(default_factory=dict)
+    idempotency_header: str | None = "Idempotency-Key"
+    fencing_header: str | None = "Fencing-Token"
+    effect_class: EffectClass = EffectClass.UNKNOWN
+    contract_revision: Annotated[str, Field(min_length=1, max_length=64)]
+    capabilities: Capabilities = Capabilities()
+    readback: Readback | None = None
+    timeout_s: Annotated[float, Field(gt=0, le=300)] = 10.0
+    max_attempts: Annotated[int, Field(ge=1, le=100)] = 3
+    # Provider processing horizon: after it, a readback that finds nothing means "not applied".
+    horizon_s: Annotated[float, Field(ge=0, le=86400)] = 5.0
+    commit_policy: Literal["auto", "approval"] = "auto"
+    adapter: str | None = None  # "package.module:Factory" for providers TOML cannot express
+    description: str = ""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not TOOL_NAME.match(v):
+            raise ValueError("must match [a-z][a-z0-9_]{0,62}")
+        return v
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        if not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Tool:
+        if self.effect_class is EffectClass.IDEMPOTENT and not (
+            self.capabilities.accepts_idempotency_key and self.idempotency_header
+        ):
+            raise ValueError("effect_class 'idempotent' requires capabilities."
+                             "accepts_idempotency_key and an idempotency_header")
+        if self.capabilities.readback and self.readback is None:
+            raise ValueError("capabilities.readback is set but no [readback] section is given")
+        for key, value in self.headers.items():
+            if key.lower() in {"idempotency-key", "fencing-token"}:
+                raise ValueError(f"header {key!r} is set by the dispatcher, not the catalog")
+            if not ENV_REF.fullmatch(value) and ENV_REF.search(value) is None and _looks_secret(key):
+                raise ValueError(f"header {key!r} looks like a secret: reference it as ${{ENV}}")
+        return self
+
+    def digest(self) -> str:
+        return digest(self.model_dump(mode="json"))
+
+    def public_view(self) -> dict[str, Any]:
+        """The entry as agents may see it: header values (which may name secrets) withheld."""
+        data = self.model_dump(mode="json")
+        data["headers"] = sorted(self.headers)
+        data["digest"] = self.digest()
+        return data
+
+
+def _looks_secret(header: str) -> bool:
+    h = header.lower()
+    return h in {"authorization", "x-api-key", "api-key"} or "secret" in h or "token" in h
+
+
+class Catalog:
+    def __init__(self, tools: dict[str, Tool]) -> None:
+        self.tools = tools
+
+    def get(self, name: str) -> Tool:
+        tool = self.tools.get(name)
+        if tool is None:
+            raise UnknownTool(f"unknown tool {name!r}", known=sorted(self.tools)[:50])
+        return tool
+
+    def digest(self) -> str:
+        return digest({n: t.digest() for n, t in sorted(self.tools.items())})
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any], source: str = "<catalog>") -> Catalog:
+        raw_tools = data.get("tools")
+        if not isinstance(raw_tools, dict) or not raw_tools:
+            raise CatalogError(f"{source}: expected a [tools.<name>] table with at least one tool")
+        unknown_top = set(data) - {"tools", "catalog_version"}
+        if unknown_top:
+            raise CatalogError(f"{source}: unknown top-level keys {sorted(unknown_top)}")
+        tools: dict[str, Tool] = {}
+        for name, body in raw_tools.items():
+            if not isinstance(body, dict):
+                raise CatalogError(f"{source}: tool {name!r}: expected a table")
+            try:
+                tools[name] = Tool.model_validate({**body, "name": name})
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                field = ".".join(str(p) for p in err["loc"]) or "<tool>"
+                raise CatalogError(
+                    f"{source}: tool {name!r}, field {field!r}: {err['msg']}",
+                    tool=name, field=field) from exc
+        return cls(tools)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Catalog:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError as exc:
+            raise CatalogError(f"catalog file not found: {p}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise CatalogError(f"{p}: not valid TOML: {exc}") from exc
+        return cls.from_mapping(data, str(p))
+
+
+class TemplateError(ValueError):
+    pass
+
+
+def render(template: Any, *, operation_key: str, operation_id: str, epoch: int,
+           arguments: dict[str, Any]) -> Any:
+    """Render `{operation_key}`, `{operation_id}`, `{epoch}` and `{args.x.y}` in a template.
+
+    A string that is exactly one placeholder takes the placeholder's value with its JSON type
+    (so `"{args.amount}"` stays a number); placeholders inside longer strings are stringified.
+    """
+    if isinstance(template, dict):
+        return {k: render(v, operation_key=operation_key, operation_id=operation_id, epoch=epoch,
+                          arguments=arguments) for k, v in template.items()}
+    if isinstance(template, list):
+        return [render(v, operation_key=operation_key, operation_id=operation_id, epoch=epoch,
+                       arguments=arguments) for v in template]
+    if not isinstance(template, str):
+        return template
+
+    def value(name: str) -> Any:
+        if name == "operation_key":
+            return operation_key
+        if name == "operation_id":
+            return operation_id
+        if name == "epoch":
+            return epoch
+        cur: Any = arguments
+        for part in name.split(".")[1:]:
+            if not isinstance(cur, dict) or part not in cur:
+                raise TemplateError(f"argument {name[5:]!r} is missing")
+            cur = cur[part]
+        return cur
+
+    whole = PLACEHOLDER.fullmatch(template)
+    if whole:
+        return value(whole.group(1))
+    return PLACEHOLDER.sub(lambda m: str(value(m.group(1))), template)
+
+
+def resolve_env(value: str, env: dict[str, str]) -> str:
+    """Replace `${NAME}` with the environment's value; a missing variable is a config error."""
+    def sub(m: re.Match[str]) -> str:
+        name = m.group(1)
+        if name not in env:
+            raise CatalogError(f"environment variable {name} is not set")
+        return env[name]
+    return ENV_REF.sub(sub, value)

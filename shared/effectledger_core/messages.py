@@ -1,0 +1,194 @@
+"""Messages on the bus: frozen pydantic models with a schema version (DESIGN.md section 6).
+
+Commands are imperative (`DispatchAttempt`, `ClaimAttempt`), events past tense
+(`AttemptSucceeded`, `AttemptFailed`, `OutcomeAmbiguous`). Every model rejects unknown fields so a
+wrong schema version or a typo is a clear error rather than a silently ignored value.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from typing import TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+
+from .errors import PayloadTooLarge, PoisonMessage
+from .limits import MAX_IDENTIFIER_BYTES, MAX_MESSAGE_BYTES, MAX_PROVIDER_REF_BYTES
+
+Ident = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDENTIFIER_BYTES)]
+ShortText = Annotated[str, StringConstraints(max_length=1024)]
+ProviderRef = Annotated[str, StringConstraints(max_length=MAX_PROVIDER_REF_BYTES)]
+Epoch = Annotated[int, Field(ge=1)]
+M = TypeVar("M", bound="BaseModel")
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    schema_version: Literal[1] = 1
+
+
+class SubmitIntent(Message):
+    """Request body of `POST /v1/intents` and of the NATS intent subject."""
+
+    tool: Ident
+    arguments: dict[str, Any] = Field(default_factory=dict)
+    idempotency_key: Ident | None = None
+    task_id: Ident | None = None
+    tenant: Ident = "default"
+
+
+class DispatchAttempt(Message):
+    """Command from the ledger's outbox: make one attempt of this operation at this epoch."""
+
+    type: Literal["dispatch_attempt"] = "dispatch_attempt"
+    operation_id: Ident
+    operation_key: Ident
+    epoch: Epoch
+    tool: Ident
+    arguments: dict[str, Any]
+    arguments_digest: str
+    catalog_digest: str
+    contract_revision: str
+
+
+class ClaimStatus(StrEnum):
+    GRANTED = "granted"
+    ALREADY_CLAIMED = "already_claimed"
+    STALE_EPOCH = "stale_epoch"
+    NOT_FOUND = "not_found"
+
+
+class ClaimAttempt(Message):
+    """Request from a dispatcher: record the start of this attempt before any provider call."""
+
+    type: Literal["claim_attempt"] = "claim_attempt"
+    operation_id: Ident
+    epoch: Epoch
+    attempt_id: Ident
+    dispatcher_id: Ident
+
+
+class ClaimReply(Message):
+    type: Literal["claim_reply"] = "claim_reply"
+    status: ClaimStatus
+    operation_id: str
+    epoch: int
+    attempt_id: str | None = None  # the attempt that holds the claim
+    current_epoch: int | None = None
+    outcome_recorded: bool = False
+    state: str | None = None
+
+
+class FailureClass(StrEnum):
+    TRANSIENT = "transient"
+    PERMANENT = "permanent"
+    AUTHENTICATION = "authentication"
+    NOT_FOUND = "not_found"
+    PERMISSION_DENIED = "permission_denied"
+    INVALID_ARGUMENT = "invalid_argument"
+    RATE_LIMITED = "rate_limited"
+    SELF_REPORTED = "self_reported"
+    UNKNOWN = "unknown"
+
+
+class _Outcome(Message):
+    operation_id: Ident
+    epoch: Epoch
+    attempt_id: Ident
+    dispatcher_id: Ident
+    at: datetime
+    http_status: int | None = None
+    provider_ref: ProviderRef | None = None
+    duration_ms: float | None = None
+
+
+class AttemptSucceeded(_Outcome):
+    type: Literal["attempt_succeeded"] = "attempt_succeeded"
+    response_digest: str
+
+
+class AttemptAccepted(_Outcome):
+    """The provider accepted the request asynchronously; the final state comes later."""
+
+    type: Literal["attempt_accepted"] = "attempt_accepted"
+    response_digest: str
+
+
+class AttemptFailed(_Outcome):
+    """The provider answered with a definitive refusal: the effect was not applied."""
+
+    type: Literal["attempt_failed"] = "attempt_failed"
+    failure_class: FailureClass
+    code: ShortText
+    message: ShortText
+    retry_after_s: float | None = None
+    response_digest: str | None = None
+
+
+class OutcomeAmbiguous(_Outcome):
+    """Nobody knows whether the effect was applied: reconciliation decides, never a retry."""
+
+    type: Literal["outcome_ambiguous"] = "outcome_ambiguous"
+    reason: Literal[
+        "timeout", "connection_lost", "server_error", "dispatcher_lost_mid_attempt",
+        "invalid_response",
+    ]
+    message: ShortText = ""
+
+
+Outcome = Annotated[
+    AttemptSucceeded | AttemptAccepted | AttemptFailed | OutcomeAmbiguous,
+    Field(discriminator="type"),
+]
+OUTCOME_ADAPTER: TypeAdapter[Outcome] = TypeAdapter(Outcome)
+
+
+class DeadLetter(Message):
+    """A poison message, recorded in the ledger instead of being redelivered forever."""
+
+    type: Literal["dead_letter"] = "dead_letter"
+    consumer: Ident
+    subject: ShortText
+    message_id: ShortText | None = None
+    error: ShortText
+    payload_excerpt: Annotated[str, StringConstraints(max_length=2048)]
+    deliveries: int = 1
+
+
+def parse(model: type[M], raw: bytes) -> M:
+    """Parse a bus payload into `model`, turning every kind of bad input into PoisonMessage."""
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise PayloadTooLarge(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        raise PoisonMessage(_short_errors(exc)) from exc
+
+
+def parse_outcome(raw: bytes) -> Outcome:
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise PayloadTooLarge(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return OUTCOME_ADAPTER.validate_json(raw)
+    except ValidationError as exc:
+        raise PoisonMessage(_short_errors(exc)) from exc
+
+
+def encode(msg: BaseModel) -> bytes:
+    return msg.model_dump_json().encode()
+
+
+def _short_errors(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        loc = ".".join(str(p) for p in err["loc"]) or "<root>"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)[:1000]
+
+
+def excerpt(raw: bytes, limit: int = 2048) -> str:
+    """A bounded, printable excerpt of a payload for dead-letter records."""
+    return raw[:limit].decode("utf-8", errors="replace")

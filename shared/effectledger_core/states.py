@@ -1,0 +1,104 @@
+"""Operation states and the one pure transition function (DESIGN.md section 4).
+
+The table is data: every (state, event) pair that is allowed maps to the next state and whether
+the transition starts a new dispatch decision (epoch + 1). Everything else is illegal. The
+ledger's guarded UPDATE uses `sources(event)` so the database enforces the same rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class State(StrEnum):
+    PENDING = "pending"
+    AWAITING_APPROVAL = "awaiting_approval"
+    IN_FLIGHT = "in_flight"
+    AWAITING_CONFIRMATION = "awaiting_confirmation"
+    AMBIGUOUS = "ambiguous"
+    NEEDS_REVIEW = "needs_review"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+TERMINAL: frozenset[State] = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
+# "At rest": nothing will happen without a new input (an operator, or nothing at all).
+AT_REST: frozenset[State] = TERMINAL | {State.NEEDS_REVIEW}
+
+
+class Event(StrEnum):
+    CLAIM = "claim"
+    REQUIRE_APPROVAL = "require_approval"
+    APPROVE = "approve"
+    REJECT = "reject"
+    CANCEL = "cancel"
+    OUTCOME_SUCCEEDED = "outcome_succeeded"
+    OUTCOME_FAILED = "outcome_failed"
+    OUTCOME_RETRY = "outcome_retry"
+    OUTCOME_AMBIGUOUS = "outcome_ambiguous"
+    OUTCOME_ACCEPTED = "outcome_accepted"
+    VERDICT_APPLIED = "verdict_applied"
+    VERDICT_NOT_APPLIED_RETRY = "verdict_not_applied_retry"
+    VERDICT_NOT_APPLIED_FINAL = "verdict_not_applied_final"
+    VERDICT_UNDECIDABLE = "verdict_undecidable"
+    REVIEW_COMPLETED = "review_completed"
+    REVIEW_NOT_EXECUTED_RETRY = "review_not_executed_retry"
+    REVIEW_NOT_EXECUTED_FINAL = "review_not_executed_final"
+    REVIEW_UNCERTAIN = "review_uncertain"
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    to: State
+    new_epoch: bool = False
+
+
+S, E = State, Event
+_UNRESOLVED = (S.AMBIGUOUS, S.AWAITING_CONFIRMATION)
+
+TABLE: dict[tuple[State, Event], Step] = {
+    (S.PENDING, E.CLAIM): Step(S.IN_FLIGHT),
+    (S.PENDING, E.REQUIRE_APPROVAL): Step(S.AWAITING_APPROVAL),
+    (S.PENDING, E.CANCEL): Step(S.CANCELLED),
+    (S.AWAITING_APPROVAL, E.APPROVE): Step(S.PENDING),
+    (S.AWAITING_APPROVAL, E.REJECT): Step(S.CANCELLED),
+    (S.AWAITING_APPROVAL, E.CANCEL): Step(S.CANCELLED),
+    (S.IN_FLIGHT, E.OUTCOME_SUCCEEDED): Step(S.SUCCEEDED),
+    (S.IN_FLIGHT, E.OUTCOME_FAILED): Step(S.FAILED),
+    (S.IN_FLIGHT, E.OUTCOME_RETRY): Step(S.PENDING, new_epoch=True),
+    (S.IN_FLIGHT, E.OUTCOME_AMBIGUOUS): Step(S.AMBIGUOUS),
+    (S.IN_FLIGHT, E.OUTCOME_ACCEPTED): Step(S.AWAITING_CONFIRMATION),
+    # A definitive response of the same epoch that arrives after the attempt was declared
+    # ambiguous (a slow dispatcher that was presumed lost) is evidence of application.
+    (S.AMBIGUOUS, E.OUTCOME_SUCCEEDED): Step(S.SUCCEEDED),
+    **{(s, E.VERDICT_APPLIED): Step(S.SUCCEEDED) for s in _UNRESOLVED},
+    **{(s, E.VERDICT_NOT_APPLIED_RETRY): Step(S.PENDING, new_epoch=True) for s in _UNRESOLVED},
+    **{(s, E.VERDICT_NOT_APPLIED_FINAL): Step(S.FAILED) for s in _UNRESOLVED},
+    **{(s, E.VERDICT_UNDECIDABLE): Step(S.NEEDS_REVIEW) for s in _UNRESOLVED},
+    (S.NEEDS_REVIEW, E.REVIEW_COMPLETED): Step(S.SUCCEEDED),
+    (S.NEEDS_REVIEW, E.REVIEW_NOT_EXECUTED_RETRY): Step(S.PENDING, new_epoch=True),
+    (S.NEEDS_REVIEW, E.REVIEW_NOT_EXECUTED_FINAL): Step(S.FAILED),
+    (S.NEEDS_REVIEW, E.REVIEW_UNCERTAIN): Step(S.NEEDS_REVIEW),
+}
+
+
+class IllegalTransition(ValueError):
+    def __init__(self, state: State, event: Event) -> None:
+        super().__init__(f"event {event.value!r} is not allowed in state {state.value!r}")
+        self.state = state
+        self.event = event
+
+
+def transition(state: State, event: Event) -> Step:
+    """The next step for `event` in `state`, or IllegalTransition."""
+    step = TABLE.get((state, event))
+    if step is None:
+        raise IllegalTransition(state, event)
+    return step
+
+
+def sources(event: Event) -> frozenset[State]:
+    """States from which `event` is allowed: the `state IN (...)` of the guarded UPDATE."""
+    return frozenset(s for (s, e) in TABLE if e == event)

@@ -1,0 +1,60 @@
+"""Subjects and stream names (versioned; documented in docs/asyncapi.yaml).
+
+Request-reply subjects live outside every stream's subject space: a stream that captured a
+request would answer it with a publish-ack instead of the service's reply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Subjects:
+    prefix: str = "effects"
+    stream_prefix: str = "EFFECTS"
+
+    # JetStream subjects
+    def dispatch(self, tool: str) -> str:
+        return f"{self.prefix}.dispatch.v1.{tool}"
+
+    @property
+    def dispatch_all(self) -> str:
+        return f"{self.prefix}.dispatch.v1.>"
+
+    def outcome(self, kind: str) -> str:
+        return f"{self.prefix}.outcome.v1.{kind}"
+
+    @property
+    def outcome_all(self) -> str:
+        return f"{self.prefix}.outcome.v1.>"
+
+    @property
+    def ambiguous(self) -> str:
+        return f"{self.prefix}.ambiguous.v1"
+
+    @property
+    def deadletter(self) -> str:
+        return f"{self.prefix}.deadletter.v1"
+
+    # request-reply (core NATS)
+    @property
+    def rpc_intents(self) -> str:
+        return f"{self.prefix}.rpc.v1.intents"
+
+    @property
+    def rpc_claim(self) -> str:
+        return f"{self.prefix}.rpc.v1.claim"
+
+    # streams
+    @property
+    def dispatch_stream(self) -> str:
+        return f"{self.stream_prefix}_DISPATCH"
+
+    @property
+    def events_stream(self) -> str:
+        return f"{self.stream_prefix}_EVENTS"
+
+    @property
+    def events_subjects(self) -> list[str]:
+        return [self.outcome_all, self.ambiguous, self.deadletter]
