@@ -112,7 +112,7 @@ class Tool(_Strict):
         for key, value in self.headers.items():
             if key.lower() in {"idempotency-key", "fencing-token"}:
                 raise ValueError(f"header {key!r} is set by the dispatcher, not the catalog")
-            if not ENV_REF.fullmatch(value) and ENV_REF.search(value) is None and _looks_secret(key):
+            if ENV_REF.search(value) is None and _looks_secret(key):
                 raise ValueError(f"header {key!r} looks like a secret: reference it as ${{ENV}}")
         return self
 

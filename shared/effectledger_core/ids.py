@@ -1,4 +1,4 @@
-"""Identities and time, injected so tests and simulations are deterministic (DESIGN.md sections 3, 8)."""
+"""Identities and time, injected so tests and simulations are deterministic (DESIGN.md 3, 8)."""
 
 from __future__ import annotations
 

@@ -22,20 +22,25 @@ class Subjects:
     def dispatch_all(self) -> str:
         return f"{self.prefix}.dispatch.v1.>"
 
+    # Events are named by who consumes them, so each consumer filters on one subtree.
     def outcome(self, kind: str) -> str:
-        return f"{self.prefix}.outcome.v1.{kind}"
-
-    @property
-    def outcome_all(self) -> str:
-        return f"{self.prefix}.outcome.v1.>"
-
-    @property
-    def ambiguous(self) -> str:
-        return f"{self.prefix}.ambiguous.v1"
+        return f"{self.prefix}.ledger.v1.outcome.{kind}"
 
     @property
     def deadletter(self) -> str:
-        return f"{self.prefix}.deadletter.v1"
+        return f"{self.prefix}.ledger.v1.deadletter"
+
+    @property
+    def ledger_all(self) -> str:
+        return f"{self.prefix}.ledger.v1.>"
+
+    @property
+    def ambiguous(self) -> str:
+        return f"{self.prefix}.reconcile.v1.ambiguous"
+
+    @property
+    def reconcile_all(self) -> str:
+        return f"{self.prefix}.reconcile.v1.>"
 
     # request-reply (core NATS)
     @property
@@ -57,4 +62,4 @@ class Subjects:
 
     @property
     def events_subjects(self) -> list[str]:
-        return [self.outcome_all, self.ambiguous, self.deadletter]
+        return [self.ledger_all, self.reconcile_all]

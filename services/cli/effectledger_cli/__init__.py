@@ -1,0 +1,1 @@
+"""The `effectledger` command line."""

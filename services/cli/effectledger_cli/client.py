@@ -1,0 +1,80 @@
+"""`submit`, `show` and `list`: a thin HTTP client of the ledger API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import httpx
+
+AT_REST = {"succeeded", "failed", "cancelled", "needs_review"}
+
+
+def _print(data: Any) -> None:
+    print(json.dumps(data, indent=2, sort_keys=True))
+
+
+def _check(resp: httpx.Response) -> Any:
+    try:
+        body = resp.json()
+    except ValueError:
+        body = {"error": {"code": "http_error", "message": resp.text[:500]}}
+    if resp.status_code >= 400:
+        err = body.get("error", {}) if isinstance(body, dict) else {}
+        print(f"effectledger: HTTP {resp.status_code} {err.get('code')}: {err.get('message')}",
+              file=sys.stderr)
+        if err.get("details"):
+            print(json.dumps(err["details"], indent=2), file=sys.stderr)
+        raise SystemExit(1)
+    return body
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        with httpx.Client(base_url=args.ledger_url, timeout=10.0) as http:
+            return _run(http, args)
+    except httpx.TransportError as exc:
+        print(f"effectledger: cannot reach the ledger at {args.ledger_url}: {exc}",
+              file=sys.stderr)
+        return 1
+
+
+def _run(http: httpx.Client, args: argparse.Namespace) -> int:
+    if args.command == "submit":
+        try:
+            arguments = json.loads(args.args)
+        except json.JSONDecodeError as exc:
+            print(f"effectledger: --args is not valid JSON: {exc}", file=sys.stderr)
+            return 2
+        body: dict[str, Any] = {"tool": args.tool, "arguments": arguments}
+        if args.key:
+            body["idempotency_key"] = args.key
+        if args.task:
+            body["task_id"] = args.task
+        if args.tenant:
+            body["tenant"] = args.tenant
+        op = _check(http.post("/v1/intents", json=body))
+        deadline = time.monotonic() + args.wait
+        while op["state"] not in AT_REST and time.monotonic() < deadline:
+            time.sleep(0.2)  # polling the API; the ledger has no push channel for the CLI
+            op = _check(http.get(f"/v1/operations/{op['id']}"))
+        _print(op)
+        return 0
+    if args.command == "show":
+        if args.journal:
+            _print(_check(http.get(f"/v1/operations/{args.operation_id}/journal")))
+        elif args.receipt:
+            _print(_check(http.get(f"/v1/operations/{args.operation_id}/receipt")))
+        else:
+            _print(_check(http.get(f"/v1/operations/{args.operation_id}")))
+        return 0
+    params: dict[str, Any] = {"limit": args.limit}
+    if args.state:
+        params["state"] = args.state
+    if args.cursor:
+        params["cursor"] = args.cursor
+    _print(_check(http.get("/v1/operations", params=params)))
+    return 0

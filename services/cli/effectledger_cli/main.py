@@ -1,0 +1,167 @@
+"""`effectledger`: run the services, the embedded stack, and talk to a ledger.
+
+Configuration comes from `EFFECTLEDGER_*` environment variables; flags override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from effectledger_core.config import Settings
+from effectledger_core.errors import EffectLedgerError
+
+DEFAULT_LEDGER_URL = "http://127.0.0.1:8600"
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides: dict[str, Any] = {}
+    for name in ("database_url", "nats_url", "catalog_path", "ledger_host", "ledger_port",
+                 "subject_prefix", "stream_prefix", "dispatcher_id", "dispatcher_concurrency"):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = value
+    return Settings(**overrides)
+
+
+def _logging(settings: Settings) -> None:
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _common(p: argparse.ArgumentParser, *, db: bool = False, nats: bool = False) -> None:
+    if db:
+        p.add_argument("--database-url", help="SQLAlchemy URL (env EFFECTLEDGER_DATABASE_URL)")
+    if nats:
+        p.add_argument("--nats-url", help="NATS server(s) (env EFFECTLEDGER_NATS_URL)")
+        p.add_argument("--catalog", dest="catalog_path", help="tool catalog TOML")
+        p.add_argument("--subject-prefix", help="subject prefix (default: effects)")
+        p.add_argument("--stream-prefix", help="stream name prefix (default: EFFECTS)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="effectledger", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="run everything on the embedded default (one command)")
+    up.add_argument("--data-dir", default="effectledger-data",
+                    help="folder for the SQLite ledger and JetStream (default: effectledger-data)")
+    up.add_argument("--database-url", help="use this database instead of the embedded SQLite")
+    up.add_argument("--catalog", dest="catalog_path", help="replace the demo catalog")
+    up.add_argument("--nats-port", type=int, default=0, help="embedded NATS port (0: any free)")
+    up.add_argument("--ledger-port", type=int, default=8600)
+    up.add_argument("--sandbox-port", type=int, default=8700,
+                    help="sandbox port (the demo catalog expects 8700)")
+    up.add_argument("--demo", type=int, default=0, metavar="N",
+                    help="submit N demo intents once ready and print where they ended")
+    up.add_argument("--exit-after-demo", action="store_true",
+                    help="stop everything after the demo (for smoke tests)")
+
+    led = sub.add_parser("ledger", help="run the ledger service")
+    _common(led, db=True, nats=True)
+    led.add_argument("--host", dest="ledger_host")
+    led.add_argument("--port", dest="ledger_port", type=int)
+
+    dis = sub.add_parser("dispatcher", help="run a dispatcher")
+    _common(dis, nats=True)
+    dis.add_argument("--id", dest="dispatcher_id", help="dispatcher identity (default host-pid)")
+    dis.add_argument("--concurrency", dest="dispatcher_concurrency", type=int)
+
+    rec = sub.add_parser("reconciler", help="run the reconciler")
+    _common(rec, nats=True)
+
+    sb = sub.add_parser("sandbox", help="run the sandbox provider")
+    sb.add_argument("--host", default="127.0.0.1")
+    sb.add_argument("--port", type=int, default=8700)
+    sb.add_argument("--api-key", default=os.environ.get("EFFECTLEDGER_SANDBOX_API_KEY"),
+                    help="bearer key required by /v1 routes (env EFFECTLEDGER_SANDBOX_API_KEY)")
+
+    mig = sub.add_parser("migrate", help="create or upgrade the ledger schema")
+    _common(mig, db=True)
+
+    for name, help_ in (("submit", "submit an intent"), ("show", "show an operation"),
+                        ("list", "list operations")):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--ledger-url", default=os.environ.get("EFFECTLEDGER_LEDGER_URL",
+                                                              DEFAULT_LEDGER_URL))
+        if name == "submit":
+            p.add_argument("tool")
+            p.add_argument("--args", default="{}", help="arguments as a JSON object")
+            p.add_argument("--key", help="idempotency key (same key + same args = same op)")
+            p.add_argument("--task", help="task id scoping the key")
+            p.add_argument("--tenant", default=None)
+            p.add_argument("--wait", type=float, default=0.0,
+                           help="seconds to wait for the operation to come to rest")
+        elif name == "show":
+            p.add_argument("operation_id")
+            p.add_argument("--journal", action="store_true")
+            p.add_argument("--receipt", action="store_true")
+        else:
+            p.add_argument("--state")
+            p.add_argument("--limit", type=int, default=50)
+            p.add_argument("--cursor")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except EffectLedgerError as exc:
+        print(f"effectledger: {exc.code}: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    cmd = args.command
+    if cmd == "up":
+        from .up import run_up
+
+        return run_up(args)
+    if cmd in ("submit", "show", "list"):
+        from . import client
+
+        return client.run(args)
+    if cmd == "sandbox":
+        from effectledger_sandbox.server import serve as serve_sandbox
+
+        logging.basicConfig(level="INFO")
+        asyncio.run(serve_sandbox(args.host, args.port, api_key=args.api_key))
+        return 0
+    settings = _settings(args)
+    _logging(settings)
+    if cmd == "migrate":
+        from effectledger_ledger.db.store import Store
+        from effectledger_ledger.migrate import upgrade
+
+        async def _migrate() -> str | None:
+            store = Store(settings.database_url)
+            try:
+                return await upgrade(store)
+            finally:
+                await store.close()
+
+        print(json.dumps({"database": _redact(settings.database_url),
+                          "revision": asyncio.run(_migrate())}))
+        return 0
+    if cmd == "ledger":
+        from effectledger_ledger.app import serve
+    elif cmd == "dispatcher":
+        from effectledger_dispatcher.app import serve  # type: ignore[no-redef]
+    else:
+        from effectledger_reconciler.app import serve  # type: ignore[no-redef]
+    asyncio.run(serve(settings))
+    return 0
+
+
+def _redact(url: str) -> str:
+    from sqlalchemy import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

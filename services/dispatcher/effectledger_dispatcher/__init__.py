@@ -1,0 +1,1 @@
+"""effectledger dispatcher: claims attempts and makes exactly one provider call per attempt."""

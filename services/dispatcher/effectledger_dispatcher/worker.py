@@ -1,0 +1,220 @@
+"""The dispatcher: claim, then exactly one provider attempt, then the outcome, then the ack.
+
+Order matters and is the whole point:
+1. claim the attempt in the ledger (durable) before anything reaches the provider;
+2. one provider call with Idempotency-Key = operation key and Fencing-Token = epoch;
+3. publish the outcome and wait for JetStream's publish-ack;
+4. only then ack the dispatch command.
+A crash anywhere leaves the command unacked; its redelivery finds the claim already taken and
+turns into an ambiguous outcome ("dispatcher lost mid-attempt"), never a second call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from effectledger_core.catalog import Catalog
+from effectledger_core.crash import crash_point
+from effectledger_core.errors import EffectLedgerError, PayloadTooLarge, PoisonMessage
+from effectledger_core.ids import Clock, IdFactory, new_id, utcnow
+from effectledger_core.messages import (
+    ClaimAttempt,
+    ClaimReply,
+    ClaimStatus,
+    DeadLetter,
+    DispatchAttempt,
+    Outcome,
+    OutcomeAmbiguous,
+    encode,
+    excerpt,
+    parse,
+)
+from effectledger_core.subjects import Subjects
+from nats.aio.client import Client as NatsClient
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
+from .provider import call_provider
+
+log = logging.getLogger(__name__)
+CONSUMER = "dispatcher"
+
+
+class Delivery:
+    """What the worker needs of a JetStream delivery (FastStream's message, or a fake)."""
+
+    subject: str
+    data: bytes
+    headers: Mapping[str, str]
+    deliveries: int
+
+    async def ack(self) -> None: ...
+    async def nak(self, delay: float) -> None: ...
+    async def in_progress(self) -> None: ...
+
+
+@dataclass
+class Dispatcher:
+    nc: NatsClient
+    http: httpx.AsyncClient
+    catalog: Catalog
+    subjects: Subjects
+    dispatcher_id: str
+    claim_timeout_s: float = 5.0
+    ack_wait_s: float = 60.0
+    max_deliver: int = 20
+    env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+    clock: Clock = utcnow
+    ids: IdFactory = new_id
+    # Counters for logs and tests.
+    stats: dict[str, int] = field(default_factory=lambda: {
+        "granted": 0, "already_claimed": 0, "stale": 0, "lost_mid_attempt": 0,
+        "dead_lettered": 0, "claim_unavailable": 0})
+
+    async def handle(self, d: Delivery) -> None:
+        try:
+            cmd = parse(DispatchAttempt, d.data)
+        except (PoisonMessage, PayloadTooLarge) as exc:
+            await self._dead_letter(d, exc.message)
+            await d.ack()
+            return
+        try:
+            self.catalog.get(cmd.tool)
+        except EffectLedgerError as exc:
+            # The ledger accepted it, so our catalog is behind: wait for a rollout, then give up
+            # into the dead-letter record rather than loop forever.
+            if d.deliveries >= self.max_deliver:
+                await self._dead_letter(d, exc.message)
+                await d.ack()
+            else:
+                await d.nak(delay=10.0)
+            return
+
+        attempt_id = self.ids()
+        reply = await self._claim(cmd, attempt_id)
+        if reply is None:
+            self.stats["claim_unavailable"] += 1
+            await d.nak(delay=min(10.0, 0.5 * 2 ** d.deliveries))
+            return
+        if reply.status is ClaimStatus.GRANTED:
+            self.stats["granted"] += 1
+            crash_point("dispatcher.after_claim")
+            outcome = await self._attempt(d, cmd, reply.attempt_id or attempt_id)
+        elif reply.status is ClaimStatus.ALREADY_CLAIMED:
+            self.stats["already_claimed"] += 1
+            if reply.outcome_recorded:
+                await d.ack()  # a duplicate delivery of a finished attempt
+                return
+            # Someone claimed this epoch and never reported: we cannot know whether the
+            # provider saw the request, so it is ambiguous. We never call the provider here.
+            self.stats["lost_mid_attempt"] += 1
+            assert reply.attempt_id is not None
+            outcome = OutcomeAmbiguous(
+                operation_id=cmd.operation_id, epoch=cmd.epoch, attempt_id=reply.attempt_id,
+                dispatcher_id=self.dispatcher_id, at=self.clock(),
+                reason="dispatcher_lost_mid_attempt",
+                message="the attempt was claimed but its dispatcher never reported an outcome")
+        else:
+            self.stats["stale"] += 1  # the ledger journaled the rejected claim
+            await d.ack()
+            return
+        if not await self._publish_outcome(d, outcome):
+            return  # not acked: redelivery will find the claim and go the ambiguous path
+        crash_point("dispatcher.after_outcome_publish")
+        await d.ack()
+
+    async def _attempt(self, d: Delivery, cmd: DispatchAttempt, attempt_id: str) -> Outcome:
+        tool = self.catalog.get(cmd.tool)
+        heartbeat = asyncio.create_task(self._heartbeat(d))
+        try:
+            outcome = await call_provider(
+                self.http, tool, cmd, attempt_id=attempt_id, dispatcher_id=self.dispatcher_id,
+                env=self.env, clock=self.clock,
+                on_sent=lambda: crash_point("dispatcher.before_call"))
+        finally:
+            heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await heartbeat
+        crash_point("dispatcher.after_response")
+        return outcome
+
+    async def _heartbeat(self, d: Delivery) -> None:
+        # Long provider calls must not let ack_wait expire: that would redeliver the command
+        # to another dispatcher, which would (safely, but needlessly) declare it ambiguous.
+        while True:
+            await asyncio.sleep(self.ack_wait_s / 3)
+            with contextlib.suppress(Exception):
+                await d.in_progress()
+
+    async def _claim(self, cmd: DispatchAttempt, attempt_id: str) -> ClaimReply | None:
+        request = ClaimAttempt(operation_id=cmd.operation_id, epoch=cmd.epoch,
+                               attempt_id=attempt_id, dispatcher_id=self.dispatcher_id)
+        # Retrying with the same attempt id is safe: the ledger re-grants the same attempt.
+        for _ in range(3):
+            try:
+                msg = await self.nc.request(self.subjects.rpc_claim, encode(request),
+                                            timeout=self.claim_timeout_s)
+            except (TimeoutError, NatsTimeout, NoRespondersError) as exc:
+                log.warning("claim for %s: %s", cmd.operation_id, type(exc).__name__)
+                continue
+            try:
+                return parse(ClaimReply, msg.data)
+            except PoisonMessage:
+                log.warning("claim for %s refused: %s", cmd.operation_id, excerpt(msg.data, 300))
+                return None
+        return None
+
+    async def _publish_outcome(self, d: Delivery, outcome: Outcome) -> bool:
+        js = self.nc.jetstream()
+        msg_id = f"{outcome.type}:{outcome.attempt_id}"
+        try:
+            async for attempt in AsyncRetrying(
+                retry=retry_if_exception_type(Exception),
+                stop=stop_after_delay(max(5.0, self.ack_wait_s / 2)),
+                wait=wait_exponential(multiplier=0.2, max=3.0), reraise=True):
+                with attempt:
+                    await d.in_progress()
+                    await js.publish(self.subjects.outcome(outcome.type), encode(outcome),
+                                     headers={"Nats-Msg-Id": msg_id}, timeout=5.0)
+        except Exception as exc:
+            log.error("could not publish outcome of %s: %s", outcome.operation_id, exc)
+            return False
+        return True
+
+    async def _dead_letter(self, d: Delivery, error: str) -> None:
+        self.stats["dead_lettered"] += 1
+        letter = DeadLetter(consumer=CONSUMER, subject=d.subject[:1024],
+                            message_id=(d.headers.get("Nats-Msg-Id") or "")[:1024] or None,
+                            error=error[:1024], payload_excerpt=excerpt(d.data),
+                            deliveries=d.deliveries)
+        await self.nc.jetstream().publish(self.subjects.deadletter, encode(letter), timeout=5.0)
+
+
+def as_delivery(msg: Any) -> Delivery:
+    """Adapt FastStream's NatsMessage to `Delivery`."""
+    raw = msg.raw_message
+
+    class _D(Delivery):
+        subject = raw.subject
+        data = raw.data
+        headers = raw.headers or {}
+        deliveries = raw.metadata.num_delivered if raw.metadata else 1
+
+        async def ack(self) -> None:
+            await msg.ack()
+
+        async def nak(self, delay: float) -> None:
+            await msg.nack(delay=delay)
+
+        async def in_progress(self) -> None:
+            await msg.in_progress()
+
+    return _D()

@@ -1,0 +1,1 @@
+"""The ledger service: the only writer of the ledger database."""

@@ -1,0 +1,77 @@
+"""Composition root of the ledger service: store, catalog, broker, relay, sweeper, HTTP API."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import uvicorn
+from effectledger_bus.connect import connect
+from effectledger_bus.streams import ensure_streams
+from effectledger_core.catalog import Catalog
+from effectledger_core.config import Settings
+
+from .api import create_app
+from .db.store import Store
+from .messaging import build_broker
+from .migrate import upgrade
+from .relay import Relay, Sweeper, listen_notify
+from .service import LedgerService
+
+log = logging.getLogger("effectledger.ledger")
+
+
+async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> None:
+    catalog = Catalog.load(settings.catalog_path)  # invalid catalogs fail before anything runs
+    store = Store(settings.database_url, pool_size=settings.db_pool_size)
+    if settings.auto_migrate:
+        await upgrade(store)
+    service = LedgerService(store=store, catalog=catalog, subjects=settings.subjects)
+
+    nc = await connect(settings, "effectledger-ledger-relay")
+    js = nc.jetstream()
+    await ensure_streams(js, settings)
+    broker = build_broker(settings, service)
+    await broker.start()
+
+    relay = Relay(store, js, service.outbox_wake, batch_size=settings.relay_batch_size,
+                  lease_s=settings.relay_lease_s, poll_interval_s=settings.relay_poll_interval_s)
+    sweeper = Sweeper(store, service.outbox_wake, older_than_s=settings.sweep_after_s,
+                      interval_s=settings.sweep_interval_s)
+    tasks = [asyncio.create_task(relay.run(), name="relay"),
+             asyncio.create_task(sweeper.run(), name="sweeper"),
+             asyncio.create_task(listen_notify(store, service.outbox_wake), name="listen")]
+
+    async def ready() -> dict[str, bool]:
+        return {"database": await store.ping(), "nats": nc.is_connected,
+                "relay": not any(t.done() for t in tasks[:2])}
+
+    app = create_app(service, ready=ready)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=settings.ledger_host, port=settings.ledger_port, log_level="warning",
+        access_log=False, lifespan="off"))
+    watcher = asyncio.create_task(_announce(server, settings, started))
+    try:
+        await server.serve()
+    finally:
+        watcher.cancel()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await broker.stop()
+        with contextlib.suppress(Exception):
+            await nc.drain()
+        await store.close()
+
+
+async def _announce(server: uvicorn.Server, settings: Settings,
+                    started: asyncio.Event | None) -> None:
+    while not server.started:  # noqa: ASYNC110 - uvicorn exposes a flag, not an event
+        await asyncio.sleep(0.02)  # polling uvicorn's flag; it offers no event to wait on
+    log.info("ledger listening on http://%s:%d", settings.ledger_host, settings.ledger_port)
+    print(f"ledger ready: http://{settings.ledger_host}:{settings.ledger_port}", flush=True)
+    if started is not None:
+        started.set()

@@ -1,0 +1,35 @@
+"""Helpers shared by the transaction functions."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from .schema import journal
+
+
+async def insert_ignore(conn: AsyncConnection, table: sa.Table, values: dict[str, Any]) -> bool:
+    """INSERT ... ON CONFLICT DO NOTHING; True when the row was inserted."""
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    stmt = dialect.insert(table).values(**values).on_conflict_do_nothing()
+    result = await conn.execute(stmt)
+    return bool(result.rowcount == 1)
+
+
+async def append_journal(conn: AsyncConnection, *, operation_id: str | None, at: datetime,
+                         kind: str, actor: str, epoch: int | None = None,
+                         from_state: str | None = None, to_state: str | None = None,
+                         detail: dict[str, Any] | None = None) -> None:
+    await conn.execute(journal.insert().values(
+        operation_id=operation_id, at=at, kind=kind, actor=actor[:1024], epoch=epoch,
+        from_state=from_state, to_state=to_state, detail=detail or {}))
+
+
+async def notify_outbox(conn: AsyncConnection) -> None:
+    """Wake relays on other ledger replicas (PostgreSQL only; a hint, relays also poll)."""
+    if conn.dialect.name == "postgresql":
+        await conn.execute(sa.text("SELECT pg_notify('effectledger_outbox', '')"))

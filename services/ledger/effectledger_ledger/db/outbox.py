@@ -1,0 +1,119 @@
+"""Outbox relay and sweeper queries.
+
+Rows are claimed by status with a short lease, never by "last seen id": ids are allocated at
+insert but become visible at commit, so a row with a smaller id can appear later. The lease is
+committed before publishing, so no row lock is held across the network; a relay that dies
+mid-publish simply lets its lease run out and another relay republishes (same Nats-Msg-Id).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from .common import append_journal
+from .schema import (
+    OUTBOX_OBSOLETE,
+    OUTBOX_PENDING,
+    OUTBOX_PUBLISHED,
+    OUTBOX_PUBLISHING,
+    operations,
+    outbox,
+)
+
+
+@dataclass(frozen=True)
+class OutboxItem:
+    id: str
+    subject: str
+    payload: bytes
+    publish_count: int
+    kind: str
+
+    @property
+    def message_id(self) -> str:
+        # Each publish generation gets its own Nats-Msg-Id: a relay retry of the same
+        # generation is deduplicated by JetStream, while a sweeper republish after message loss
+        # must not be swallowed by the duplicate window. Consumers dedup by claim/inbox anyway.
+        return self.id if self.publish_count == 0 else f"{self.id}.r{self.publish_count}"
+
+
+async def lease_batch_txn(conn: AsyncConnection, *, now: datetime, limit: int,
+                          lease_s: float) -> list[OutboxItem]:
+    due = sa.or_(
+        outbox.c.status == OUTBOX_PENDING,
+        sa.and_(outbox.c.status == OUTBOX_PUBLISHING, outbox.c.lease_until < now),
+    )
+    rows = (await conn.execute(
+        sa.select(outbox.c.id, outbox.c.subject, outbox.c.payload, outbox.c.publish_count,
+                  outbox.c.kind)
+        .where(due, outbox.c.available_at <= now)
+        .order_by(outbox.c.available_at)
+        .limit(limit)
+        .with_for_update(skip_locked=True))).all()
+    if not rows:
+        return []
+    await conn.execute(
+        outbox.update().where(outbox.c.id.in_([r.id for r in rows]))
+        .values(status=OUTBOX_PUBLISHING, lease_until=now + timedelta(seconds=lease_s)))
+    return [OutboxItem(r.id, r.subject, r.payload.encode(), r.publish_count, r.kind)
+            for r in rows]
+
+
+async def mark_published_txn(conn: AsyncConnection, ids: list[str], *, now: datetime) -> int:
+    # Only rows still being published: a fast dispatcher may already have consumed the row.
+    result = await conn.execute(
+        outbox.update().where(outbox.c.id.in_(ids), outbox.c.status == OUTBOX_PUBLISHING)
+        .values(status=OUTBOX_PUBLISHED, published_at=now, lease_until=None))
+    return int(result.rowcount)
+
+
+async def release_txn(conn: AsyncConnection, ids: list[str], *, now: datetime, error: str,
+                      retry_after_s: float) -> None:
+    """Give rows back after a failed publish, to be retried after a pause."""
+    await conn.execute(
+        outbox.update().where(outbox.c.id.in_(ids), outbox.c.status == OUTBOX_PUBLISHING)
+        .values(status=OUTBOX_PENDING, lease_until=None, last_error=error[:1024],
+                available_at=now + timedelta(seconds=retry_after_s)))
+
+
+async def sweep_unclaimed_txn(conn: AsyncConnection, *, now: datetime, older_than_s: float,
+                              limit: int = 1000) -> int:
+    """Republish dispatch rows that were published but never claimed (broker message loss)."""
+    cutoff = now - timedelta(seconds=older_than_s)
+    live = sa.exists().where(operations.c.id == outbox.c.operation_id,
+                             operations.c.epoch == outbox.c.epoch,
+                             operations.c.state == "pending")
+    stale = (await conn.execute(
+        sa.select(outbox.c.id, outbox.c.operation_id, outbox.c.epoch, outbox.c.publish_count,
+                  live.label("live"))
+        .where(outbox.c.status == OUTBOX_PUBLISHED, outbox.c.kind == "dispatch",
+               outbox.c.published_at < cutoff)
+        .limit(limit).with_for_update(skip_locked=True))).all()
+    republished = 0
+    for row in stale:
+        if not row.live:
+            # The operation moved on (cancelled, new epoch): this command is no longer wanted.
+            await conn.execute(outbox.update().where(outbox.c.id == row.id)
+                               .values(status=OUTBOX_OBSOLETE))
+            continue
+        await conn.execute(
+            outbox.update().where(outbox.c.id == row.id, outbox.c.status == OUTBOX_PUBLISHED)
+            .values(status=OUTBOX_PENDING, available_at=now,
+                    publish_count=outbox.c.publish_count + 1))
+        await append_journal(conn, operation_id=row.operation_id, at=now,
+                             kind="dispatch_republished", actor="ledger.sweeper",
+                             epoch=row.epoch,
+                             detail={"outbox_id": row.id, "unclaimed_for_s": older_than_s,
+                                     "generation": row.publish_count + 1})
+        republished += 1
+    return republished
+
+
+async def backlog_txn(conn: AsyncConnection) -> dict[str, int]:
+    rows = (await conn.execute(
+        sa.select(outbox.c.status, sa.func.count()).group_by(outbox.c.status))).all()
+    return {r[0]: int(r[1]) for r in rows}

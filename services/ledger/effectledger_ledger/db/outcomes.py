@@ -1,0 +1,112 @@
+"""The outcome inbox: dedup by message id, guarded state change and journal, one transaction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import sqlalchemy as sa
+from effectledger_core.messages import (
+    AttemptAccepted,
+    AttemptFailed,
+    AttemptSucceeded,
+    DeadLetter,
+    Outcome,
+    OutcomeAmbiguous,
+)
+from effectledger_core.states import Event, State, sources, transition
+from effectledger_core.subjects import Subjects
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from .common import append_journal, insert_ignore, notify_outbox
+from .schema import OUTBOX_PENDING, attempts, dead_letters, inbox, operations, outbox
+
+_EVENT = {
+    AttemptSucceeded: Event.OUTCOME_SUCCEEDED,
+    AttemptAccepted: Event.OUTCOME_ACCEPTED,
+    AttemptFailed: Event.OUTCOME_FAILED,
+    OutcomeAmbiguous: Event.OUTCOME_AMBIGUOUS,
+}
+
+
+@dataclass(frozen=True)
+class Recorded:
+    status: str  # applied | duplicate | rejected
+    to_state: str | None = None
+    reason: str | None = None
+
+
+async def record_outcome_txn(conn: AsyncConnection, outcome: Outcome, *, consumer: str,
+                             message_id: str, subjects: Subjects, now: datetime,
+                             ambiguous_outbox_id: str) -> Recorded:
+    if not await insert_ignore(conn, inbox, dict(consumer=consumer, message_id=message_id,
+                                                 received_at=now)):
+        return Recorded("duplicate")
+    event = _EVENT[type(outcome)]
+    detail = outcome.model_dump(mode="json")
+    op = (await conn.execute(
+        sa.select(operations.c.state, operations.c.epoch, operations.c.tool)
+        .where(operations.c.id == outcome.operation_id))).first()
+    held = (await conn.execute(
+        sa.select(attempts.c.id).where(attempts.c.operation_id == outcome.operation_id,
+                                       attempts.c.epoch == outcome.epoch))).scalar()
+    reason = None
+    if op is None:
+        reason = "unknown_operation"
+    elif held != outcome.attempt_id:
+        reason = "not_the_claimed_attempt"
+    elif op.epoch != outcome.epoch:
+        reason = "stale_epoch"
+    elif State(op.state) not in sources(event):
+        reason = f"state_{op.state}_does_not_accept_{event.value}"
+    if reason is None:
+        assert op is not None
+        step = transition(State(op.state), event)
+        values: dict[str, Any] = dict(state=step.to.value, updated_at=now, last_outcome=detail)
+        if isinstance(outcome, AttemptSucceeded | AttemptAccepted):
+            values.update(provider_ref=outcome.provider_ref,
+                          response_digest=outcome.response_digest)
+        # The guard repeats every check in SQL so a concurrent writer cannot slip past it.
+        updated = await conn.execute(
+            operations.update()
+            .where(operations.c.id == outcome.operation_id, operations.c.epoch == outcome.epoch,
+                   operations.c.state == op.state)
+            .values(**values))
+        if updated.rowcount != 1:
+            reason = "concurrent_change"
+    if reason is not None:
+        await append_journal(conn, operation_id=outcome.operation_id, at=now,
+                             kind="outcome_rejected", actor=outcome.dispatcher_id,
+                             epoch=outcome.epoch, detail={"reason": reason, "outcome": detail,
+                                                          "message_id": message_id})
+        return Recorded("rejected", reason=reason)
+
+    assert op is not None
+    await conn.execute(
+        attempts.update().where(attempts.c.id == outcome.attempt_id)
+        .values(status=outcome.type, finished_at=now, http_status=outcome.http_status,
+                provider_ref=outcome.provider_ref,
+                response_digest=getattr(outcome, "response_digest", None), outcome=detail))
+    await append_journal(conn, operation_id=outcome.operation_id, at=now, kind="outcome_recorded",
+                         actor=outcome.dispatcher_id, epoch=outcome.epoch, from_state=op.state,
+                         to_state=step.to.value, detail=detail)
+    if step.to is State.AMBIGUOUS:
+        # Hand the ambiguity to the reconciler through the outbox, never back to dispatch.
+        await conn.execute(outbox.insert().values(
+            id=ambiguous_outbox_id, operation_id=outcome.operation_id, epoch=outcome.epoch,
+            kind="ambiguous", subject=subjects.ambiguous,
+            payload=outcome.model_dump_json(), status=OUTBOX_PENDING, created_at=now,
+            available_at=now, publish_count=0))
+        await notify_outbox(conn)
+    return Recorded("applied", to_state=step.to.value)
+
+
+async def record_dead_letter_txn(conn: AsyncConnection, letter: DeadLetter, *,
+                                 now: datetime) -> None:
+    await conn.execute(dead_letters.insert().values(
+        at=now, consumer=letter.consumer, subject=letter.subject, message_id=letter.message_id,
+        error=letter.error, payload_excerpt=letter.payload_excerpt, deliveries=letter.deliveries))
+    await append_journal(conn, operation_id=None, at=now, kind="dead_lettered",
+                         actor=letter.consumer, detail=letter.model_dump(mode="json",
+                                                                         exclude={"payload_excerpt"}))

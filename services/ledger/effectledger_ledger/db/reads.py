@@ -1,0 +1,137 @@
+"""Read models: operation views, journals, receipts, paginated lists."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+import sqlalchemy as sa
+from effectledger_core.errors import InvalidRequest, NotFound
+from effectledger_core.states import State
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from .schema import attempts, journal, operations
+
+
+def _iso(v: Any) -> Any:
+    return v.isoformat() if hasattr(v, "isoformat") else v
+
+
+def _row(r: Any) -> dict[str, Any]:
+    return {k: _iso(v) for k, v in dict(r).items()}
+
+
+async def get_operation(conn: AsyncConnection, operation_id: str) -> dict[str, Any]:
+    op = (await conn.execute(
+        sa.select(operations).where(operations.c.id == operation_id))).mappings().first()
+    if op is None:
+        raise NotFound(f"operation {operation_id!r} not found")
+    rows = (await conn.execute(
+        sa.select(attempts).where(attempts.c.operation_id == operation_id)
+        .order_by(attempts.c.epoch))).mappings().all()
+    view = _row(op)
+    view["attempts"] = [_row(a) for a in rows]
+    return view
+
+
+async def get_journal(conn: AsyncConnection, operation_id: str) -> list[dict[str, Any]]:
+    await _exists(conn, operation_id)
+    rows = (await conn.execute(
+        sa.select(journal).where(journal.c.operation_id == operation_id)
+        .order_by(journal.c.id))).mappings().all()
+    return [_row(r) for r in rows]
+
+
+async def _exists(conn: AsyncConnection, operation_id: str) -> None:
+    found = (await conn.execute(
+        sa.select(operations.c.id).where(operations.c.id == operation_id))).first()
+    if found is None:
+        raise NotFound(f"operation {operation_id!r} not found")
+
+
+def _encode_cursor(created_at: str, op_id: str) -> str:
+    return base64.urlsafe_b64encode(json.dumps([created_at, op_id]).encode()).decode()
+
+
+def _decode_cursor(cursor: str) -> tuple[str, str]:
+    try:
+        created_at, op_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+        return str(created_at), str(op_id)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequest("malformed cursor") from exc
+
+
+async def list_operations(conn: AsyncConnection, *, state: str | None, limit: int,
+                          cursor: str | None) -> dict[str, Any]:
+    if state is not None and state not in {s.value for s in State}:
+        raise InvalidRequest(f"unknown state {state!r}", known=[s.value for s in State])
+    if not 1 <= limit <= 1000:
+        raise InvalidRequest("limit must be between 1 and 1000")
+    q = sa.select(operations.c.id, operations.c.tool, operations.c.state, operations.c.epoch,
+                  operations.c.operation_key, operations.c.created_at, operations.c.updated_at)
+    if state is not None:
+        q = q.where(operations.c.state == state)
+    if cursor:
+        from datetime import datetime
+
+        created_s, op_id = _decode_cursor(cursor)
+        try:
+            created = datetime.fromisoformat(created_s)
+        except ValueError as exc:
+            raise InvalidRequest("malformed cursor") from exc
+        q = q.where(sa.or_(operations.c.created_at > created,
+                           sa.and_(operations.c.created_at == created, operations.c.id > op_id)))
+    rows = (await conn.execute(
+        q.order_by(operations.c.created_at, operations.c.id).limit(limit + 1))).mappings().all()
+    items = [_row(r) for r in rows[:limit]]
+    next_cursor = None
+    if len(rows) > limit:
+        last = items[-1]
+        next_cursor = _encode_cursor(last["created_at"], last["id"])
+    return {"items": items, "next_cursor": next_cursor}
+
+
+async def count_by_state(conn: AsyncConnection) -> dict[str, int]:
+    rows = (await conn.execute(
+        sa.select(operations.c.state, sa.func.count()).group_by(operations.c.state))).all()
+    return {r[0]: int(r[1]) for r in rows}
+
+
+def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
+    """DESIGN.md section 7. A receipt is evidence, not success: it lists what is still open."""
+    last = op["attempts"][-1] if op["attempts"] else None
+    state = op["state"]
+    open_items = []
+    if state in ("pending", "in_flight", "awaiting_approval"):
+        open_items.append(f"operation is {state}: no final outcome yet")
+    if state in ("ambiguous", "awaiting_confirmation"):
+        open_items.append("provider outcome unknown: awaiting reconciliation")
+    if state == "needs_review":
+        open_items.append("no machine can decide: awaiting operator review")
+    reconciliation = {"ambiguous": "pending", "awaiting_confirmation": "pending",
+                      "needs_review": "needs_review"}.get(state, "not_needed")
+    return {
+        "operation_id": op["id"],
+        "operation_key": op["operation_key"],
+        "run_id": op["task_id"],
+        "tenant": op["tenant"],
+        "attempt_ids": [a["id"] for a in op["attempts"]],
+        "tool": op["tool"],
+        "state": state,
+        "epoch": op["epoch"],
+        "effect_class": op["effect_class"],
+        "commit_policy": op["commit_policy"],
+        "contract_revision": op["contract_revision"],
+        "digests": {
+            "catalog_entry": op["tool_digest"],
+            "request": op["arguments_digest"],
+            "response": op["response_digest"],
+            "policy": None,  # the retry policy table arrives with the contracts issue
+        },
+        "provider_request_ref": op["provider_ref"],
+        "dispatch_outcome": last["status"] if last else None,
+        "reconciliation_status": reconciliation,
+        "recovery_decision": None,
+        "open_uncertainties": open_items,
+    }

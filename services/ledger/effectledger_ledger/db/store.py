@@ -1,0 +1,135 @@
+"""Engine, unit of work and retry policy for the ledger database.
+
+`Store.transaction()` is the unit of work: it commits only when its block finishes, and rolls
+back on any exception (including cancellation). Transaction functions (`*_txn(conn, ...)`) take
+the open connection so they compose; `Store.run()` opens the transaction and retries only
+errors that are retryable (connection loss, serialization failure, SQLite busy).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import sqlalchemy as sa
+from effectledger_core.errors import StoreUnavailable
+from sqlalchemy import event
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# SQLSTATEs worth retrying on PostgreSQL: serialization failure, deadlock, connection errors.
+_RETRYABLE_SQLSTATES = {"40001", "40P01", "08000", "08003", "08006", "57P01", "57P02", "57P03"}
+
+
+def is_retryable(exc: BaseException) -> bool:
+    if isinstance(exc, DBAPIError):
+        if exc.connection_invalidated:
+            return True
+        orig = exc.orig
+        sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+        if sqlstate in _RETRYABLE_SQLSTATES:
+            return True
+        if isinstance(exc, OperationalError):
+            text = str(orig).lower()
+            return "locked" in text or "busy" in text or "connection" in text
+    return isinstance(exc, (ConnectionError, OSError, TimeoutError))
+
+
+def _sqlite_file(url: sa.URL) -> Path | None:
+    db = url.database
+    if not db or db == ":memory:" or db.startswith("file:"):
+        return None
+    return Path(db)
+
+
+class Store:
+    def __init__(self, url: str, *, pool_size: int = 10, echo: bool = False) -> None:
+        parsed = sa.make_url(url)
+        self.url = parsed
+        self.dialect = parsed.get_backend_name()
+        if self.dialect == "sqlite":
+            path = _sqlite_file(parsed)
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            # One connection: SQLite has one writer; serialising in the pool avoids
+            # "database is locked" from read-to-write lock upgrades.
+            self.engine: AsyncEngine = create_async_engine(
+                parsed, echo=echo, pool_size=1, max_overflow=0, pool_timeout=60)
+            _sqlite_setup(self.engine)
+        elif self.dialect == "postgresql":
+            self.engine = create_async_engine(
+                parsed, echo=echo, pool_size=pool_size, max_overflow=pool_size,
+                pool_pre_ping=True, pool_recycle=1800)
+        else:
+            raise ValueError(f"unsupported database {self.dialect!r}: use postgresql or sqlite")
+
+    @property
+    def is_postgres(self) -> bool:
+        return self.dialect == "postgresql"
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncConnection]:
+        try:
+            async with self.engine.begin() as conn:
+                yield conn
+        except DBAPIError as exc:
+            if is_retryable(exc):
+                raise StoreUnavailable(f"database unavailable: {type(exc.orig).__name__}") from exc
+            raise
+
+    async def run(self, fn: Callable[..., Awaitable[T]], *args: Any, attempts: int = 5,
+                  **kwargs: Any) -> T:
+        """Run `fn(conn, *args)` in a fresh transaction, retrying retryable failures."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(StoreUnavailable),
+            stop=stop_after_attempt(attempts),
+            wait=wait_exponential_jitter(initial=0.05, max=2.0),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                async with self.transaction() as conn:
+                    return await fn(conn, *args, **kwargs)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def ping(self) -> bool:
+        try:
+            async with self.engine.connect() as conn:
+                await conn.execute(sa.text("SELECT 1"))
+            return True
+        except Exception:  # readiness probes must answer, not raise
+            log.warning("database ping failed", exc_info=True)
+            return False
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+
+def _sqlite_setup(engine: AsyncEngine) -> None:
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Take over transaction control from the driver so BEGIN IMMEDIATE is ours to emit.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        # FULL: a committed intent survives power loss, not only a process crash.
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA busy_timeout=10000")
+        cur.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn: Any) -> None:
+        conn.exec_driver_sql("BEGIN IMMEDIATE")

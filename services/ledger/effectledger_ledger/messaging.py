@@ -1,0 +1,128 @@
+"""The ledger's NATS side (FastStream): intent and claim request-reply, and the inbox consumer.
+
+Every JetStream consumer here is durable with manual acks: FastStream's default would terminate
+(never redeliver) a message whose handler raised. A message is acked only after the ledger
+transaction that it caused has committed; poison messages are recorded and then acked.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from effectledger_bus.connect import connect_options
+from effectledger_core.config import Settings
+from effectledger_core.errors import EffectLedgerError
+from effectledger_core.messages import (
+    ClaimAttempt,
+    DeadLetter,
+    SubmitIntent,
+    encode,
+    excerpt,
+    parse,
+    parse_outcome,
+)
+from faststream import AckPolicy
+from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.nats.annotations import NatsMessage
+from nats.js.api import AckPolicy as JsAckPolicy
+from nats.js.api import ConsumerConfig
+
+from .service import LedgerService
+
+log = logging.getLogger(__name__)
+INBOX_CONSUMER = "ledger-inbox"
+
+
+def _error_reply(exc: EffectLedgerError) -> str:
+    return json.dumps({"ok": False, "error": exc.to_dict()})
+
+
+def build_broker(settings: Settings, service: LedgerService) -> NatsBroker:
+    subjects = settings.subjects
+    broker = NatsBroker(**connect_options(settings, "effectledger-ledger"), logger=log,
+                        log_level=logging.DEBUG)
+
+    @broker.subscriber(subjects.rpc_intents, queue="ledger", max_workers=16,
+                       title="ledger.intents", description="Submit an intent (request-reply)")
+    async def on_intent(msg: NatsMessage) -> str:
+        raw: bytes = msg.raw_message.data
+        try:
+            intent = parse(SubmitIntent, raw)
+            submitted = await service.submit(intent, actor="agent:nats")
+        except EffectLedgerError as exc:
+            return _error_reply(exc)
+        op = submitted.operation
+        return json.dumps({"ok": True, "created": submitted.created, "operation": {
+            "id": op["id"], "state": op["state"], "epoch": op["epoch"],
+            "operation_key": op["operation_key"], "tool": op["tool"]}})
+
+    @broker.subscriber(subjects.rpc_claim, queue="ledger", max_workers=64,
+                       title="ledger.claim", description="Claim an attempt (request-reply)")
+    async def on_claim(msg: NatsMessage) -> str:
+        try:
+            claim = parse(ClaimAttempt, msg.raw_message.data)
+            return encode(await service.claim(claim)).decode()
+        except EffectLedgerError as exc:
+            # No reply would leave the dispatcher waiting; an error reply makes it retry later.
+            return _error_reply(exc)
+
+    max_deliver = settings.max_deliver
+
+    @broker.subscriber(
+        subjects.ledger_all,
+        stream=JStream(subjects.events_stream, declare=False),
+        durable=INBOX_CONSUMER,
+        pull_sub=PullSub(batch_size=64, timeout=1.0),
+        max_workers=settings.inbox_concurrency,
+        ack_policy=AckPolicy.MANUAL,
+        config=ConsumerConfig(ack_policy=JsAckPolicy.EXPLICIT, ack_wait=30.0,
+                              max_deliver=max_deliver, max_ack_pending=4096),
+        title="ledger.inbox", description="Attempt outcomes and dead letters")
+    async def on_event(msg: NatsMessage) -> None:
+        raw = msg.raw_message
+        deliveries = raw.metadata.num_delivered if raw.metadata else 1
+        try:
+            await _handle_event(service, subjects.deadletter, raw.subject, raw.data,
+                                raw.headers or {}, deliveries)
+        except EffectLedgerError as exc:
+            if exc.retryable and deliveries < max_deliver:
+                await msg.nack(delay=min(30.0, 0.5 * 2 ** deliveries))
+                return
+            await _dead_letter(service, raw.subject, raw.data, raw.headers or {}, deliveries,
+                               exc.message)
+        except Exception as exc:
+            log.exception("inbox: unexpected error on %s", raw.subject)
+            if deliveries < max_deliver:
+                await msg.nack(delay=min(30.0, 0.5 * 2 ** deliveries))
+                return
+            await _dead_letter(service, raw.subject, raw.data, raw.headers or {}, deliveries,
+                               f"{type(exc).__name__}: {exc}")
+        await msg.ack()
+
+    return broker
+
+
+async def _handle_event(service: LedgerService, deadletter_subject: str, subject: str,
+                        data: bytes, headers: dict[str, Any], deliveries: int) -> None:
+    from effectledger_core.errors import PayloadTooLarge, PoisonMessage
+
+    try:
+        if subject == deadletter_subject:
+            await service.record_dead_letter(parse(DeadLetter, data))
+            return
+        outcome = parse_outcome(data)
+    except (PoisonMessage, PayloadTooLarge) as exc:
+        await _dead_letter(service, subject, data, headers, deliveries, exc.message)
+        return
+    message_id = headers.get("Nats-Msg-Id") or f"{outcome.type}:{outcome.attempt_id}"
+    await service.record_outcome(outcome, consumer=INBOX_CONSUMER, message_id=message_id)
+
+
+async def _dead_letter(service: LedgerService, subject: str, data: bytes,
+                       headers: dict[str, Any], deliveries: int, error: str) -> None:
+    await service.record_dead_letter(DeadLetter(
+        consumer=INBOX_CONSUMER, subject=subject[:1024],
+        message_id=(headers.get("Nats-Msg-Id") or None), error=error[:1024],
+        payload_excerpt=excerpt(data), deliveries=deliveries))

@@ -1,0 +1,141 @@
+"""The outbox relay and the sweeper.
+
+The relay leases unpublished rows (committing the lease before any network call), publishes
+each to JetStream with its Nats-Msg-Id, waits for the publish-ack, and only then marks it
+published. It wakes on an in-process event, on PostgreSQL NOTIFY (other replicas' commits),
+and on a poll timer, because notifications are hints that can be missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from effectledger_core.crash import crash_point
+from effectledger_core.errors import StoreUnavailable
+from effectledger_core.ids import Clock, utcnow
+from nats.js import JetStreamContext
+
+from .db.outbox import (
+    OutboxItem,
+    lease_batch_txn,
+    mark_published_txn,
+    release_txn,
+    sweep_unclaimed_txn,
+)
+from .db.store import Store
+
+log = logging.getLogger(__name__)
+
+
+class Relay:
+    def __init__(self, store: Store, js: JetStreamContext, wake: asyncio.Event, *,
+                 batch_size: int = 256, lease_s: float = 30.0, poll_interval_s: float = 0.5,
+                 publish_timeout_s: float = 5.0, clock: Clock = utcnow) -> None:
+        self.store, self.js, self.wake = store, js, wake
+        self.batch_size, self.lease_s = batch_size, lease_s
+        self.poll_interval_s, self.publish_timeout_s = poll_interval_s, publish_timeout_s
+        self.clock = clock
+        self.published = 0
+
+    async def pump_once(self) -> int:
+        """Publish one batch; returns how many rows were leased."""
+        items = await self.store.run(lease_batch_txn, now=self.clock(), limit=self.batch_size,
+                                     lease_s=self.lease_s)
+        if not items:
+            return 0
+        results = await asyncio.gather(*(self._publish(i) for i in items),
+                                       return_exceptions=True)
+        crash_point("ledger.relay.after_publish")
+        ok = [i.id for i, r in zip(items, results, strict=True) if r is None]
+        failed = [(i, r) for i, r in zip(items, results, strict=True) if r is not None]
+        if ok:
+            await self.store.run(mark_published_txn, ok, now=self.clock())
+            self.published += len(ok)
+        if failed:
+            err = repr(failed[0][1])
+            log.warning("relay: %d publishes failed (%s); retrying later", len(failed), err)
+            await self.store.run(release_txn, [i.id for i, _ in failed], now=self.clock(),
+                                 error=err, retry_after_s=1.0)
+        return len(items)
+
+    async def _publish(self, item: OutboxItem) -> None:
+        await self.js.publish(item.subject, item.payload, timeout=self.publish_timeout_s,
+                              headers={"Nats-Msg-Id": item.message_id})
+
+    async def run(self) -> None:
+        while True:
+            try:
+                n = await self.pump_once()
+            except (StoreUnavailable, OSError) as exc:
+                log.warning("relay: %s; retrying", exc)
+                n = 0
+                await asyncio.sleep(1.0)  # back off from a failing database, not a sync point
+            except Exception:
+                log.exception("relay: unexpected error; retrying")
+                n = 0
+                await asyncio.sleep(1.0)
+            if n >= self.batch_size:
+                continue  # more may be waiting
+            self.wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wake.wait(), self.poll_interval_s)
+
+
+class Sweeper:
+    """Republishes dispatch rows published but never claimed: JetStream may lose messages."""
+
+    def __init__(self, store: Store, wake: asyncio.Event, *, older_than_s: float,
+                 interval_s: float, clock: Clock = utcnow) -> None:
+        self.store, self.wake = store, wake
+        self.older_than_s, self.interval_s, self.clock = older_than_s, interval_s, clock
+        self.republished = 0
+
+    async def sweep_once(self) -> int:
+        n = await self.store.run(sweep_unclaimed_txn, now=self.clock(),
+                                 older_than_s=self.older_than_s)
+        if n:
+            log.warning("sweeper: republishing %d unclaimed dispatch commands", n)
+            self.republished += n
+            self.wake.set()
+        return n
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.sweep_once()
+            except Exception:
+                log.exception("sweeper: error; will retry")
+            await asyncio.sleep(self.interval_s)  # a period, not synchronisation
+
+
+async def listen_notify(store: Store, wake: asyncio.Event) -> None:
+    """Wake the relay on NOTIFY from any ledger replica (PostgreSQL only); reconnects."""
+    if not store.is_postgres:
+        return
+    import asyncpg
+
+    dsn = store.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+    def on_notify(*_: Any) -> None:
+        wake.set()
+
+    while True:
+        conn = None
+        try:
+            conn = await asyncpg.connect(dsn)
+            await conn.add_listener("effectledger_outbox", on_notify)
+            wake.set()  # catch up on anything committed while we were not listening
+            while not conn.is_closed():
+                await asyncio.sleep(5.0)  # liveness check interval of the listener
+                await conn.execute("SELECT 1")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("outbox LISTEN connection lost (%s); polling continues", exc)
+            await asyncio.sleep(2.0)
+        finally:
+            if conn is not None and not conn.is_closed():
+                await conn.close()

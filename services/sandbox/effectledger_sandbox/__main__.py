@@ -1,0 +1,5 @@
+"""`python -m effectledger_sandbox --port N --api-key K`."""
+
+from .server import main
+
+raise SystemExit(main())

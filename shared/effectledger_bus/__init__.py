@@ -1,0 +1,1 @@
+"""NATS/JetStream adapter shared by the services: connections, streams, publishing."""

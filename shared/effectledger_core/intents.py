@@ -1,0 +1,41 @@
+"""Validation of intent arguments: size-bounded, depth-bounded, finite JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .digest import canonical_json, sha256_hex
+from .errors import InvalidArguments, PayloadTooLarge
+from .limits import MAX_ARGUMENTS_BYTES, MAX_JSON_DEPTH
+
+
+def _depth(value: Any, limit: int) -> int:
+    # Iterative so a hostile, deeply nested document cannot exhaust the stack.
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        cur, d = stack.pop()
+        if d > limit:
+            return d
+        deepest = max(deepest, d)
+        if isinstance(cur, dict):
+            stack.extend((v, d + 1) for v in cur.values())
+        elif isinstance(cur, list):
+            stack.extend((v, d + 1) for v in cur)
+    return deepest
+
+
+def validate_arguments(arguments: Any) -> tuple[str, str]:
+    """Return (canonical JSON, `sha256:` digest) of valid arguments, or raise a clear error."""
+    if not isinstance(arguments, dict):
+        raise InvalidArguments("arguments must be a JSON object")
+    if _depth(arguments, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise InvalidArguments(f"arguments nest deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        text = canonical_json(arguments)
+    except (ValueError, TypeError) as exc:
+        raise InvalidArguments(f"arguments are not plain JSON: {exc}") from exc
+    size = len(text.encode())
+    if size > MAX_ARGUMENTS_BYTES:
+        raise PayloadTooLarge(f"arguments are {size} bytes; the limit is {MAX_ARGUMENTS_BYTES}",
+                              limit=MAX_ARGUMENTS_BYTES)
+    return text, "sha256:" + sha256_hex(text)
