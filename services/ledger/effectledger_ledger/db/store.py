@@ -95,7 +95,7 @@ class Store:
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(StoreUnavailable),
             stop=stop_after_attempt(attempts),
-            wait=wait_exponential_jitter(initial=0.05, max=2.0),
+            wait=wait_exponential_jitter(multiplier=0.05, max=2.0),
             reraise=True,
         )
         async for attempt in retrying:

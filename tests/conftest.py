@@ -1,0 +1,79 @@
+"""Shared fixtures: real PostgreSQL / NATS (or a skip with the reason), isolated per run."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from effectledger_core.config import Settings
+from tests.support.servers import nats_server, postgres_database, unique_prefix
+
+
+@pytest.fixture(scope="session")
+def pg_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with postgres_database() as url:
+        if url is None:
+            pytest.skip("no PostgreSQL: none on 127.0.0.1:5432 (or EFFECTLEDGER_TEST_PG_URL) "
+                        "and no Docker engine for testcontainers")
+        yield url
+
+
+@pytest.fixture(scope="session")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with nats_server(tmp_path_factory.mktemp("nats")) as url:
+        if url is None:
+            pytest.skip("no NATS: none on 127.0.0.1:4222, no Docker, no nats-server binary")
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each database-backed test runs on the embedded default and on PostgreSQL."""
+    if request.param == "sqlite":
+        return f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}"
+    return str(request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture
+async def settings(nats_url: str, db_url: str, tmp_path: Path) -> AsyncIterator[Settings]:
+    """Settings with a private subject prefix and stream names; streams deleted afterwards."""
+    subject_prefix, stream_prefix = unique_prefix()
+    s = Settings(database_url=db_url, nats_url=nats_url, subject_prefix=subject_prefix,
+                 stream_prefix=stream_prefix, stream_storage="file")
+    yield s
+    import nats
+
+    from effectledger_bus.streams import delete_streams
+
+    nc = await nats.connect(nats_url)
+    try:
+        await delete_streams(nc.jetstream(), s)
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+async def store(db_url: str) -> AsyncIterator[object]:
+    """A migrated ledger store; on PostgreSQL the tables are truncated afterwards."""
+    from effectledger_ledger.db.schema import metadata
+    from effectledger_ledger.db.store import Store
+    from effectledger_ledger.migrate import upgrade
+
+    st = Store(db_url)
+    await upgrade(st)
+    yield st
+    if st.is_postgres:
+        import sqlalchemy as sa
+
+        async with st.transaction() as conn:
+            names = ", ".join(t.name for t in metadata.sorted_tables)
+            await conn.execute(sa.text(f"TRUNCATE {names} RESTART IDENTITY CASCADE"))
+    await st.close()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Nothing here may depend on wall-clock sleeps; this only orders slow tests last.
+    items.sort(key=lambda i: 1 if i.get_closest_marker("slow") else 0)
+
