@@ -1,0 +1,84 @@
+"""The message contract as an AsyncAPI 3 document, generated from the pydantic models.
+
+`python -m effectledger_bus.asyncapi > docs/asyncapi.json` regenerates the committed copy; a test
+fails when the two differ, so the documented contract cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel
+
+from effectledger_core.messages import (
+    AttemptAccepted,
+    AttemptFailed,
+    AttemptSucceeded,
+    ClaimAttempt,
+    ClaimReply,
+    DeadLetter,
+    DispatchAttempt,
+    OutcomeAmbiguous,
+    SubmitIntent,
+)
+from effectledger_core.subjects import Subjects
+
+_CHANNELS: list[tuple[str, str, str, list[type[BaseModel]], str]] = [
+    # (channel id, address, action from the ledger's point of view, messages, description)
+    ("intents", "rpc_intents", "receive", [SubmitIntent],
+     "Request-reply: agents submit intents. Reply: {ok, created, operation} or {ok: false, "
+     "error: {code, message}}."),
+    ("claim", "rpc_claim", "receive", [ClaimAttempt, ClaimReply],
+     "Request-reply: a dispatcher claims an attempt before calling the provider."),
+    ("dispatch", "dispatch_all", "send", [DispatchAttempt],
+     "JetStream (stream <P>_DISPATCH, work queue): commands relayed from the ledger outbox; "
+     "Nats-Msg-Id = outbox id (+ .r<n> for sweeper republishes). Consumer: durable "
+     "'dispatcher', explicit acks."),
+    ("outcomes", "ledger_all", "receive",
+     [AttemptSucceeded, AttemptAccepted, AttemptFailed, OutcomeAmbiguous, DeadLetter],
+     "JetStream (stream <P>_EVENTS): outcomes published by dispatchers (subject "
+     "<prefix>.ledger.v1.outcome.<type>, Nats-Msg-Id = <type>:<attempt_id>) and dead letters "
+     "(<prefix>.ledger.v1.deadletter). Consumer: durable 'ledger-inbox', explicit acks."),
+    ("ambiguous", "ambiguous", "send", [OutcomeAmbiguous],
+     "JetStream (stream <P>_EVENTS): ambiguity notices for the reconciler, from the outbox."),
+]
+
+
+def build(subjects: Subjects | None = None) -> dict[str, Any]:
+    subjects = subjects or Subjects()
+    doc: dict[str, Any] = {
+        "asyncapi": "3.0.0",
+        "info": {"title": "effectledger message contract", "version": "1",
+                 "description": "Subjects are versioned (v1). Every message is JSON with "
+                                "schema_version: 1 and rejects unknown fields."},
+        "channels": {}, "operations": {}, "components": {"messages": {}, "schemas": {}},
+    }
+    for cid, attr, action, models, description in _CHANNELS:
+        address = getattr(subjects, attr)
+        if attr == "ledger_all":
+            address = f"{subjects.prefix}.ledger.v1.>"
+        refs = {}
+        for model in models:
+            name = model.__name__
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            for dname, dschema in schema.pop("$defs", {}).items():
+                doc["components"]["schemas"][dname] = dschema
+            doc["components"]["schemas"][name] = schema
+            doc["components"]["messages"][name] = {
+                "name": name, "contentType": "application/json",
+                "payload": {"$ref": f"#/components/schemas/{name}"}}
+            refs[name] = {"$ref": f"#/components/messages/{name}"}
+        doc["channels"][cid] = {"address": address, "description": description,
+                                "messages": refs}
+        doc["operations"][f"ledger_{action}_{cid}"] = {
+            "action": action, "channel": {"$ref": f"#/channels/{cid}"}}
+    return doc
+
+
+def render() -> str:
+    return json.dumps(build(), indent=2, sort_keys=True) + "\n"
+
+
+if __name__ == "__main__":
+    print(render(), end="")
