@@ -679,6 +679,14 @@ def test_bad_adapter_spec_is_a_clear_catalog_error(
     assert err.value.details == {"tool": "create_thing", "field": "adapter"}
 
 
+async def test_unloadable_adapter_fails_the_attempt_as_unbuildable_without_sending() -> None:
+    outcome, provider = await call(make_tool(adapter="no_such_module_xyz:make"), status(200))
+    assert isinstance(outcome, AttemptFailed)
+    assert outcome.code == "request_build_failed"
+    assert "no_such_module_xyz" in outcome.message
+    assert provider.requests == []
+
+
 def test_factory_returning_a_non_adapter_is_a_clear_catalog_error(adapter_module: str) -> None:
     with pytest.raises(CatalogError, match="lacks build_request, classify"):
         load_adapter(make_tool(adapter="builtins:object"))

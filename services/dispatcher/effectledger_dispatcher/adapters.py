@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
@@ -234,7 +235,7 @@ class DeclarativeAdapter:
         if tool.readback is None:
             return None
 
-        def sub(match: Any) -> str:
+        def sub(match: re.Match[str]) -> str:
             name = match.group(1)
             if name == "epoch":
                 raise TemplateError("a readback URL cannot use {epoch}: it spans all epochs")

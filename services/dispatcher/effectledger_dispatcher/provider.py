@@ -160,6 +160,8 @@ async def _exchange(client: httpx.AsyncClient, request: httpx.Request,
 
 def _describe(exc: BaseException) -> str:
     text = str(exc)
+    if not text and isinstance(exc, TimeoutError):
+        text = "the overall deadline passed"
     return type(exc).__name__ + (f": {text}" if text else "")
 
 
@@ -182,11 +184,11 @@ def _send_error(exc: Exception) -> Classified:
                       message=f"the connection failed after the request may have been sent: {text}")
 
 
-def _secrets(tool: Tool, request: httpx.Request, env: Mapping[str, str]) -> list[str]:
-    """Every value the request's headers carry that could be a credential."""
+def _secrets(tool: Tool, request: httpx.Request | None, env: Mapping[str, str]) -> list[str]:
+    """Every value the request's headers carry (or the catalog's would) that could be a secret."""
     dispatcher_set = {h.lower() for h in (tool.idempotency_header, tool.fencing_header) if h}
     values: set[str] = set()
-    for name, value in request.headers.multi_items():
+    for name, value in request.headers.multi_items() if request is not None else ():
         if name.lower() in _NOT_SECRET or name.lower() in dispatcher_set:
             continue
         values.add(value)
@@ -212,7 +214,6 @@ async def call_provider(
     `on_sent` runs right before the request is handed to httpx (the dispatcher's crash point);
     what it raises propagates. Cancellation propagates too. Everything else becomes an outcome.
     """
-    adapter = adapter or load_adapter(tool)
     started = time.monotonic()
 
     def outcome(c: Classified, *, status: int | None = None, digest: str | None = None,
@@ -222,11 +223,13 @@ async def call_provider(
                            duration_ms=(time.monotonic() - started) * 1000)
 
     try:
+        adapter = adapter or load_adapter(tool)
         request = adapter.build_request(tool, cmd, env)
-    except Exception as exc:  # TemplateError, CatalogError (missing env var), adapter bugs
+    except Exception as exc:  # TemplateError; CatalogError (env var, adapter); adapter bugs
         return outcome(Classified("failed", failure_class=FailureClass.INVALID_ARGUMENT,
                                   code="request_build_failed",
-                                  message=f"nothing was sent: {_describe(exc)}"))
+                                  message=f"nothing was sent: {_describe(exc)}"),
+                       secrets=_secrets(tool, None, env))
     secrets = _secrets(tool, request, env)
     if on_sent is not None:
         on_sent()
@@ -268,7 +271,8 @@ def _to_outcome(c: Classified, *, cmd: DispatchAttempt, attempt_id: str, dispatc
             retry_after_s = parse_retry_after(c.retry_after, at)
         return AttemptFailed(
             **common, failure_class=c.failure_class, message=message,
-            code=_clean(c.code or f"http_{status}", secrets, MAX_CODE_CHARS),
+            code=_clean(c.code or (f"http_{status}" if status else "unknown"), secrets,
+                        MAX_CODE_CHARS),
             retry_after_s=retry_after_s, response_digest=digest)
     if c.kind == "ambiguous" and c.reason is not None:
         return OutcomeAmbiguous(**common, reason=c.reason, message=message)
@@ -282,11 +286,13 @@ async def readback(
     arguments: dict[str, Any], env: Mapping[str, str], adapter: ProviderAdapter | None = None,
 ) -> ReadbackResult:
     """Ask the provider whether the operation's effect exists (one request, `tool.timeout_s`)."""
-    adapter = adapter or load_adapter(tool)
     try:
+        adapter = adapter or load_adapter(tool)
         request = adapter.build_readback(tool, operation_key, operation_id, arguments, env)
     except Exception as exc:
-        return ReadbackResult(None, None, None, None, f"readback_build_failed: {_describe(exc)}")
+        return ReadbackResult(None, None, None, None, _clean(
+            f"readback_build_failed: {_describe(exc)}", _secrets(tool, None, env),
+            MAX_MESSAGE_CHARS))
     if request is None:
         return ReadbackResult(None, None, None, None, "the tool has no readback")
     secrets = _secrets(tool, request, env)
@@ -298,8 +304,9 @@ async def readback(
     try:
         result = adapter.readback_found(tool, ex.buffered())
     except Exception as exc:
-        return ReadbackResult(None, None, ex.body.digest, status,
-                              f"the adapter could not read the answer: {_describe(exc)}")
+        return ReadbackResult(None, None, ex.body.digest, status, _clean(
+            f"the adapter could not read the answer: {_describe(exc)}", secrets,
+            MAX_MESSAGE_CHARS))
     ref = result.provider_ref[:MAX_PROVIDER_REF_BYTES] if result.provider_ref else None
     error = _clean(result.error, secrets, MAX_MESSAGE_CHARS) if result.error else None
     # The digest is of every byte received, whatever the adapter computed from its bounded view.

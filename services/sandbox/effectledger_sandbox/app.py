@@ -138,9 +138,14 @@ class _Api:
             elif claim is Claim.MISMATCH:
                 rejection = (422, "idempotency_key_reused", "this key was used with another body")
         owns_claim = idempotent and rejection is None and claim is Claim.NEW
+        generation = self._generation
         try:
             if before is not None and before.kind == "delay":
                 await asyncio.sleep(before.seconds)
+                if generation != self._generation:
+                    # /_reset ran meanwhile: applying now would land in the next scenario.
+                    owns_claim = False
+                    return error(503, "sandbox_reset", "the sandbox was reset", headers)
             if rejection is not None:
                 entry["outcome"] = f"rejected:{rejection[1]}"
                 return error(*rejection, headers)
@@ -338,5 +343,6 @@ def create_app(*, api_key: str | None = None, webhook_secret: str | None = None,
     app = SandboxApp(routes=routes, lifespan=lifespan,
                      exception_handlers={404: _http_error, 405: _http_error})
     app.state.sandbox = state
+    app.state.background_tasks = api.background  # pending late applies, for tests to await
     app.state.webhook_secret = webhook_secret
     return app
