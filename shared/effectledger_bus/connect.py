@@ -11,8 +11,9 @@ import ssl
 from typing import Any
 
 import nats
-from effectledger_core.config import Settings
 from nats.aio.client import Client as NatsClient
+
+from effectledger_core.config import Settings
 
 log = logging.getLogger(__name__)
 

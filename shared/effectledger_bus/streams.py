@@ -7,10 +7,11 @@ dispatch stream is the transport of committed intents, so it should survive a br
 
 from __future__ import annotations
 
-from effectledger_core.config import Settings
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
+
+from effectledger_core.config import Settings
 
 
 def stream_configs(settings: Settings) -> list[StreamConfig]:

@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime
 
-from .digest import sha256_hex
+from .digest import canonical_json, sha256_hex
 
 IdFactory = Callable[[], str]
 Clock = Callable[[], datetime]
@@ -29,5 +29,6 @@ def operation_key(*, tenant: str, task_id: str | None, caller_key: str | None,
     """
     if caller_key is None:
         return "op_" + operation_id
-    scoped = "\x1f".join((tenant, task_id or "", caller_key))
-    return "ck_" + sha256_hex(scoped)[:40]
+    # Canonical JSON, not a separator join: identifiers may contain any character, and
+    # ("a\x1fb", "c") must not scope to the same key as ("a", "b\x1fc").
+    return "ck_" + sha256_hex(canonical_json([tenant, task_id, caller_key]))[:40]

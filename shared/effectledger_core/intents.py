@@ -10,17 +10,17 @@ from .limits import MAX_ARGUMENTS_BYTES, MAX_JSON_DEPTH
 
 
 def _depth(value: Any, limit: int) -> int:
-    # Iterative so a hostile, deeply nested document cannot exhaust the stack.
+    # Iterative so a hostile, deeply nested document cannot exhaust the stack. Only containers
+    # count as a level: `{"a": 1}` nests one level deep, exactly like `{"a": {}}`.
     deepest, stack = 0, [(value, 1)]
     while stack:
         cur, d = stack.pop()
+        if not isinstance(cur, dict | list | tuple):  # what json.dumps walks into
+            continue
         if d > limit:
             return d
         deepest = max(deepest, d)
-        if isinstance(cur, dict):
-            stack.extend((v, d + 1) for v in cur.values())
-        elif isinstance(cur, list):
-            stack.extend((v, d + 1) for v in cur)
+        stack.extend((v, d + 1) for v in (cur.values() if isinstance(cur, dict) else cur))
     return deepest
 
 

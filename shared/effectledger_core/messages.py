@@ -124,6 +124,10 @@ class AttemptFailed(_Outcome):
     message: ShortText
     retry_after_s: float | None = None
     response_digest: str | None = None
+    # The attempt's own statement of whether sending it again is safe (overrides the class
+    # default), and the one-line model guidance rendered from the policy table.
+    idempotency: Literal["unset", "yes", "no"] = "unset"
+    guidance: ShortText = ""
 
 
 class OutcomeAmbiguous(_Outcome):
@@ -132,7 +136,7 @@ class OutcomeAmbiguous(_Outcome):
     type: Literal["outcome_ambiguous"] = "outcome_ambiguous"
     reason: Literal[
         "timeout", "connection_lost", "server_error", "dispatcher_lost_mid_attempt",
-        "invalid_response",
+        "invalid_response", "request_in_progress",
     ]
     message: ShortText = ""
 

@@ -47,6 +47,8 @@ class Event(StrEnum):
     REVIEW_NOT_EXECUTED_RETRY = "review_not_executed_retry"
     REVIEW_NOT_EXECUTED_FINAL = "review_not_executed_final"
     REVIEW_UNCERTAIN = "review_uncertain"
+    # An operator's explicit, single-use retry plan passed admission (seed 000).
+    PLAN_ADMITTED = "plan_admitted"
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +83,10 @@ TABLE: dict[tuple[State, Event], Step] = {
     (S.NEEDS_REVIEW, E.REVIEW_NOT_EXECUTED_RETRY): Step(S.PENDING, new_epoch=True),
     (S.NEEDS_REVIEW, E.REVIEW_NOT_EXECUTED_FINAL): Step(S.FAILED),
     (S.NEEDS_REVIEW, E.REVIEW_UNCERTAIN): Step(S.NEEDS_REVIEW),
+    # `failed` is terminal for automation; only an explicit plan for a definitive refusal
+    # (nothing was applied) may open a new epoch, after passing admission again.
+    **{(s, E.PLAN_ADMITTED): Step(S.PENDING, new_epoch=True)
+       for s in (S.AMBIGUOUS, S.NEEDS_REVIEW, S.FAILED)},
 }
 
 

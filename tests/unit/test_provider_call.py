@@ -285,14 +285,29 @@ async def test_provider_json_error_code_and_message_are_reported() -> None:
     assert outcome.message == "HTTP 422: amount must be at least 50"
 
 
-@pytest.mark.parametrize("body, expected_code", [
-    ({"error": {"code": "key_reused"}}, "conflict:key_reused"), (b"", "conflict")])
-async def test_409_is_permanent_conflict_with_the_provider_code(
-        body: Any, expected_code: str) -> None:
-    outcome, _ = await call(make_tool(), status(409, body))
+async def test_409_stale_fencing_token_is_a_permanent_refusal() -> None:
+    """A provider that fenced us out refused the request: definitively not applied."""
+    outcome, _ = await call(make_tool(), status(409, {"error": {"code": "stale_fencing_token"}}))
     assert isinstance(outcome, AttemptFailed)
     assert outcome.failure_class is FailureClass.PERMANENT
-    assert outcome.code == expected_code
+    assert outcome.code == "conflict:stale_fencing_token"
+    assert outcome.idempotency == "yes" and outcome.guidance
+
+
+@pytest.mark.parametrize("body", [{"error": {"code": "request_in_progress"}}, b""])
+async def test_409_under_our_idempotency_key_is_ambiguous(body: Any) -> None:
+    """Another attempt with the same key may still be running at the provider and apply."""
+    outcome, _ = await call(make_tool(), status(409, body))
+    assert isinstance(outcome, OutcomeAmbiguous)
+    assert outcome.reason == "request_in_progress"
+
+
+async def test_409_without_an_idempotency_header_is_a_permanent_conflict() -> None:
+    tool = make_tool(idempotency_header=None)
+    outcome, _ = await call(tool, status(409, {"error": {"code": "key_reused"}}))
+    assert isinstance(outcome, AttemptFailed)
+    assert outcome.failure_class is FailureClass.PERMANENT
+    assert outcome.code == "conflict:key_reused"
 
 
 async def test_long_provider_message_is_bounded_to_1000_chars() -> None:

@@ -71,10 +71,36 @@ def _run(http: httpx.Client, args: argparse.Namespace) -> int:
         else:
             _print(_check(http.get(f"/v1/operations/{args.operation_id}")))
         return 0
+    if args.command in ("approve", "reject", "cancel", "retry"):
+        return _operator(http, args)
     params: dict[str, Any] = {"limit": args.limit}
     if args.state:
         params["state"] = args.state
     if args.cursor:
         params["cursor"] = args.cursor
     _print(_check(http.get("/v1/operations", params=params)))
+    return 0
+
+
+def _operator(http: httpx.Client, args: argparse.Namespace) -> int:
+    op_id = args.operation_id
+    op = _check(http.get(f"/v1/operations/{op_id}"))
+    epoch = args.epoch if args.epoch is not None else op["epoch"]
+    body: dict[str, Any] = {"operator": args.operator}
+    if args.command == "approve":
+        # Approving binds to the exact arguments: by default those shown to you now.
+        body.update(epoch=epoch, arguments_digest=args.arguments_digest or op["arguments_digest"])
+    elif args.command == "reject":
+        body.update(epoch=epoch, reason=args.reason)
+    elif args.command == "cancel":
+        body.update(reason=args.reason)
+    else:
+        body["epoch"] = epoch
+        if args.review:
+            if not args.evidence_ref:
+                print("effectledger: --review needs --evidence-ref", file=sys.stderr)
+                return 2
+            body["review"] = {"conclusion": args.review, "evidence_ref": args.evidence_ref,
+                              "operator": args.operator}
+    _print(_check(http.post(f"/v1/operations/{op_id}/{args.command}", json=body)))
     return 0

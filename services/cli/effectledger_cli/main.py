@@ -85,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     _common(mig, db=True)
 
     for name, help_ in (("submit", "submit an intent"), ("show", "show an operation"),
-                        ("list", "list operations")):
+                        ("list", "list operations"),
+                        ("approve", "approve an operation awaiting approval (operator)"),
+                        ("reject", "reject an operation awaiting approval (operator)"),
+                        ("cancel", "cancel a pending operation (operator)"),
+                        ("retry", "prepare and use a single-use retry plan (operator)")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--ledger-url", default=os.environ.get("EFFECTLEDGER_LEDGER_URL",
                                                               DEFAULT_LEDGER_URL))
@@ -101,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("operation_id")
             p.add_argument("--journal", action="store_true")
             p.add_argument("--receipt", action="store_true")
+        elif name in ("approve", "reject", "cancel", "retry"):
+            p.add_argument("operation_id")
+            p.add_argument("--operator", required=True, help="who is acting (journaled)")
+            p.add_argument("--epoch", type=int, help="the epoch you inspected (default: current)")
+            if name == "approve":
+                p.add_argument("--arguments-digest",
+                               help="digest of the arguments you approve (default: current)")
+            if name in ("reject", "cancel"):
+                p.add_argument("--reason", default="")
+            if name == "retry":
+                p.add_argument("--review", choices=["not_executed", "completed", "uncertain"],
+                               help="your verified conclusion about the last attempt")
+                p.add_argument("--evidence-ref", help="where the evidence for --review is")
         else:
             p.add_argument("--state")
             p.add_argument("--limit", type=int, default=50)
@@ -125,7 +142,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .up import run_up
 
         return run_up(args)
-    if cmd in ("submit", "show", "list"):
+    if cmd in ("submit", "show", "list", "approve", "reject", "cancel", "retry"):
         from . import client
 
         return client.run(args)

@@ -26,12 +26,14 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from urllib.parse import quote
 
 import httpx
+
 from effectledger_core.catalog import PLACEHOLDER, TemplateError, Tool, render, resolve_env
 from effectledger_core.errors import CatalogError
 from effectledger_core.messages import DispatchAttempt, FailureClass
 
 ENTRY_POINT_GROUP = "effectledger.adapters"
-AmbiguousReason = Literal["timeout", "connection_lost", "server_error", "invalid_response"]
+AmbiguousReason = Literal["timeout", "connection_lost", "server_error", "invalid_response",
+                          "request_in_progress"]
 
 
 @dataclass(frozen=True)
@@ -146,6 +148,11 @@ def classify_http(tool: Tool, response: httpx.Response) -> Classified:
     if 400 <= status < 500:
         if status == 409:
             code = "conflict" + (f":{provider_code}" if provider_code else "")
+            if provider_code != "stale_fencing_token" and tool.idempotency_header:
+                # With our key sent, a conflict usually means an earlier attempt under the same
+                # key is still being processed: that attempt may apply, so nothing is settled.
+                return Classified("ambiguous", provider_ref=ref, reason="request_in_progress",
+                                  message=message)
         retry_after = response.headers.get("retry-after") if status == 429 else None
         return Classified("failed", provider_ref=ref, code=code, message=message,
                           failure_class=_FOUR_XX.get(status, FailureClass.PERMANENT),

@@ -7,16 +7,18 @@ import contextlib
 import logging
 import signal
 
-from effectledger_bus.connect import connect, connect_options
-from effectledger_bus.streams import ensure_streams
-from effectledger_core.catalog import Catalog
-from effectledger_core.config import Settings
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
 from faststream.nats.annotations import NatsMessage
 from nats.js.api import AckPolicy as JsAckPolicy
 from nats.js.api import ConsumerConfig
 
+from effectledger_bus.connect import connect, connect_options
+from effectledger_bus.streams import ensure_streams
+from effectledger_core.catalog import Catalog
+from effectledger_core.config import Settings
+
+from .adapters import load_adapter
 from .provider import make_client
 from .worker import CONSUMER, Dispatcher, as_delivery
 
@@ -52,6 +54,8 @@ def build_broker(settings: Settings, dispatcher: Dispatcher) -> NatsBroker:
 
 async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> None:
     catalog = Catalog.load(settings.catalog_path)
+    for tool in catalog.tools.values():
+        load_adapter(tool)  # a bad adapter path fails the deployment, not each operation
     nc = await connect(settings, f"effectledger-dispatcher-{settings.dispatcher_id}")
     await ensure_streams(nc.jetstream(), settings)
     http = make_client(max_connections=max(16, settings.dispatcher_concurrency * 2))

@@ -46,7 +46,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 import httpx
+
 from effectledger_core.catalog import ENV_REF, Tool
+from effectledger_core.failures import Failure, Idempotency
 from effectledger_core.ids import Clock, utcnow
 from effectledger_core.limits import MAX_HTTP_BODY_BYTES, MAX_PROVIDER_REF_BYTES
 from effectledger_core.messages import (
@@ -269,11 +271,16 @@ def _to_outcome(c: Classified, *, cmd: DispatchAttempt, attempt_id: str, dispatc
         retry_after_s = c.retry_after_s
         if retry_after_s is None and c.retry_after is not None:
             retry_after_s = parse_retry_after(c.retry_after, at)
+        code = _clean(c.code or (f"http_{status}" if status else "unknown"), secrets,
+                      MAX_CODE_CHARS)
+        # Every "failed" classification means the provider refused before applying anything,
+        # so this attempt states that sending it again is safe (the class decides if useful).
+        failure = Failure(c.failure_class, code, message, retry_after_s=retry_after_s,
+                          idempotency=Idempotency.YES)
         return AttemptFailed(
-            **common, failure_class=c.failure_class, message=message,
-            code=_clean(c.code or (f"http_{status}" if status else "unknown"), secrets,
-                        MAX_CODE_CHARS),
-            retry_after_s=retry_after_s, response_digest=digest)
+            **common, failure_class=c.failure_class, message=message, code=code,
+            retry_after_s=retry_after_s, response_digest=digest,
+            idempotency=failure.idempotency.value, guidance=failure.guidance()[:1000])
     if c.kind == "ambiguous" and c.reason is not None:
         return OutcomeAmbiguous(**common, reason=c.reason, message=message)
     return OutcomeAmbiguous(**common, reason="invalid_response", message=_clean(

@@ -20,6 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from nats.aio.client import Client as NatsClient
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
+
 from effectledger_core.catalog import Catalog
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import EffectLedgerError, PayloadTooLarge, PoisonMessage
@@ -37,10 +42,6 @@ from effectledger_core.messages import (
     parse,
 )
 from effectledger_core.subjects import Subjects
-from nats.aio.client import Client as NatsClient
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
 from .provider import call_provider
 

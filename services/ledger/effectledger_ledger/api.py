@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
+
+from fastapi import FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, StringConstraints
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from effectledger_core.errors import (
     EffectLedgerError,
@@ -11,14 +17,46 @@ from effectledger_core.errors import (
     PayloadTooLarge,
     PoisonMessage,
 )
-from effectledger_core.limits import MAX_HTTP_BODY_BYTES
+from effectledger_core.limits import MAX_HTTP_BODY_BYTES, MAX_IDENTIFIER_BYTES
 from effectledger_core.messages import SubmitIntent, parse
-from fastapi import FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from effectledger_core.recovery import Conclusion, Review
 
 from .service import LedgerService
+
+Bounded = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDENTIFIER_BYTES)]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ApproveBody(_Body):
+    epoch: int
+    arguments_digest: Bounded
+    operator: Bounded
+
+
+class RejectBody(_Body):
+    epoch: int
+    operator: Bounded
+    reason: Annotated[str, StringConstraints(max_length=MAX_IDENTIFIER_BYTES)] = ""
+
+
+class CancelBody(_Body):
+    operator: Bounded
+    reason: Annotated[str, StringConstraints(max_length=MAX_IDENTIFIER_BYTES)] = ""
+
+
+class ReviewBody(_Body):
+    conclusion: Conclusion
+    evidence_ref: Bounded
+    operator: Bounded
+
+
+class RetryBody(_Body):
+    operator: Bounded
+    epoch: int | None = None  # the epoch the caller saw; a superseded one is refused
+    review: ReviewBody | None = None
 
 
 def _error(status: int, code: str, message: str, details: Any = None) -> JSONResponse:
@@ -91,6 +129,44 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
                               cursor: str | None = None) -> dict[str, Any]:
         return await service.list_operations(state=state, limit=limit, cursor=cursor)
 
+    @app.post("/v1/operations/{operation_id}/approve")
+    async def approve(operation_id: str, body: ApproveBody) -> dict[str, Any]:
+        await service.approve(operation_id, epoch=body.epoch,
+                              arguments_digest=body.arguments_digest, operator=body.operator)
+        return await service.operation(operation_id)
+
+    @app.post("/v1/operations/{operation_id}/reject")
+    async def reject(operation_id: str, body: RejectBody) -> dict[str, Any]:
+        await service.reject(operation_id, epoch=body.epoch, operator=body.operator,
+                             reason=body.reason)
+        return await service.operation(operation_id)
+
+    @app.post("/v1/operations/{operation_id}/cancel")
+    async def cancel(operation_id: str, body: CancelBody) -> dict[str, Any]:
+        await service.cancel(operation_id, operator=body.operator, reason=body.reason)
+        return await service.operation(operation_id)
+
+    @app.get("/v1/operations/{operation_id}/recovery")
+    async def recovery(operation_id: str) -> dict[str, Any]:
+        a = await service.inspect(operation_id)
+        return {"fact": a.fact.value, "decision": a.decision.value, "reason": a.reason}
+
+    @app.post("/v1/operations/{operation_id}/retry")
+    async def retry(operation_id: str, body: RetryBody) -> JSONResponse:
+        review = None
+        if body.review is not None:
+            op = await service.operation(operation_id)
+            review = Review(operator=body.review.operator, evidence_ref=body.review.evidence_ref,
+                            conclusion=body.review.conclusion,
+                            epoch=body.epoch if body.epoch is not None else op["epoch"])
+        plan_id, admission = await service.retry(operation_id, operator=body.operator,
+                                                 review=review, for_epoch=body.epoch)
+        return _admission(plan_id, admission)
+
+    @app.post("/v1/retry-plans/{plan_id}/use")
+    async def use_plan(plan_id: str) -> JSONResponse:
+        return _admission(plan_id, await service.use_plan(plan_id))
+
     @app.get("/v1/tools")
     async def list_tools() -> dict[str, Any]:
         tools = service.catalog.tools
@@ -112,3 +188,15 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
         return JSONResponse({"ok": ok, "checks": checks}, status_code=200 if ok else 503)
 
     return app
+
+
+def _admission(plan_id: str, admission: Any) -> JSONResponse:
+    if not admission.admitted:
+        return _error(409, "retry_refused", f"the retry plan was refused at admission: "
+                      f"{admission.reason}", {"reason": admission.reason, "plan_id": plan_id})
+    return JSONResponse({"plan_id": plan_id, "admitted": True,
+                         "operation": {k: _json(v) for k, v in admission.operation.items()}})
+
+
+def _json(v: Any) -> Any:
+    return v.isoformat() if hasattr(v, "isoformat") else v

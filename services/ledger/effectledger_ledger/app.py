@@ -7,6 +7,7 @@ import contextlib
 import logging
 
 import uvicorn
+
 from effectledger_bus.connect import connect
 from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog

@@ -11,6 +11,12 @@ import json
 import logging
 from typing import Any
 
+from faststream import AckPolicy
+from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.nats.annotations import NatsMessage
+from nats.js.api import AckPolicy as JsAckPolicy
+from nats.js.api import ConsumerConfig
+
 from effectledger_bus.connect import connect_options
 from effectledger_core.config import Settings
 from effectledger_core.errors import EffectLedgerError
@@ -23,11 +29,6 @@ from effectledger_core.messages import (
     parse,
     parse_outcome,
 )
-from faststream import AckPolicy
-from faststream.nats import JStream, NatsBroker, PullSub
-from faststream.nats.annotations import NatsMessage
-from nats.js.api import AckPolicy as JsAckPolicy
-from nats.js.api import ConsumerConfig
 
 from .service import LedgerService
 

@@ -13,10 +13,11 @@ import contextlib
 import logging
 from typing import Any
 
+from nats.js import JetStreamContext
+
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import StoreUnavailable
 from effectledger_core.ids import Clock, utcnow
-from nats.js import JetStreamContext
 
 from .db.outbox import (
     OutboxItem,

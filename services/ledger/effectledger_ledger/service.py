@@ -4,17 +4,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from effectledger_core.catalog import Catalog
-from effectledger_core.crash import crash_point
-from effectledger_core.ids import Clock, IdFactory, new_id, utcnow
-from effectledger_core.messages import ClaimAttempt, ClaimReply, DeadLetter, Outcome, SubmitIntent
-from effectledger_core.subjects import Subjects
 from sqlalchemy.exc import IntegrityError
 
+from effectledger_core.catalog import Catalog
+from effectledger_core.crash import crash_point
+from effectledger_core.errors import UnknownTool
+from effectledger_core.failures import Failure, Idempotency
+from effectledger_core.ids import Clock, IdFactory, new_id, utcnow
+from effectledger_core.messages import (
+    AttemptFailed,
+    ClaimAttempt,
+    ClaimReply,
+    DeadLetter,
+    Outcome,
+    SubmitIntent,
+)
+from effectledger_core.recovery import Assessment, Review, inspect_recovery, prepare_retry
+from effectledger_core.retry_policy import RetryBudget, RetryContext, RetryDecision, decide_retry
+from effectledger_core.subjects import Subjects
+
 from .db import reads
+from .db import recovery as rec
 from .db.claims import claim_txn
 from .db.intents import Submitted, submit_intent_txn
 from .db.outcomes import Recorded, record_dead_letter_txn, record_outcome_txn
@@ -32,6 +47,28 @@ class LedgerService:
     ids: IdFactory = new_id
     # Set after every commit that adds outbox rows, so the in-process relay wakes at once.
     outbox_wake: asyncio.Event = field(default_factory=asyncio.Event)
+    rng: random.Random = field(default_factory=random.Random)
+    budget: RetryBudget = field(default_factory=lambda: RetryBudget(now=time.monotonic()))
+
+    def decide_retry(self, op: dict[str, Any], failed: AttemptFailed) -> RetryDecision:
+        """The automatic retry policy applied to a definitive failure of `op`'s epoch."""
+        try:
+            tool = self.catalog.get(op["tool"])
+        except UnknownTool:
+            return RetryDecision(False, "tool_not_in_catalog")
+        failure = Failure(failed.failure_class, failed.code, failed.message,
+                          retry_after_s=failed.retry_after_s,
+                          idempotency=Idempotency(failed.idempotency))
+        ctx = RetryContext(
+            effect_class=tool.effect_class, failure=failure, attempts_made=op["epoch"],
+            max_attempts=tool.max_attempts,
+            elapsed_s=(self.clock() - op["created_at"]).total_seconds(),
+            deadline_s=tool.retry_deadline_s,
+            contract_changed=tool.contract_revision != op["contract_revision"])
+        decision = decide_retry(ctx, self.rng)
+        if decision.retry and not self.budget.try_take(time.monotonic()):
+            return RetryDecision(False, "retry_budget_exhausted")
+        return decision
 
     async def submit(self, intent: SubmitIntent, *, actor: str = "agent") -> Submitted:
         self.catalog.get(intent.tool)  # unknown tool: a clear error before any transaction
@@ -63,9 +100,10 @@ class LedgerService:
                              message_id: str) -> Recorded:
         result = await self.store.run(
             record_outcome_txn, outcome, consumer=consumer, message_id=message_id,
-            subjects=self.subjects, now=self.clock(), ambiguous_outbox_id=self.ids())
+            subjects=self.subjects, now=self.clock(), ambiguous_outbox_id=self.ids(),
+            decide_retry=self.decide_retry)
         crash_point("ledger.inbox.after_commit")
-        if result.to_state == "ambiguous":
+        if result.to_state in ("ambiguous", "pending"):
             self.outbox_wake.set()
         if result.status == "rejected":
             log.info("outcome rejected: op=%s reason=%s", outcome.operation_id, result.reason)
@@ -98,3 +136,45 @@ class LedgerService:
         async with self.store.transaction() as conn:
             return {"operations": await reads.count_by_state(conn),
                     "outbox": await backlog_txn(conn)}
+
+    # ---- operator actions -------------------------------------------------------------
+
+    async def approve(self, operation_id: str, *, epoch: int, arguments_digest: str,
+                      operator: str) -> dict[str, Any]:
+        op = await self.store.run(rec.approve_txn, operation_id, epoch=epoch,
+                                  arguments_digest=arguments_digest, operator=operator,
+                                  subjects=self.subjects, outbox_id=self.ids(), now=self.clock())
+        self.outbox_wake.set()
+        return op
+
+    async def reject(self, operation_id: str, *, epoch: int, operator: str,
+                     reason: str) -> dict[str, Any]:
+        return await self.store.run(rec.reject_txn, operation_id, epoch=epoch, operator=operator,
+                                    reason=reason, subjects=self.subjects, now=self.clock())
+
+    async def cancel(self, operation_id: str, *, operator: str, reason: str) -> dict[str, Any]:
+        return await self.store.run(rec.cancel_txn, operation_id, operator=operator,
+                                    reason=reason, subjects=self.subjects, now=self.clock())
+
+    async def inspect(self, operation_id: str) -> Assessment:
+        async with self.store.transaction() as conn:
+            return inspect_recovery(rec.facts(await rec.load_op(conn, operation_id)))
+
+    async def retry(self, operation_id: str, *, operator: str, review: Review | None = None,
+                    for_epoch: int | None = None) -> tuple[str, rec.Admission]:
+        """Prepare a single-use plan and submit it to admission. Refusals raise or return."""
+        async with self.store.transaction() as conn:
+            op = await rec.load_op(conn, operation_id)
+        plan = prepare_retry(rec.facts(op), review, for_epoch=for_epoch)
+        plan_id = self.ids()
+        await self.store.run(rec.record_plan_txn, plan, plan_id=plan_id, requested_by=operator,
+                             now=self.clock())
+        return plan_id, await self.use_plan(plan_id)
+
+    async def use_plan(self, plan_id: str) -> rec.Admission:
+        admission = await self.store.run(rec.consume_plan_txn, plan_id, catalog=self.catalog,
+                                         subjects=self.subjects, outbox_id=self.ids(),
+                                         now=self.clock())
+        if admission.admitted:
+            self.outbox_wake.set()
+        return admission

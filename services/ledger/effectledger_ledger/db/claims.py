@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
 from effectledger_core.messages import ClaimAttempt, ClaimReply, ClaimStatus
 from effectledger_core.states import Event, sources
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .common import append_journal
 from .schema import OUTBOX_CONSUMED, attempts, operations, outbox
@@ -59,14 +61,14 @@ async def claim_txn(conn: AsyncConnection, claim: ClaimAttempt, *, now: datetime
                       current_epoch=claim.epoch, state="in_flight", **base)
 
 
-async def _held(conn: AsyncConnection, claim: ClaimAttempt) -> sa.Row[tuple[str, str]] | None:
+async def _held(conn: AsyncConnection, claim: ClaimAttempt) -> Any | None:
     return (await conn.execute(
         sa.select(attempts.c.id, attempts.c.status)
         .where(attempts.c.operation_id == claim.operation_id, attempts.c.epoch == claim.epoch)
     )).first()
 
 
-def _held_reply(held: sa.Row[tuple[str, str]], claim: ClaimAttempt, op: sa.Row[tuple[str, int]]
+def _held_reply(held: Any, claim: ClaimAttempt, op: Any
                 ) -> ClaimReply:
     base = dict(operation_id=claim.operation_id, epoch=claim.epoch, current_epoch=op[1],
                 state=op[0], attempt_id=held[0])

@@ -7,6 +7,8 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
 from effectledger_core.catalog import Catalog
 from effectledger_core.errors import IdempotencyConflict
 from effectledger_core.ids import operation_key as derive_operation_key
@@ -14,7 +16,6 @@ from effectledger_core.intents import validate_arguments
 from effectledger_core.messages import DispatchAttempt, SubmitIntent, encode
 from effectledger_core.states import State
 from effectledger_core.subjects import Subjects
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .common import append_journal, notify_outbox
 from .schema import OUTBOX_PENDING, operations, outbox

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
 from effectledger_core.messages import (
     AttemptAccepted,
     AttemptFailed,
@@ -15,9 +18,9 @@ from effectledger_core.messages import (
     Outcome,
     OutcomeAmbiguous,
 )
+from effectledger_core.retry_policy import RetryDecision
 from effectledger_core.states import Event, State, sources, transition
 from effectledger_core.subjects import Subjects
-from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .common import append_journal, insert_ignore, notify_outbox
 from .schema import OUTBOX_PENDING, attempts, dead_letters, inbox, operations, outbox
@@ -30,6 +33,10 @@ _EVENT = {
 }
 
 
+# Given the operation row and a definitive failure, the retry policy's decision.
+RetryDecider = Callable[[dict[str, Any], AttemptFailed], RetryDecision]
+
+
 @dataclass(frozen=True)
 class Recorded:
     status: str  # applied | duplicate | rejected
@@ -39,15 +46,15 @@ class Recorded:
 
 async def record_outcome_txn(conn: AsyncConnection, outcome: Outcome, *, consumer: str,
                              message_id: str, subjects: Subjects, now: datetime,
-                             ambiguous_outbox_id: str) -> Recorded:
+                             ambiguous_outbox_id: str,
+                             decide_retry: RetryDecider | None = None) -> Recorded:
     if not await insert_ignore(conn, inbox, dict(consumer=consumer, message_id=message_id,
                                                  received_at=now)):
         return Recorded("duplicate")
     event = _EVENT[type(outcome)]
     detail = outcome.model_dump(mode="json")
     op = (await conn.execute(
-        sa.select(operations.c.state, operations.c.epoch, operations.c.tool)
-        .where(operations.c.id == outcome.operation_id))).first()
+        sa.select(operations).where(operations.c.id == outcome.operation_id))).first()
     held = (await conn.execute(
         sa.select(attempts.c.id).where(attempts.c.operation_id == outcome.operation_id,
                                        attempts.c.epoch == outcome.epoch))).scalar()
@@ -60,10 +67,19 @@ async def record_outcome_txn(conn: AsyncConnection, outcome: Outcome, *, consume
         reason = "stale_epoch"
     elif State(op.state) not in sources(event):
         reason = f"state_{op.state}_does_not_accept_{event.value}"
+    decision: RetryDecision | None = None
+    if reason is None and isinstance(outcome, AttemptFailed) and decide_retry is not None:
+        assert op is not None
+        # The ledger decides about retries, never the dispatcher on its own.
+        decision = decide_retry(dict(op._mapping), outcome)
+        if decision.retry:
+            event = Event.OUTCOME_RETRY
     if reason is None:
         assert op is not None
         step = transition(State(op.state), event)
         values: dict[str, Any] = dict(state=step.to.value, updated_at=now, last_outcome=detail)
+        if step.new_epoch:
+            values["epoch"] = op.epoch + 1
         if isinstance(outcome, AttemptSucceeded | AttemptAccepted):
             values.update(provider_ref=outcome.provider_ref,
                           response_digest=outcome.response_digest)
@@ -91,6 +107,9 @@ async def record_outcome_txn(conn: AsyncConnection, outcome: Outcome, *, consume
     await append_journal(conn, operation_id=outcome.operation_id, at=now, kind="outcome_recorded",
                          actor=outcome.dispatcher_id, epoch=outcome.epoch, from_state=op.state,
                          to_state=step.to.value, detail=detail)
+    if decision is not None:
+        await _journal_decision(conn, op=dict(op._mapping), decision=decision, now=now,
+                                subjects=subjects, outbox_id=ambiguous_outbox_id)
     if step.to is State.AMBIGUOUS:
         # Hand the ambiguity to the reconciler through the outbox, never back to dispatch.
         await conn.execute(outbox.insert().values(
@@ -110,3 +129,28 @@ async def record_dead_letter_txn(conn: AsyncConnection, letter: DeadLetter, *,
     await append_journal(conn, operation_id=None, at=now, kind="dead_lettered",
                          actor=letter.consumer, detail=letter.model_dump(mode="json",
                                                                          exclude={"payload_excerpt"}))
+
+
+async def _journal_decision(conn: AsyncConnection, *, op: dict[str, Any],
+                            decision: RetryDecision, now: datetime, subjects: Subjects,
+                            outbox_id: str) -> None:
+    from effectledger_core.failures import policy_digest
+
+    from .intents import dispatch_row
+
+    detail = {"reason": decision.reason, "delay_s": round(decision.delay_s, 3),
+              "policy_digest": policy_digest()}
+    if not decision.retry:
+        await append_journal(conn, operation_id=op["id"], at=now, kind="retry_declined",
+                             actor="ledger.retry_policy", epoch=op["epoch"], detail=detail)
+        return
+    new_epoch = op["epoch"] + 1
+    due = now + timedelta(seconds=decision.delay_s)
+    row = dispatch_row({**op, "epoch": new_epoch}, subjects=subjects, outbox_id=outbox_id,
+                       now=now)
+    row["available_at"] = due  # the relay publishes it only once the backoff has passed
+    await conn.execute(outbox.insert().values(**row))
+    await append_journal(conn, operation_id=op["id"], at=now, kind="retry_scheduled",
+                         actor="ledger.retry_policy", epoch=new_epoch,
+                         detail={**detail, "due_at": due.isoformat(),
+                                 "operation_key": op["operation_key"]})

@@ -7,9 +7,11 @@ import json
 from typing import Any
 
 import sqlalchemy as sa
-from effectledger_core.errors import InvalidRequest, NotFound
-from effectledger_core.states import State
 from sqlalchemy.ext.asyncio import AsyncConnection
+
+from effectledger_core.errors import InvalidRequest, NotFound
+from effectledger_core.failures import policy_digest
+from effectledger_core.states import State
 
 from .schema import attempts, journal, operations
 
@@ -98,6 +100,15 @@ async def count_by_state(conn: AsyncConnection) -> dict[str, int]:
     return {r[0]: int(r[1]) for r in rows}
 
 
+def _recovery(op: dict[str, Any]) -> dict[str, str]:
+    from effectledger_core.recovery import inspect_recovery
+
+    from .recovery import facts
+
+    a = inspect_recovery(facts(op))
+    return {"fact": a.fact.value, "decision": a.decision.value, "reason": a.reason}
+
+
 def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
     """DESIGN.md section 7. A receipt is evidence, not success: it lists what is still open."""
     last = op["attempts"][-1] if op["attempts"] else None
@@ -127,11 +138,12 @@ def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
             "catalog_entry": op["tool_digest"],
             "request": op["arguments_digest"],
             "response": op["response_digest"],
-            "policy": None,  # the retry policy table arrives with the contracts issue
+            "policy": policy_digest(),
         },
         "provider_request_ref": op["provider_ref"],
         "dispatch_outcome": last["status"] if last else None,
         "reconciliation_status": reconciliation,
-        "recovery_decision": None,
+        "recovery_decision": _recovery(op),
+        "guidance": (op.get("last_outcome") or {}).get("guidance") or None,
         "open_uncertainties": open_items,
     }

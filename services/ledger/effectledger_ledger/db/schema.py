@@ -152,3 +152,19 @@ dead_letters = sa.Table(
     sa.Column("payload_excerpt", sa.Text, nullable=False),
     sa.Column("deliveries", sa.Integer, nullable=False),
 )
+
+# Single-use recovery plans (seed 000): bound to operation, epoch, arguments and contract.
+retry_plans = sa.Table(
+    "retry_plans", metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("operation_id", sa.String(64), sa.ForeignKey("operations.id"), nullable=False),
+    sa.Column("epoch", sa.Integer, nullable=False),
+    sa.Column("arguments_digest", sa.String(80), nullable=False),
+    sa.Column("contract_revision", sa.String(64), nullable=False),
+    sa.Column("review", JSONType),
+    sa.Column("requested_by", sa.String(1024), nullable=False),
+    sa.Column("created_at", UTCDateTime, nullable=False),
+    sa.Column("consumed_at", UTCDateTime),
+    sa.Column("admission", sa.String(64)),  # admitted | refused:<reason>
+    sa.Index("ix_retry_plans_operation", "operation_id"),
+)

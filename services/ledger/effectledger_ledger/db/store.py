@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
-from effectledger_core.errors import StoreUnavailable
 from sqlalchemy import event
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
@@ -25,6 +24,8 @@ from tenacity import (
     stop_after_attempt,
     wait_exponential_jitter,
 )
+
+from effectledger_core.errors import StoreUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
