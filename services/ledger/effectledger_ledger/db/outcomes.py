@@ -53,8 +53,12 @@ async def record_outcome_txn(conn: AsyncConnection, outcome: Outcome, *, consume
         return Recorded("duplicate")
     event = _EVENT[type(outcome)]
     detail = outcome.model_dump(mode="json")
+    # Lock the row before deciding (PostgreSQL; SQLite already serialises writers): a decision
+    # made on a state read before a concurrent commit would reject valid evidence, e.g. a late
+    # success racing the ambiguity it resolves, and the inbox row would make that permanent.
     op = (await conn.execute(
-        sa.select(operations).where(operations.c.id == outcome.operation_id))).first()
+        sa.select(operations).where(operations.c.id == outcome.operation_id)
+        .with_for_update())).first()
     held = (await conn.execute(
         sa.select(attempts.c.id).where(attempts.c.operation_id == outcome.operation_id,
                                        attempts.c.epoch == outcome.epoch))).scalar()
