@@ -11,12 +11,29 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, TypeAdapter, ValidationError
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+)
 
 from .errors import PayloadTooLarge, PoisonMessage
 from .limits import MAX_IDENTIFIER_BYTES, MAX_MESSAGE_BYTES, MAX_PROVIDER_REF_BYTES
 
-Ident = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDENTIFIER_BYTES)]
+
+def _within_bytes(value: str) -> str:
+    # The bound is 1 KiB of UTF-8, not 1024 characters (which could be 4 KiB).
+    if len(value.encode()) > MAX_IDENTIFIER_BYTES:
+        raise ValueError(f"must be at most {MAX_IDENTIFIER_BYTES} bytes of UTF-8")
+    return value
+
+
+Ident = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDENTIFIER_BYTES),
+                  AfterValidator(_within_bytes)]
 ShortText = Annotated[str, StringConstraints(max_length=1024)]
 ProviderRef = Annotated[str, StringConstraints(max_length=MAX_PROVIDER_REF_BYTES)]
 Epoch = Annotated[int, Field(ge=1)]
@@ -56,6 +73,7 @@ class ClaimStatus(StrEnum):
     GRANTED = "granted"
     ALREADY_CLAIMED = "already_claimed"
     STALE_EPOCH = "stale_epoch"
+    NOT_CLAIMABLE = "not_claimable"  # right epoch, but cancelled / awaiting approval / resolved
     NOT_FOUND = "not_found"
 
 
@@ -148,6 +166,61 @@ Outcome = Annotated[
 OUTCOME_ADAPTER: TypeAdapter[Outcome] = TypeAdapter(Outcome)
 
 
+
+class ReconcileOperation(Message):
+    """Command from the ledger outbox: find out whether this epoch's effect was applied."""
+
+    type: Literal["reconcile_operation"] = "reconcile_operation"
+    operation_id: Ident
+    epoch: Epoch
+    attempt_id: Ident
+    operation_key: Ident
+    tool: Ident
+    arguments: dict[str, Any]
+    cause: Literal["ambiguous", "accepted"]
+    reason: ShortText = ""
+    claimed_at: datetime  # when the attempt started: the provider horizon counts from here
+    noticed_at: datetime
+    provider_ref: ProviderRef | None = None
+
+
+class Evidence(Message):
+    source: Literal["readback", "webhook", "operator", "response"]
+    at: datetime
+    provider_ref: ProviderRef | None = None
+    digest: str | None = None
+    detail: ShortText = ""
+
+
+class VerdictReached(Message):
+    """The reconciler's finding for one epoch. `undecidable` sends it to human review."""
+
+    type: Literal["verdict_reached"] = "verdict_reached"
+    operation_id: Ident
+    epoch: Epoch
+    verdict: Literal["applied", "not_applied", "undecidable"]
+    evidence: Evidence | None = None
+    reconciler_id: Ident
+    reason: ShortText = ""
+    at: datetime
+
+
+class WebhookReceived(Message):
+    """A provider webhook whose signature was verified, forwarded to the ledger as evidence."""
+
+    type: Literal["webhook_received"] = "webhook_received"
+    provider: Ident
+    webhook_id: Ident
+    event_type: ShortText
+    operation_key: Ident | None = None
+    provider_ref: ProviderRef | None = None
+    outcome: Literal["applied", "not_applied", "pending", "unknown"]
+    final: bool = False  # the provider says this is its last word for the effect
+    body_digest: str
+    signed_at: datetime
+    received_at: datetime
+
+
 class DeadLetter(Message):
     """A poison message, recorded in the ledger instead of being redelivered forever."""
 
@@ -158,6 +231,15 @@ class DeadLetter(Message):
     error: ShortText
     payload_excerpt: Annotated[str, StringConstraints(max_length=2048)]
     deliveries: int = 1
+
+
+# Everything the ledger's inbox consumes on `<prefix>.ledger.v1.>`.
+LedgerEvent = Annotated[
+    AttemptSucceeded | AttemptAccepted | AttemptFailed | OutcomeAmbiguous | VerdictReached
+    | WebhookReceived | DeadLetter,
+    Field(discriminator="type"),
+]
+LEDGER_EVENT_ADAPTER: TypeAdapter[LedgerEvent] = TypeAdapter(LedgerEvent)
 
 
 def parse(model: type[M], raw: bytes) -> M:
@@ -194,3 +276,12 @@ def _short_errors(exc: ValidationError) -> str:
 def excerpt(raw: bytes, limit: int = 2048) -> str:
     """A bounded, printable excerpt of a payload for dead-letter records."""
     return raw[:limit].decode("utf-8", errors="replace")
+
+
+def parse_ledger_event(raw: bytes) -> LedgerEvent:
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise PayloadTooLarge(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return LEDGER_EVENT_ADAPTER.validate_json(raw)
+    except ValidationError as exc:
+        raise PoisonMessage(_short_errors(exc)) from exc

@@ -166,7 +166,7 @@ async def test_claim_on_an_unclaimable_state_is_refused(store: Store, state: str
     await set_op(store, "op1", state=state)
     reply = await claim(store, "a1")
     assert reply.status is not ClaimStatus.GRANTED
-    assert reply.status is ClaimStatus.STALE_EPOCH and reply.state == state
+    assert reply.status is ClaimStatus.NOT_CLAIMABLE and reply.state == state
     [op] = await rows(store, operations)
     assert op["state"] == state
     assert await rows(store, attempts) == []
@@ -177,7 +177,7 @@ async def test_approval_gated_operation_cannot_be_claimed(store: Store) -> None:
     """An operation awaiting approval from the start refuses claims (no dispatch before OK)."""
     await submit(store, tool="wire_money")
     reply = await claim(store, "a1")
-    assert reply.status is ClaimStatus.STALE_EPOCH and reply.state == "awaiting_approval"
+    assert reply.status is ClaimStatus.NOT_CLAIMABLE and reply.state == "awaiting_approval"
     assert await rows(store, attempts) == []
 
 

@@ -42,8 +42,9 @@ async def claim_txn(conn: AsyncConnection, claim: ClaimAttempt, *, now: datetime
                              kind="claim_rejected", actor=claim.dispatcher_id, epoch=claim.epoch,
                              detail={"attempt_id": claim.attempt_id, "current_epoch": op.epoch,
                                      "state": op.state})
-        return ClaimReply(status=ClaimStatus.STALE_EPOCH, current_epoch=op.epoch,
-                          state=op.state, **base)
+        status = (ClaimStatus.NOT_CLAIMABLE if op.epoch == claim.epoch
+                  else ClaimStatus.STALE_EPOCH)
+        return ClaimReply(status=status, current_epoch=op.epoch, state=op.state, **base)
     # A unique violation here (a racing claim on SQLite) aborts the transaction; the caller
     # retries it and then takes the "already claimed" branch above.
     await conn.execute(attempts.insert().values(

@@ -1,0 +1,1 @@
+"""Benchmarks: effectledger against the pgbench limit, DBOS and no durability (issue 6)."""

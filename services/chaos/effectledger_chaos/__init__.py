@@ -1,0 +1,1 @@
+"""The proving ground: seeded fault injection against real processes (issue 5)."""
