@@ -53,7 +53,13 @@ class Settings(BaseSettings):
     relay_lease_s: float = 30.0
     sweep_after_s: float = 60.0
     sweep_interval_s: float = 5.0
+    reconcile_sweep_after_s: float = 900.0
     inbox_concurrency: int = 16
+    inbox_retention_s: float = 8 * 86400  # beyond the streams' max age: no redelivery after
+    webhook_retention_s: float = 30 * 86400  # webhook ids deduplicated at least this long
+    # {"<token>": "<tenant>"} and {"<token>": "<operator name>"}; none set = open API
+    agent_tokens: dict[str, str] = Field(default_factory=dict)
+    operator_tokens: dict[str, str] = Field(default_factory=dict)
 
     # dispatcher
     dispatcher_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
@@ -65,6 +71,16 @@ class Settings(BaseSettings):
     # reconciler
     reconciler_host: str = "127.0.0.1"
     reconciler_port: int = 8800
+    reconciler_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    # Readback errors are retried until claimed_at + this; then the operation needs review.
+    reconcile_deadline_s: float = Field(default=3600.0, gt=0)
+    # How long after the ambiguity notice a webhook-capable tool waits for a provider webhook.
+    webhook_wait_s: float = Field(default=300.0, ge=0)
+    # Provider -> active Standard Webhooks secrets ("whsec_<base64>"); several during rotation.
+    # JSON in the environment: EFFECTLEDGER_WEBHOOK_SECRETS='{"sandbox": ["whsec_..."]}'.
+    webhook_secrets: dict[str, list[SecretStr]] = Field(default_factory=dict)
+    webhook_max_body_bytes: int = Field(default=256 * 1024, gt=0)
+    webhook_tolerance_s: float = Field(default=300.0, gt=0)
 
     log_level: str = "INFO"
 

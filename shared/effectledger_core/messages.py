@@ -216,6 +216,7 @@ class WebhookReceived(Message):
     provider_ref: ProviderRef | None = None
     outcome: Literal["applied", "not_applied", "pending", "unknown"]
     final: bool = False  # the provider says this is its last word for the effect
+    fencing_token: int | None = None  # the epoch the provider saw, when it reports one
     body_digest: str
     signed_at: datetime
     received_at: datetime

@@ -27,6 +27,14 @@ class Subjects:
         return f"{self.prefix}.ledger.v1.outcome.{kind}"
 
     @property
+    def verdict(self) -> str:
+        return f"{self.prefix}.ledger.v1.verdict"
+
+    @property
+    def webhook(self) -> str:
+        return f"{self.prefix}.ledger.v1.webhook"
+
+    @property
     def deadletter(self) -> str:
         return f"{self.prefix}.ledger.v1.deadletter"
 
@@ -50,6 +58,11 @@ class Subjects:
     @property
     def rpc_claim(self) -> str:
         return f"{self.prefix}.rpc.v1.claim"
+
+    @property
+    def rpc_operation(self) -> str:
+        """Read-only: `{"operation_id": ...}` → `{"ok": true, "operation": {state, epoch, ...}}`."""
+        return f"{self.prefix}.rpc.v1.operation"
 
     # streams
     @property

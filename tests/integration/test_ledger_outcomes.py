@@ -22,13 +22,15 @@ from effectledger_core.messages import (
     FailureClass,
     Outcome,
     OutcomeAmbiguous,
+    ReconcileOperation,
     SubmitIntent,
-    parse_outcome,
+    parse,
 )
 from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.claims import claim_txn
 from effectledger_ledger.db.intents import submit_intent_txn
-from effectledger_ledger.db.outcomes import Recorded, record_dead_letter_txn, record_outcome_txn
+from effectledger_ledger.db.outcomes import record_dead_letter_txn, record_outcome_txn
+from effectledger_ledger.db.resolution import Recorded
 from effectledger_ledger.db.schema import (
     attempts,
     dead_letters,
@@ -141,17 +143,21 @@ async def test_accepted_outcome_awaits_confirmation(store: Store) -> None:
 
 async def test_ambiguous_outcome_hands_off_to_the_reconciler(store: Store) -> None:
     """An ambiguous outcome moves to ambiguous and, in the same commit, writes an outbox row
-    of kind 'ambiguous' on the reconcile subject carrying the outcome."""
+    of kind 'reconcile' on the reconcile subject carrying a ReconcileOperation command."""
     await in_flight(store)
     outcome = ambiguous()
     assert await record(store, outcome, "m1", amb_id="amb_7") == Recorded(
         "applied", to_state="ambiguous")
     assert (await op_row(store))["state"] == "ambiguous"
-    [row] = await rows(store, outbox, outbox.c.kind == "ambiguous")
+    [row] = await rows(store, outbox, outbox.c.kind == "reconcile")
     assert row["id"] == "amb_7" and row["subject"] == SUBJECTS.ambiguous
     assert row["status"] == "pending" and row["epoch"] == 1 and row["operation_id"] == "op1"
     assert row["available_at"] == LATER and row["publish_count"] == 0
-    assert parse_outcome(row["payload"].encode()) == outcome
+    cmd = parse(ReconcileOperation, row["payload"].encode())
+    op = await op_row(store)
+    assert (cmd.operation_id, cmd.epoch, cmd.attempt_id) == ("op1", 1, outcome.attempt_id)
+    assert cmd.operation_key == op["operation_key"] and cmd.cause == "ambiguous"
+    assert cmd.reason == outcome.reason and cmd.noticed_at == LATER
     # never back to dispatch: the only dispatch row is the original, already consumed
     [dispatch] = await rows(store, outbox, outbox.c.kind == "dispatch")
     assert dispatch["status"] == "consumed"
@@ -272,7 +278,7 @@ async def test_service_records_ambiguity_and_wakes_the_relay(store: Store) -> No
     result = await svc.record_outcome(ambiguous(), consumer="ledger", message_id="m1")
     assert result.to_state == "ambiguous"
     assert svc.outbox_wake.is_set()
-    [row] = await rows(store, outbox, outbox.c.kind == "ambiguous")
+    [row] = await rows(store, outbox, outbox.c.kind == "reconcile")
     assert row["id"] == "id0001"
 
 
@@ -283,7 +289,7 @@ async def test_concurrent_redeliveries_apply_exactly_once(store: Store) -> None:
     results = await asyncio.gather(*(
         svc.record_outcome(ambiguous(), consumer="ledger", message_id="m1") for _ in range(10)))
     assert sorted(r.status for r in results) == ["applied"] + ["duplicate"] * 9
-    assert len(await rows(store, outbox, outbox.c.kind == "ambiguous")) == 1
+    assert len(await rows(store, outbox, outbox.c.kind == "reconcile")) == 1
     assert (await journal_kinds(store)).count("outcome_recorded") == 1
 
 

@@ -1,11 +1,16 @@
-"""The ledger's HTTP API (FastAPI). Errors are JSON: `{"error": {"code", "message"}}`."""
+"""The ledger's HTTP API (FastAPI). Errors are JSON: `{"error": {"code", "message"}}`.
+
+Agents (agent tokens) submit intents and read their own tenant's operations; operators
+(operator tokens) also approve, reject, cancel, retry and review. Operator actions are journaled
+with the operator's name from the token.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StringConstraints
@@ -21,9 +26,11 @@ from effectledger_core.limits import MAX_HTTP_BODY_BYTES, MAX_IDENTIFIER_BYTES
 from effectledger_core.messages import SubmitIntent, parse
 from effectledger_core.recovery import Conclusion, Review
 
+from .auth import Authenticator, Forbidden, Principal, check_tenant, operator_name
 from .service import LedgerService
 
 Bounded = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDENTIFIER_BYTES)]
+Text = Annotated[str, StringConstraints(max_length=MAX_IDENTIFIER_BYTES)]
 
 
 class _Body(BaseModel):
@@ -33,28 +40,29 @@ class _Body(BaseModel):
 class ApproveBody(_Body):
     epoch: int
     arguments_digest: Bounded
-    operator: Bounded
+    operator: Bounded | None = None
 
 
 class RejectBody(_Body):
     epoch: int
-    operator: Bounded
-    reason: Annotated[str, StringConstraints(max_length=MAX_IDENTIFIER_BYTES)] = ""
+    operator: Bounded | None = None
+    reason: Text = ""
 
 
 class CancelBody(_Body):
-    operator: Bounded
-    reason: Annotated[str, StringConstraints(max_length=MAX_IDENTIFIER_BYTES)] = ""
+    operator: Bounded | None = None
+    reason: Text = ""
 
 
 class ReviewBody(_Body):
     conclusion: Conclusion
     evidence_ref: Bounded
-    operator: Bounded
+    operator: Bounded | None = None
+    epoch: int | None = None  # the epoch reviewed; default the current one
 
 
 class RetryBody(_Body):
-    operator: Bounded
+    operator: Bounded | None = None
     epoch: int | None = None  # the epoch the caller saw; a superseded one is refused
     review: ReviewBody | None = None
 
@@ -83,9 +91,24 @@ async def read_bounded(request: Request, limit: int = MAX_HTTP_BODY_BYTES) -> by
     return b"".join(chunks)
 
 
-def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str, bool]]]
-               ) -> FastAPI:
+def _json(v: Any) -> Any:
+    return v.isoformat() if hasattr(v, "isoformat") else v
+
+
+def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str, Any]]],
+               auth: Authenticator | None = None) -> FastAPI:
     app = FastAPI(title="effectledger ledger", version="1")
+    authenticator = auth or Authenticator({}, {})
+
+    async def principal(request: Request) -> Principal:
+        return authenticator.authenticate(request)
+
+    Who = Annotated[Principal, Depends(principal)]
+
+    async def visible(p: Principal, operation_id: str) -> dict[str, Any]:
+        op = await service.operation(operation_id)
+        check_tenant(p, op["tenant"])
+        return op
 
     @app.exception_handler(EffectLedgerError)
     async def _own(_: Request, exc: EffectLedgerError) -> JSONResponse:
@@ -101,80 +124,107 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
         return _error(exc.status_code, "http_error", str(exc.detail))
 
     @app.post("/v1/intents")
-    async def submit_intent(request: Request) -> JSONResponse:
+    async def submit_intent(request: Request, p: Who) -> JSONResponse:
         raw = await read_bounded(request)
         try:
             intent = parse(SubmitIntent, raw)
         except PoisonMessage as exc:
             raise InvalidRequest(exc.message) from exc
-        submitted = await service.submit(intent, actor="agent:http")
+        if p.role == "agent":
+            if "tenant" in intent.model_fields_set and intent.tenant != p.tenant:
+                raise Forbidden("agents submit intents for their own tenant only")
+            intent = intent.model_copy(update={"tenant": p.tenant})
+        submitted = await service.submit(intent, actor=p.name)
         view = await service.operation(submitted.operation["id"])
         return JSONResponse(view, status_code=201 if submitted.created else 200)
 
     @app.get("/v1/operations/{operation_id}")
-    async def get_operation(operation_id: str) -> dict[str, Any]:
-        return await service.operation(operation_id)
+    async def get_operation(operation_id: str, p: Who) -> dict[str, Any]:
+        return await visible(p, operation_id)
 
     @app.get("/v1/operations/{operation_id}/journal")
-    async def get_journal(operation_id: str) -> dict[str, Any]:
+    async def get_journal(operation_id: str, p: Who) -> dict[str, Any]:
+        await visible(p, operation_id)
         return {"operation_id": operation_id, "entries": await service.journal(operation_id)}
 
     @app.get("/v1/operations/{operation_id}/receipt")
-    async def get_receipt(operation_id: str) -> dict[str, Any]:
+    async def get_receipt(operation_id: str, p: Who) -> dict[str, Any]:
+        await visible(p, operation_id)
         return await service.receipt(operation_id)
 
     @app.get("/v1/operations")
-    async def list_operations(state: str | None = None,
+    async def list_operations(p: Who, state: str | None = None,
                               limit: int = Query(100, ge=1, le=1000),
                               cursor: str | None = None) -> dict[str, Any]:
-        return await service.list_operations(state=state, limit=limit, cursor=cursor)
+        return await service.list_operations(state=state, limit=limit, cursor=cursor,
+                                             tenant=p.tenant)
 
     @app.post("/v1/operations/{operation_id}/approve")
-    async def approve(operation_id: str, body: ApproveBody) -> dict[str, Any]:
+    async def approve(operation_id: str, body: ApproveBody, p: Who) -> dict[str, Any]:
         await service.approve(operation_id, epoch=body.epoch,
-                              arguments_digest=body.arguments_digest, operator=body.operator)
+                              arguments_digest=body.arguments_digest,
+                              operator=operator_name(p, body.operator))
         return await service.operation(operation_id)
 
     @app.post("/v1/operations/{operation_id}/reject")
-    async def reject(operation_id: str, body: RejectBody) -> dict[str, Any]:
-        await service.reject(operation_id, epoch=body.epoch, operator=body.operator,
-                             reason=body.reason)
+    async def reject(operation_id: str, body: RejectBody, p: Who) -> dict[str, Any]:
+        await service.reject(operation_id, epoch=body.epoch,
+                             operator=operator_name(p, body.operator), reason=body.reason)
         return await service.operation(operation_id)
 
     @app.post("/v1/operations/{operation_id}/cancel")
-    async def cancel(operation_id: str, body: CancelBody) -> dict[str, Any]:
-        await service.cancel(operation_id, operator=body.operator, reason=body.reason)
+    async def cancel(operation_id: str, body: CancelBody, p: Who) -> dict[str, Any]:
+        await service.cancel(operation_id, operator=operator_name(p, body.operator),
+                             reason=body.reason)
         return await service.operation(operation_id)
 
     @app.get("/v1/operations/{operation_id}/recovery")
-    async def recovery(operation_id: str) -> dict[str, Any]:
+    async def recovery(operation_id: str, p: Who) -> dict[str, Any]:
+        await visible(p, operation_id)
         a = await service.inspect(operation_id)
         return {"fact": a.fact.value, "decision": a.decision.value, "reason": a.reason}
 
     @app.post("/v1/operations/{operation_id}/retry")
-    async def retry(operation_id: str, body: RetryBody) -> JSONResponse:
+    async def retry(operation_id: str, body: RetryBody, p: Who) -> JSONResponse:
+        who = operator_name(p, body.operator)
         review = None
         if body.review is not None:
             op = await service.operation(operation_id)
-            review = Review(operator=body.review.operator, evidence_ref=body.review.evidence_ref,
-                            conclusion=body.review.conclusion,
-                            epoch=body.epoch if body.epoch is not None else op["epoch"])
-        plan_id, admission = await service.retry(operation_id, operator=body.operator,
-                                                 review=review, for_epoch=body.epoch)
+            epoch = body.review.epoch or body.epoch or op["epoch"]
+            review = Review(operator=operator_name(p, body.review.operator or who),
+                            evidence_ref=body.review.evidence_ref,
+                            conclusion=body.review.conclusion, epoch=epoch)
+        plan_id, admission = await service.retry(operation_id, operator=who, review=review,
+                                                 for_epoch=body.epoch)
         return _admission(plan_id, admission)
 
     @app.post("/v1/retry-plans/{plan_id}/use")
-    async def use_plan(plan_id: str) -> JSONResponse:
+    async def use_plan(plan_id: str, p: Who) -> JSONResponse:
+        operator_name(p, None if p.role == "operator" else "anonymous")
         return _admission(plan_id, await service.use_plan(plan_id))
 
+    @app.get("/v1/reviews")
+    async def review_queue(p: Who, limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
+        operator_name(p, None if p.role == "operator" else "anonymous")
+        return {"items": await service.review_queue(limit)}
+
+    @app.post("/v1/operations/{operation_id}/reviews")
+    async def review(operation_id: str, body: ReviewBody, p: Who) -> dict[str, Any]:
+        who = operator_name(p, body.operator)
+        op = await service.operation(operation_id)
+        await service.review(operation_id, Review(
+            operator=who, evidence_ref=body.evidence_ref, conclusion=body.conclusion,
+            epoch=body.epoch if body.epoch is not None else op["epoch"]))
+        return await service.operation(operation_id)
+
     @app.get("/v1/tools")
-    async def list_tools() -> dict[str, Any]:
+    async def list_tools(p: Who) -> dict[str, Any]:
         tools = service.catalog.tools
         return {"catalog_digest": service.catalog.digest(),
                 "tools": [tools[n].public_view() for n in sorted(tools)]}
 
     @app.get("/v1/stats")
-    async def stats() -> dict[str, Any]:
+    async def stats(p: Who) -> dict[str, Any]:
         return await service.stats()
 
     @app.get("/healthz")
@@ -184,8 +234,10 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
     @app.get("/readyz")
     async def readyz() -> JSONResponse:
         checks = await ready()
-        ok = all(checks.values())
-        return JSONResponse({"ok": ok, "checks": checks}, status_code=200 if ok else 503)
+        ok = all(v for v in checks.values() if isinstance(v, bool))
+        return JSONResponse({"ok": ok, "checks": checks,
+                             "auth": "enabled" if authenticator.enabled else "disabled"},
+                            status_code=200 if ok else 503)
 
     return app
 
@@ -196,7 +248,3 @@ def _admission(plan_id: str, admission: Any) -> JSONResponse:
                       f"{admission.reason}", {"reason": admission.reason, "plan_id": plan_id})
     return JSONResponse({"plan_id": plan_id, "admitted": True,
                          "operation": {k: _json(v) for k, v in admission.operation.items()}})
-
-
-def _json(v: Any) -> Any:
-    return v.isoformat() if hasattr(v, "isoformat") else v

@@ -14,6 +14,7 @@ from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
 
 from .api import create_app
+from .auth import Authenticator
 from .db.store import Store
 from .messaging import build_broker
 from .migrate import upgrade
@@ -39,16 +40,19 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     relay = Relay(store, js, service.outbox_wake, batch_size=settings.relay_batch_size,
                   lease_s=settings.relay_lease_s, poll_interval_s=settings.relay_poll_interval_s)
     sweeper = Sweeper(store, service.outbox_wake, older_than_s=settings.sweep_after_s,
-                      interval_s=settings.sweep_interval_s)
+                      interval_s=settings.sweep_interval_s,
+                      reconcile_after_s=settings.reconcile_sweep_after_s)
     tasks = [asyncio.create_task(relay.run(), name="relay"),
              asyncio.create_task(sweeper.run(), name="sweeper"),
+             asyncio.create_task(_janitor(store, settings), name="janitor"),
              asyncio.create_task(listen_notify(store, service.outbox_wake), name="listen")]
 
     async def ready() -> dict[str, bool]:
         return {"database": await store.ping(), "nats": nc.is_connected,
-                "relay": not any(t.done() for t in tasks[:2])}
+                "relay": not any(t.done() for t in tasks[:3])}
 
-    app = create_app(service, ready=ready)
+    app = create_app(service, ready=ready,
+                     auth=Authenticator(settings.agent_tokens, settings.operator_tokens))
     server = uvicorn.Server(uvicorn.Config(
         app, host=settings.ledger_host, port=settings.ledger_port, log_level="warning",
         access_log=False, lifespan="off"))
@@ -76,3 +80,21 @@ async def _announce(server: uvicorn.Server, settings: Settings,
     print(f"ledger ready: http://{settings.ledger_host}:{settings.ledger_port}", flush=True)
     if started is not None:
         started.set()
+
+
+async def _janitor(store: Store, settings: Settings) -> None:
+    """Drops deduplication state once no redelivery can need it (hourly)."""
+    from effectledger_core.ids import utcnow
+
+    from .db.reviews import purge_expired_txn
+
+    while True:
+        try:
+            purged = await store.run(purge_expired_txn, now=utcnow(),
+                                     inbox_retention_s=settings.inbox_retention_s,
+                                     webhook_retention_s=settings.webhook_retention_s)
+            if any(purged.values()):
+                log.info("janitor purged %s", purged)
+        except Exception:
+            log.exception("janitor failed; will retry")
+        await asyncio.sleep(3600)  # a period, not synchronisation

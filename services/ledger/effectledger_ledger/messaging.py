@@ -19,15 +19,22 @@ from nats.js.api import ConsumerConfig
 
 from effectledger_bus.connect import connect_options
 from effectledger_core.config import Settings
-from effectledger_core.errors import EffectLedgerError
+from effectledger_core.errors import (
+    EffectLedgerError,
+    InvalidRequest,
+    PayloadTooLarge,
+    PoisonMessage,
+)
 from effectledger_core.messages import (
     ClaimAttempt,
     DeadLetter,
     SubmitIntent,
+    VerdictReached,
+    WebhookReceived,
     encode,
     excerpt,
     parse,
-    parse_outcome,
+    parse_ledger_event,
 )
 
 from .service import LedgerService
@@ -69,6 +76,22 @@ def build_broker(settings: Settings, service: LedgerService) -> NatsBroker:
             # No reply would leave the dispatcher waiting; an error reply makes it retry later.
             return _error_reply(exc)
 
+    @broker.subscriber(subjects.rpc_operation, queue="ledger", max_workers=16,
+                       title="ledger.operation", description="Read an operation's state")
+    async def on_operation(msg: NatsMessage) -> str:
+        try:
+            query = json.loads(msg.raw_message.data)
+            op_id = query["operation_id"] if isinstance(query, dict) else None
+            if not isinstance(op_id, str) or not 0 < len(op_id) <= 1024:
+                raise InvalidRequest("expected {\"operation_id\": \"...\"}")
+            op = await service.operation(op_id)
+        except EffectLedgerError as exc:
+            return _error_reply(exc)
+        except ValueError:
+            return _error_reply(InvalidRequest("payload is not JSON"))
+        return json.dumps({"ok": True, "operation": {
+            k: op[k] for k in ("id", "state", "epoch", "operation_key", "tool", "provider_ref")}})
+
     max_deliver = settings.max_deliver
 
     @broker.subscriber(
@@ -107,18 +130,25 @@ def build_broker(settings: Settings, service: LedgerService) -> NatsBroker:
 
 async def _handle_event(service: LedgerService, deadletter_subject: str, subject: str,
                         data: bytes, headers: dict[str, Any], deliveries: int) -> None:
-    from effectledger_core.errors import PayloadTooLarge, PoisonMessage
-
     try:
-        if subject == deadletter_subject:
-            await service.record_dead_letter(parse(DeadLetter, data))
-            return
-        outcome = parse_outcome(data)
+        event = parse_ledger_event(data)
     except (PoisonMessage, PayloadTooLarge) as exc:
         await _dead_letter(service, subject, data, headers, deliveries, exc.message)
         return
-    message_id = headers.get("Nats-Msg-Id") or f"{outcome.type}:{outcome.attempt_id}"
-    await service.record_outcome(outcome, consumer=INBOX_CONSUMER, message_id=message_id)
+    message_id = headers.get("Nats-Msg-Id")
+    if isinstance(event, DeadLetter):
+        await service.record_dead_letter(event)
+    elif isinstance(event, VerdictReached):
+        await service.record_verdict(
+            event, consumer=INBOX_CONSUMER,
+            message_id=message_id or f"verdict:{event.operation_id}:{event.epoch}:"
+                                     f"{event.reconciler_id}:{event.verdict}")
+    elif isinstance(event, WebhookReceived):
+        await service.record_webhook(event)  # deduplicated by (provider, webhook id)
+    else:
+        await service.record_outcome(
+            event, consumer=INBOX_CONSUMER,
+            message_id=message_id or f"{event.type}:{event.attempt_id}")
 
 
 async def _dead_letter(service: LedgerService, subject: str, data: bytes,

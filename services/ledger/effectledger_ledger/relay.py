@@ -89,14 +89,20 @@ class Sweeper:
     """Republishes dispatch rows published but never claimed: JetStream may lose messages."""
 
     def __init__(self, store: Store, wake: asyncio.Event, *, older_than_s: float,
-                 interval_s: float, clock: Clock = utcnow) -> None:
+                 interval_s: float, reconcile_after_s: float = 900.0,
+                 clock: Clock = utcnow) -> None:
         self.store, self.wake = store, wake
         self.older_than_s, self.interval_s, self.clock = older_than_s, interval_s, clock
+        # Reconciliation legitimately waits (provider horizons, webhook windows): resend a
+        # reconcile command only after much longer than a dispatch command.
+        self.reconcile_after_s = max(reconcile_after_s, older_than_s)
         self.republished = 0
 
     async def sweep_once(self) -> int:
         n = await self.store.run(sweep_unclaimed_txn, now=self.clock(),
                                  older_than_s=self.older_than_s)
+        n += await self.store.run(sweep_unclaimed_txn, now=self.clock(),
+                                  older_than_s=self.reconcile_after_s, kind="reconcile")
         if n:
             log.warning("sweeper: republishing %d unclaimed dispatch commands", n)
             self.republished += n

@@ -14,15 +14,16 @@ from sqlalchemy.exc import IntegrityError
 from effectledger_core.catalog import Catalog
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import UnknownTool
-from effectledger_core.failures import Failure, Idempotency
+from effectledger_core.failures import Failure
 from effectledger_core.ids import Clock, IdFactory, new_id, utcnow
 from effectledger_core.messages import (
-    AttemptFailed,
     ClaimAttempt,
     ClaimReply,
     DeadLetter,
     Outcome,
     SubmitIntent,
+    VerdictReached,
+    WebhookReceived,
 )
 from effectledger_core.recovery import Assessment, Review, inspect_recovery, prepare_retry
 from effectledger_core.retry_policy import RetryBudget, RetryContext, RetryDecision, decide_retry
@@ -32,7 +33,8 @@ from .db import reads
 from .db import recovery as rec
 from .db.claims import claim_txn
 from .db.intents import Submitted, submit_intent_txn
-from .db.outcomes import Recorded, record_dead_letter_txn, record_outcome_txn
+from .db.outcomes import record_dead_letter_txn, record_outcome_txn
+from .db.resolution import Recorded, record_verdict_txn, record_webhook_txn
 from .db.store import Store
 
 log = logging.getLogger(__name__)
@@ -50,15 +52,12 @@ class LedgerService:
     rng: random.Random = field(default_factory=random.Random)
     budget: RetryBudget = field(default_factory=lambda: RetryBudget(now=time.monotonic()))
 
-    def decide_retry(self, op: dict[str, Any], failed: AttemptFailed) -> RetryDecision:
-        """The automatic retry policy applied to a definitive failure of `op`'s epoch."""
+    def decide_retry(self, op: dict[str, Any], failure: Failure) -> RetryDecision:
+        """The automatic retry policy applied to a known-not-applied failure of `op`'s epoch."""
         try:
             tool = self.catalog.get(op["tool"])
         except UnknownTool:
             return RetryDecision(False, "tool_not_in_catalog")
-        failure = Failure(failed.failure_class, failed.code, failed.message,
-                          retry_after_s=failed.retry_after_s,
-                          idempotency=Idempotency(failed.idempotency))
         ctx = RetryContext(
             effect_class=tool.effect_class, failure=failure, attempts_made=op["epoch"],
             max_attempts=tool.max_attempts,
@@ -109,6 +108,24 @@ class LedgerService:
             log.info("outcome rejected: op=%s reason=%s", outcome.operation_id, result.reason)
         return result
 
+    async def record_verdict(self, verdict: VerdictReached, *, consumer: str,
+                             message_id: str) -> Recorded:
+        result = await self.store.run(
+            record_verdict_txn, verdict, consumer=consumer, message_id=message_id,
+            subjects=self.subjects, now=self.clock(), outbox_id=self.ids(),
+            decide_retry=self.decide_retry)
+        if result.to_state == "pending":
+            self.outbox_wake.set()
+        return result
+
+    async def record_webhook(self, hook: WebhookReceived) -> Recorded:
+        result = await self.store.run(
+            record_webhook_txn, hook, now=self.clock(), subjects=self.subjects,
+            outbox_id=self.ids(), decide_retry=self.decide_retry)
+        if result.to_state == "pending":
+            self.outbox_wake.set()
+        return result
+
     async def record_dead_letter(self, letter: DeadLetter) -> None:
         await self.store.run(record_dead_letter_txn, letter, now=self.clock())
         log.warning("dead-lettered %s from %s: %s", letter.message_id, letter.consumer,
@@ -126,9 +143,10 @@ class LedgerService:
         return reads.build_receipt(await self.operation(operation_id))
 
     async def list_operations(self, *, state: str | None, limit: int,
-                              cursor: str | None) -> dict[str, Any]:
+                              cursor: str | None, tenant: str | None = None) -> dict[str, Any]:
         async with self.store.transaction() as conn:
-            return await reads.list_operations(conn, state=state, limit=limit, cursor=cursor)
+            return await reads.list_operations(conn, state=state, limit=limit, cursor=cursor,
+                                               tenant=tenant)
 
     async def stats(self) -> dict[str, Any]:
         from .db.outbox import backlog_txn
@@ -163,8 +181,13 @@ class LedgerService:
     async def retry(self, operation_id: str, *, operator: str, review: Review | None = None,
                     for_epoch: int | None = None) -> tuple[str, rec.Admission]:
         """Prepare a single-use plan and submit it to admission. Refusals raise or return."""
+        from .db.reviews import latest_review
+
         async with self.store.transaction() as conn:
             op = await rec.load_op(conn, operation_id)
+            if review is None:
+                # An operator's earlier review of this epoch (e.g. not_executed) counts.
+                review = await latest_review(conn, operation_id, op["epoch"])
         plan = prepare_retry(rec.facts(op), review, for_epoch=for_epoch)
         plan_id = self.ids()
         await self.store.run(rec.record_plan_txn, plan, plan_id=plan_id, requested_by=operator,
@@ -178,3 +201,18 @@ class LedgerService:
         if admission.admitted:
             self.outbox_wake.set()
         return admission
+
+    # ---- human review -----------------------------------------------------------------
+
+    async def review(self, operation_id: str, review: Review) -> dict[str, Any]:
+        from .db.reviews import record_review_txn
+
+        return await self.store.run(record_review_txn, operation_id, review=review,
+                                    review_id=self.ids(), subjects=self.subjects,
+                                    now=self.clock())
+
+    async def review_queue(self, limit: int = 100) -> list[dict[str, Any]]:
+        from .db.reviews import review_queue
+
+        async with self.store.transaction() as conn:
+            return await review_queue(conn, limit=limit)

@@ -81,16 +81,23 @@ async def release_txn(conn: AsyncConnection, ids: list[str], *, now: datetime, e
 
 
 async def sweep_unclaimed_txn(conn: AsyncConnection, *, now: datetime, older_than_s: float,
-                              limit: int = 1000) -> int:
-    """Republish dispatch rows that were published but never claimed (broker message loss)."""
+                              limit: int = 1000, kind: str = "dispatch") -> int:
+    """Republish rows that were published but never answered (broker message loss).
+
+    `dispatch` rows wait for a claim (operation still `pending` at that epoch); `reconcile`
+    rows for a verdict (still `ambiguous` / `awaiting_confirmation`). A duplicate is harmless:
+    claims and verdicts are guarded by epoch in the ledger.
+    """
     cutoff = now - timedelta(seconds=older_than_s)
+    waiting = (("pending",) if kind == "dispatch"
+               else ("ambiguous", "awaiting_confirmation"))
     live = sa.exists().where(operations.c.id == outbox.c.operation_id,
                              operations.c.epoch == outbox.c.epoch,
-                             operations.c.state == "pending")
+                             operations.c.state.in_(waiting))
     stale = (await conn.execute(
         sa.select(outbox.c.id, outbox.c.operation_id, outbox.c.epoch, outbox.c.publish_count,
                   live.label("live"))
-        .where(outbox.c.status == OUTBOX_PUBLISHED, outbox.c.kind == "dispatch",
+        .where(outbox.c.status == OUTBOX_PUBLISHED, outbox.c.kind == kind,
                outbox.c.published_at < cutoff)
         .limit(limit).with_for_update(skip_locked=True))).all()
     republished = 0
@@ -105,7 +112,7 @@ async def sweep_unclaimed_txn(conn: AsyncConnection, *, now: datetime, older_tha
             .values(status=OUTBOX_PENDING, available_at=now,
                     publish_count=outbox.c.publish_count + 1))
         await append_journal(conn, operation_id=row.operation_id, at=now,
-                             kind="dispatch_republished", actor="ledger.sweeper",
+                             kind=f"{kind}_republished", actor="ledger.sweeper",
                              epoch=row.epoch,
                              detail={"outbox_id": row.id, "unclaimed_for_s": older_than_s,
                                      "generation": row.publish_count + 1})

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from effectledger_core.failures import Failure, Idempotency
 from effectledger_core.messages import (
     AttemptAccepted,
     AttemptFailed,
@@ -22,8 +21,15 @@ from effectledger_core.retry_policy import RetryDecision
 from effectledger_core.states import Event, State, sources, transition
 from effectledger_core.subjects import Subjects
 
-from .common import append_journal, insert_ignore, notify_outbox
-from .schema import OUTBOX_PENDING, attempts, dead_letters, inbox, operations, outbox
+from .common import append_journal, insert_ignore
+from .resolution import (
+    Recorded,
+    RetryDecider,
+    apply_stored_webhooks,
+    hand_to_reconciler,
+    schedule_retry,
+)
+from .schema import attempts, dead_letters, inbox, operations
 
 _EVENT = {
     AttemptSucceeded: Event.OUTCOME_SUCCEEDED,
@@ -33,15 +39,10 @@ _EVENT = {
 }
 
 
-# Given the operation row and a definitive failure, the retry policy's decision.
-RetryDecider = Callable[[dict[str, Any], AttemptFailed], RetryDecision]
-
-
-@dataclass(frozen=True)
-class Recorded:
-    status: str  # applied | duplicate | rejected
-    to_state: str | None = None
-    reason: str | None = None
+def failure_of(outcome: AttemptFailed) -> Failure:
+    return Failure(outcome.failure_class, outcome.code, outcome.message,
+                   retry_after_s=outcome.retry_after_s,
+                   idempotency=Idempotency(outcome.idempotency))
 
 
 async def record_outcome_txn(conn: AsyncConnection, outcome: Outcome, *, consumer: str,
@@ -75,7 +76,7 @@ async def record_outcome_txn(conn: AsyncConnection, outcome: Outcome, *, consume
     if reason is None and isinstance(outcome, AttemptFailed) and decide_retry is not None:
         assert op is not None
         # The ledger decides about retries, never the dispatcher on its own.
-        decision = decide_retry(dict(op._mapping), outcome)
+        decision = decide_retry(dict(op._mapping), failure_of(outcome))
         if decision.retry:
             event = Event.OUTCOME_RETRY
     if reason is None:
@@ -112,16 +113,20 @@ async def record_outcome_txn(conn: AsyncConnection, outcome: Outcome, *, consume
                          actor=outcome.dispatcher_id, epoch=outcome.epoch, from_state=op.state,
                          to_state=step.to.value, detail=detail)
     if decision is not None:
-        await _journal_decision(conn, op=dict(op._mapping), decision=decision, now=now,
-                                subjects=subjects, outbox_id=ambiguous_outbox_id)
-    if step.to is State.AMBIGUOUS:
-        # Hand the ambiguity to the reconciler through the outbox, never back to dispatch.
-        await conn.execute(outbox.insert().values(
-            id=ambiguous_outbox_id, operation_id=outcome.operation_id, epoch=outcome.epoch,
-            kind="ambiguous", subject=subjects.ambiguous,
-            payload=outcome.model_dump_json(), status=OUTBOX_PENDING, created_at=now,
-            available_at=now, publish_count=0))
-        await notify_outbox(conn)
+        await schedule_retry(conn, op=dict(op._mapping), decision=decision, now=now,
+                             subjects=subjects, outbox_id=ambiguous_outbox_id)
+    if step.to in (State.AMBIGUOUS, State.AWAITING_CONFIRMATION):
+        current = {**dict(op._mapping), **values}
+        early = await apply_stored_webhooks(conn, current, now=now, subjects=subjects,
+                                            outbox_id=ambiguous_outbox_id,
+                                            decide_retry=decide_retry)
+        if early is not None:
+            return early
+        reason = getattr(outcome, "reason", "accepted asynchronously")
+        await hand_to_reconciler(
+            conn, op=current, attempt_id=outcome.attempt_id,
+            cause="ambiguous" if step.to is State.AMBIGUOUS else "accepted", reason=reason,
+            now=now, subjects=subjects, outbox_id=ambiguous_outbox_id)
     return Recorded("applied", to_state=step.to.value)
 
 
@@ -134,27 +139,3 @@ async def record_dead_letter_txn(conn: AsyncConnection, letter: DeadLetter, *,
                          actor=letter.consumer, detail=letter.model_dump(mode="json",
                                                                          exclude={"payload_excerpt"}))
 
-
-async def _journal_decision(conn: AsyncConnection, *, op: dict[str, Any],
-                            decision: RetryDecision, now: datetime, subjects: Subjects,
-                            outbox_id: str) -> None:
-    from effectledger_core.failures import policy_digest
-
-    from .intents import dispatch_row
-
-    detail = {"reason": decision.reason, "delay_s": round(decision.delay_s, 3),
-              "policy_digest": policy_digest()}
-    if not decision.retry:
-        await append_journal(conn, operation_id=op["id"], at=now, kind="retry_declined",
-                             actor="ledger.retry_policy", epoch=op["epoch"], detail=detail)
-        return
-    new_epoch = op["epoch"] + 1
-    due = now + timedelta(seconds=decision.delay_s)
-    row = dispatch_row({**op, "epoch": new_epoch}, subjects=subjects, outbox_id=outbox_id,
-                       now=now)
-    row["available_at"] = due  # the relay publishes it only once the backoff has passed
-    await conn.execute(outbox.insert().values(**row))
-    await append_journal(conn, operation_id=op["id"], at=now, kind="retry_scheduled",
-                         actor="ledger.retry_policy", epoch=new_epoch,
-                         detail={**detail, "due_at": due.isoformat(),
-                                 "operation_key": op["operation_key"]})

@@ -65,7 +65,7 @@ def _decode_cursor(cursor: str) -> tuple[str, str]:
 
 
 async def list_operations(conn: AsyncConnection, *, state: str | None, limit: int,
-                          cursor: str | None) -> dict[str, Any]:
+                          cursor: str | None, tenant: str | None = None) -> dict[str, Any]:
     if state is not None and state not in {s.value for s in State}:
         raise InvalidRequest(f"unknown state {state!r}", known=[s.value for s in State])
     if not 1 <= limit <= 1000:
@@ -74,6 +74,8 @@ async def list_operations(conn: AsyncConnection, *, state: str | None, limit: in
                   operations.c.operation_key, operations.c.created_at, operations.c.updated_at)
     if state is not None:
         q = q.where(operations.c.state == state)
+    if tenant is not None:
+        q = q.where(operations.c.tenant == tenant)
     if cursor:
         from datetime import datetime
 

@@ -69,6 +69,8 @@ operations = sa.Table(
     sa.Column("provider_ref", sa.String(256)),
     sa.Column("response_digest", sa.String(80)),
     sa.Column("last_outcome", JSONType),
+    # How the operation's outcome became known (reconciliation or operator evidence).
+    sa.Column("evidence", JSONType),
     # Operations that are not yet at rest are what relays, sweepers and dashboards query.
     sa.Index("ix_operations_active_state", "state", "updated_at",
              postgresql_where=_active, sqlite_where=_active),
@@ -167,4 +169,41 @@ retry_plans = sa.Table(
     sa.Column("consumed_at", UTCDateTime),
     sa.Column("admission", sa.String(64)),  # admitted | refused:<reason>
     sa.Index("ix_retry_plans_operation", "operation_id"),
+)
+
+# Verified provider webhooks, kept as evidence and for deduplication by webhook id for at least
+# the provider's whole retry schedule (days, not minutes).
+webhook_events = sa.Table(
+    "webhook_events", metadata,
+    sa.Column("id", BigId, primary_key=True, autoincrement=True),
+    sa.Column("provider", sa.String(1024), nullable=False),
+    sa.Column("webhook_id", sa.String(1024), nullable=False),
+    sa.Column("event_type", sa.String(1024), nullable=False),
+    sa.Column("operation_key", sa.String(1024)),
+    sa.Column("provider_ref", sa.String(256)),
+    sa.Column("outcome", sa.String(32), nullable=False),
+    sa.Column("final", sa.Boolean, nullable=False),
+    sa.Column("fencing_token", sa.Integer),
+    sa.Column("body_digest", sa.String(80), nullable=False),
+    sa.Column("signed_at", UTCDateTime, nullable=False),
+    sa.Column("received_at", UTCDateTime, nullable=False),
+    sa.Column("operation_id", sa.String(64)),
+    sa.Column("applied", sa.String(64)),  # null until used: applied | rejected:<why> | ignored
+    sa.UniqueConstraint("provider", "webhook_id"),
+    sa.Index("ix_webhook_events_key", "operation_key"),
+    sa.Index("ix_webhook_events_ref", "provider_ref"),
+    sa.Index("ix_webhook_events_received", "received_at"),
+)
+
+# Operator reviews of operations no machine could decide (DESIGN.md section 5).
+reviews = sa.Table(
+    "reviews", metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("operation_id", sa.String(64), sa.ForeignKey("operations.id"), nullable=False),
+    sa.Column("epoch", sa.Integer, nullable=False),
+    sa.Column("operator", sa.String(1024), nullable=False),
+    sa.Column("evidence_ref", sa.String(1024), nullable=False),
+    sa.Column("conclusion", sa.String(32), nullable=False),
+    sa.Column("at", UTCDateTime, nullable=False),
+    sa.Index("ix_reviews_operation", "operation_id", "epoch"),
 )

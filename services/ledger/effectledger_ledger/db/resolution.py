@@ -1,0 +1,253 @@
+"""Resolving uncertainty: reconciler verdicts, verified webhooks and the reconciliation handoff.
+
+All three share one rule (DESIGN.md section 2, rules 3-5): evidence is applied only to the epoch
+it is about and only from a state that is waiting for it, by a guarded UPDATE; anything else is
+rejected and journaled, never silently dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from effectledger_core.failures import Failure, Idempotency, policy_digest
+from effectledger_core.messages import (
+    FailureClass,
+    ReconcileOperation,
+    VerdictReached,
+    WebhookReceived,
+)
+from effectledger_core.retry_policy import RetryDecision
+from effectledger_core.states import Event, State, sources, transition
+from effectledger_core.subjects import Subjects
+
+from .common import append_journal, insert_ignore, notify_outbox
+from .intents import dispatch_row
+from .schema import OUTBOX_PENDING, attempts, inbox, operations, outbox, webhook_events
+
+RetryDecider = Callable[[dict[str, Any], Failure], RetryDecision]
+UNRESOLVED = (State.AMBIGUOUS.value, State.AWAITING_CONFIRMATION.value)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    status: str  # applied | duplicate | rejected | kept
+    to_state: str | None = None
+    reason: str | None = None
+
+
+async def schedule_retry(conn: AsyncConnection, *, op: dict[str, Any], decision: RetryDecision,
+                         now: datetime, subjects: Subjects, outbox_id: str) -> None:
+    """Journal the retry policy's decision; a retry gets the new epoch's delayed outbox row."""
+    detail = {"reason": decision.reason, "delay_s": round(decision.delay_s, 3),
+              "policy_digest": policy_digest()}
+    if not decision.retry:
+        await append_journal(conn, operation_id=op["id"], at=now, kind="retry_declined",
+                             actor="ledger.retry_policy", epoch=op["epoch"], detail=detail)
+        return
+    new_epoch = op["epoch"] + 1
+    due = now + timedelta(seconds=decision.delay_s)
+    row = dispatch_row({**op, "epoch": new_epoch}, subjects=subjects, outbox_id=outbox_id,
+                       now=now)
+    row["available_at"] = due  # the relay publishes it only once the backoff has passed
+    await conn.execute(outbox.insert().values(**row))
+    await append_journal(conn, operation_id=op["id"], at=now, kind="retry_scheduled",
+                         actor="ledger.retry_policy", epoch=new_epoch,
+                         detail={**detail, "due_at": due.isoformat(),
+                                 "operation_key": op["operation_key"]})
+
+
+async def hand_to_reconciler(conn: AsyncConnection, *, op: dict[str, Any], attempt_id: str,
+                             cause: str, reason: str, now: datetime, subjects: Subjects,
+                             outbox_id: str) -> None:
+    """Queue a ReconcileOperation through the outbox: ambiguity never goes back to dispatch."""
+    claimed_at = (await conn.execute(
+        sa.select(attempts.c.claimed_at).where(attempts.c.id == attempt_id))).scalar() or now
+    cmd = ReconcileOperation(
+        operation_id=op["id"], epoch=op["epoch"], attempt_id=attempt_id,
+        operation_key=op["operation_key"], tool=op["tool"], arguments=op["arguments"],
+        cause=cause, reason=reason[:1000], claimed_at=claimed_at, noticed_at=now,
+        provider_ref=op.get("provider_ref"))
+    await conn.execute(outbox.insert().values(
+        id=outbox_id, operation_id=op["id"], epoch=op["epoch"], kind="reconcile",
+        subject=subjects.ambiguous, payload=cmd.model_dump_json(), status=OUTBOX_PENDING,
+        created_at=now, available_at=now, publish_count=0))
+    await notify_outbox(conn)
+
+
+async def apply_verdict(conn: AsyncConnection, *, op: dict[str, Any], epoch: int, verdict: str,
+                        evidence: dict[str, Any], actor: str, now: datetime,
+                        subjects: Subjects, outbox_id: str,
+                        decide_retry: RetryDecider | None) -> Recorded:
+    """Apply applied / not_applied / undecidable for `epoch` of `op` (already row-locked)."""
+    if op["epoch"] != epoch:
+        return Recorded("rejected", reason="stale_epoch")
+    if op["state"] not in UNRESOLVED:
+        return Recorded("rejected", reason=f"state_{op['state']}")
+    decision = None
+    if verdict == "applied":
+        event = Event.VERDICT_APPLIED
+    elif verdict == "undecidable":
+        event = Event.VERDICT_UNDECIDABLE
+    else:
+        # Known not applied (after the horizon, or a final webhook): as safe as a refusal.
+        failure = Failure(FailureClass.TRANSIENT, "not_applied", "verified not applied",
+                          idempotency=Idempotency.YES)
+        decision = (decide_retry(op, failure) if decide_retry is not None
+                    else RetryDecision(False, "no_retry_policy"))
+        event = (Event.VERDICT_NOT_APPLIED_RETRY if decision.retry
+                 else Event.VERDICT_NOT_APPLIED_FINAL)
+    step = transition(State(op["state"]), event)
+    values: dict[str, Any] = dict(state=step.to.value, updated_at=now, evidence=evidence)
+    if step.new_epoch:
+        values["epoch"] = epoch + 1
+    if verdict == "applied" and evidence.get("provider_ref"):
+        values["provider_ref"] = evidence["provider_ref"]
+    updated = await conn.execute(
+        operations.update().where(operations.c.id == op["id"], operations.c.epoch == epoch,
+                                  operations.c.state.in_([s.value for s in sources(event)]))
+        .values(**values))
+    if updated.rowcount != 1:
+        return Recorded("rejected", reason="concurrent_change")
+    # The reconciliation command for this epoch is answered: the sweeper must not resend it.
+    await conn.execute(outbox.update().where(
+        outbox.c.operation_id == op["id"], outbox.c.epoch == epoch, outbox.c.kind == "reconcile",
+        outbox.c.status == "published").values(status="consumed"))
+    await append_journal(conn, operation_id=op["id"], at=now, kind="verdict_applied",
+                         actor=actor, epoch=epoch, from_state=op["state"],
+                         to_state=step.to.value, detail={"verdict": verdict,
+                                                         "evidence": evidence})
+    if decision is not None:
+        await schedule_retry(conn, op=op, decision=decision, now=now, subjects=subjects,
+                             outbox_id=outbox_id)
+    return Recorded("applied", to_state=step.to.value)
+
+
+async def lock_op(conn: AsyncConnection, operation_id: str) -> dict[str, Any] | None:
+    row = (await conn.execute(sa.select(operations).where(operations.c.id == operation_id)
+                              .with_for_update())).mappings().first()
+    return dict(row) if row is not None else None
+
+
+async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consumer: str,
+                             message_id: str, subjects: Subjects, now: datetime,
+                             outbox_id: str, decide_retry: RetryDecider | None) -> Recorded:
+    if not await insert_ignore(conn, inbox, dict(consumer=consumer, message_id=message_id,
+                                                 received_at=now)):
+        return Recorded("duplicate")
+    op = await lock_op(conn, v.operation_id)
+    evidence = (v.evidence.model_dump(mode="json") if v.evidence else {})
+    evidence |= {"reason": v.reason, "reconciler_id": v.reconciler_id}
+    result = (Recorded("rejected", reason="unknown_operation") if op is None else
+              await apply_verdict(conn, op=op, epoch=v.epoch, verdict=v.verdict,
+                                  evidence=evidence, actor=f"reconciler:{v.reconciler_id}",
+                                  now=now, subjects=subjects, outbox_id=outbox_id,
+                                  decide_retry=decide_retry))
+    if result.status == "rejected":
+        # A paused replica waking after another decided, or a verdict for a superseded epoch.
+        await append_journal(conn, operation_id=v.operation_id, at=now, kind="verdict_rejected",
+                             actor=f"reconciler:{v.reconciler_id}", epoch=v.epoch,
+                             detail={"reason": result.reason, "verdict": v.verdict,
+                                     "message_id": message_id})
+    return result
+
+
+def _webhook_verdict(hook: dict[str, Any]) -> str | None:
+    if hook["outcome"] == "applied":
+        return "applied"
+    if hook["outcome"] == "not_applied" and hook["final"]:
+        return "not_applied"
+    return None  # pending / unknown / non-final: kept as evidence only
+
+
+async def record_webhook_txn(conn: AsyncConnection, hook: WebhookReceived, *, now: datetime,
+                             subjects: Subjects, outbox_id: str,
+                             decide_retry: RetryDecider | None) -> Recorded:
+    """Store a verified webhook (dedup by provider + webhook id) and apply it if it can be."""
+    op = None
+    if hook.operation_key:
+        op = (await conn.execute(sa.select(operations.c.id).where(
+            operations.c.operation_key == hook.operation_key))).first()
+    if op is None and hook.provider_ref:
+        op = (await conn.execute(sa.select(operations.c.id).where(
+            operations.c.provider_ref == hook.provider_ref))).first()
+    row = dict(provider=hook.provider, webhook_id=hook.webhook_id, event_type=hook.event_type,
+               operation_key=hook.operation_key, provider_ref=hook.provider_ref,
+               outcome=hook.outcome, final=hook.final, fencing_token=hook.fencing_token,
+               body_digest=hook.body_digest, signed_at=hook.signed_at, received_at=now,
+               operation_id=op.id if op is not None else None)
+    if not await insert_ignore(conn, webhook_events, row):
+        return Recorded("duplicate")
+    if op is None:
+        # Before its operation exists (or for one we never made): kept, never dropped.
+        await append_journal(conn, operation_id=None, at=now, kind="webhook_unmatched",
+                             actor=f"webhook:{hook.provider}",
+                             detail={"webhook_id": hook.webhook_id,
+                                     "operation_key": hook.operation_key})
+        return Recorded("kept", reason="unknown_operation")
+    locked = await lock_op(conn, op.id)
+    assert locked is not None
+    return await _use_webhook(conn, locked, row, now=now, subjects=subjects, outbox_id=outbox_id,
+                              decide_retry=decide_retry)
+
+
+async def _use_webhook(conn: AsyncConnection, op: dict[str, Any], hook: dict[str, Any], *,
+                       now: datetime, subjects: Subjects, outbox_id: str,
+                       decide_retry: RetryDecider | None) -> Recorded:
+    verdict = _webhook_verdict(hook)
+    where = sa.and_(webhook_events.c.provider == hook["provider"],
+                    webhook_events.c.webhook_id == hook["webhook_id"])
+    actor = f"webhook:{hook['provider']}"
+    if verdict is None or op["state"] not in UNRESOLVED:
+        if verdict == "not_applied" and op["state"] == State.SUCCEEDED.value:
+            # The provider contradicts a recorded success: a human must look at it.
+            await append_journal(conn, operation_id=op["id"], at=now, kind="evidence_conflict",
+                                 actor=actor, epoch=op["epoch"],
+                                 detail={"webhook_id": hook["webhook_id"], "says": verdict})
+        else:
+            await append_journal(conn, operation_id=op["id"], at=now, kind="webhook_kept",
+                                 actor=actor, epoch=op["epoch"],
+                                 detail={"webhook_id": hook["webhook_id"],
+                                         "outcome": hook["outcome"], "state": op["state"]})
+        return Recorded("kept", reason=f"state_{op['state']}")
+    token = hook.get("fencing_token")
+    if verdict == "not_applied" and token is not None and token != op["epoch"]:
+        # "Not applied" speaks only for the attempt it names; "applied" speaks for the key.
+        await conn.execute(webhook_events.update().where(where).values(applied="ignored"))
+        return Recorded("kept", reason="other_epoch")
+    evidence = {"source": "webhook", "provider_ref": hook["provider_ref"],
+                "digest": hook["body_digest"], "at": now.isoformat(),
+                "webhook_id": hook["webhook_id"], "event_type": hook["event_type"]}
+    result = await apply_verdict(conn, op=op, epoch=op["epoch"], verdict=verdict,
+                                 evidence=evidence, actor=actor, now=now, subjects=subjects,
+                                 outbox_id=outbox_id, decide_retry=decide_retry)
+    await conn.execute(webhook_events.update().where(where).values(
+        applied="applied" if result.status == "applied" else f"rejected:{result.reason}"))
+    return result
+
+
+async def apply_stored_webhooks(conn: AsyncConnection, op: dict[str, Any], *, now: datetime,
+                                subjects: Subjects, outbox_id: str,
+                                decide_retry: RetryDecider | None) -> Recorded | None:
+    """When an operation becomes unresolved, evidence that arrived early decides it at once."""
+    rows = (await conn.execute(
+        sa.select(webhook_events).where(
+            sa.or_(webhook_events.c.operation_id == op["id"],
+                   webhook_events.c.operation_key == op["operation_key"]),
+            webhook_events.c.applied.is_(None))
+        .order_by(webhook_events.c.id))).mappings().all()
+    # "applied" evidence wins over any "not applied": the effect exists.
+    ordered = sorted(rows, key=lambda r: 0 if r["outcome"] == "applied" else 1)
+    for hook in ordered:
+        if _webhook_verdict(dict(hook)) is None:
+            continue
+        result = await _use_webhook(conn, op, dict(hook), now=now, subjects=subjects,
+                                    outbox_id=outbox_id, decide_retry=decide_retry)
+        if result.status == "applied":
+            return result
+    return None
