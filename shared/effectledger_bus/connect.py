@@ -52,6 +52,18 @@ def connect_options(settings: Settings, name: str) -> dict[str, Any]:
     return opts
 
 
+async def raw_body(message: Any) -> bytes:
+    """FastStream decoder for every subscriber: the handlers get the payload bytes untouched.
+
+    Each handler parses its own bytes with a size bound and turns every failure into an error
+    reply or a dead letter. FastStream's default decoder runs `json.loads` *before* the handler,
+    so a deeply nested payload (RecursionError) or invalid JSON sent with a JSON content-type
+    would raise outside the handler: no reply to a request, and a JetStream message that is
+    redelivered until max_deliver and then stranded instead of dead-lettered.
+    """
+    return bytes(message.body)
+
+
 async def _log_error(exc: Exception) -> None:
     log.warning("nats: %s", exc)
 

@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     sweep_after_s: float = 60.0
     sweep_interval_s: float = 5.0
     reconcile_sweep_after_s: float = 900.0
+    # A claimed attempt with no outcome this long is presumed lost by the broker: ambiguous.
+    # Far beyond any attempt (timeout_s <= 300, plus outcome publish retries).
+    lost_outcome_after_s: float = 900.0
     inbox_concurrency: int = 16
     inbox_retention_s: float = 8 * 86400  # beyond the streams' max age: no redelivery after
     webhook_retention_s: float = 30 * 86400  # webhook ids deduplicated at least this long

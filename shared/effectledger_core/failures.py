@@ -44,11 +44,11 @@ POLICY: dict[FailureClass, Policy] = {
     FC.PERMISSION_DENIED: Policy(False, False, False, True, True,
                                  "This tool is not permitted to perform the request."),
     FC.INVALID_ARGUMENT: Policy(False, False, False, False, True,
-                                "The arguments were rejected; correct them before asking again."),
+                                "The arguments were rejected; correct the invalid values."),
     FC.RATE_LIMITED: Policy(True, True, True, False, True,
                             "The provider is limiting the request rate."),
     FC.SELF_REPORTED: Policy(True, True, False, False, False,
-                             "The tool reported that the same request may succeed later."),
+                             "The tool reported this failure itself without naming its cause."),
     FC.UNKNOWN: Policy(False, False, False, False, False,
                        "The failure could not be classified."),
 }

@@ -24,6 +24,28 @@ def _depth(value: Any, limit: int) -> int:
     return deepest
 
 
+def reject_nul(arguments: Any) -> None:
+    """Refuse U+0000 in any key or string: the ledger's PostgreSQL jsonb cannot store it (SQLite
+    can), so both backends refuse it with a clear error rather than fail in the database."""
+    if _has_nul(arguments):
+        raise InvalidArguments("arguments contain a NUL character (U+0000)")
+
+
+def _has_nul(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        cur = stack.pop()
+        if isinstance(cur, str):
+            if "\x00" in cur:
+                return True
+        elif isinstance(cur, dict):
+            stack.extend(cur.keys())
+            stack.extend(cur.values())
+        elif isinstance(cur, list | tuple):
+            stack.extend(cur)
+    return False
+
+
 def validate_arguments(arguments: Any) -> tuple[str, str]:
     """Return (canonical JSON, `sha256:` digest) of valid arguments, or raise a clear error."""
     if not isinstance(arguments, dict):

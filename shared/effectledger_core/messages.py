@@ -32,8 +32,16 @@ def _within_bytes(value: str) -> str:
     return value
 
 
+def _no_nul(value: str) -> str:
+    # PostgreSQL text columns cannot hold NUL; refusing it here keeps both backends alike and
+    # turns it into a clear validation error instead of a database error.
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
 Ident = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDENTIFIER_BYTES),
-                  AfterValidator(_within_bytes)]
+                  AfterValidator(_within_bytes), AfterValidator(_no_nul)]
 ShortText = Annotated[str, StringConstraints(max_length=1024)]
 ProviderRef = Annotated[str, StringConstraints(max_length=MAX_PROVIDER_REF_BYTES)]
 Epoch = Annotated[int, Field(ge=1)]

@@ -58,8 +58,10 @@ def decide_retry(ctx: RetryContext, rng: random.Random) -> RetryDecision:
     if ctx.attempts_made >= ctx.max_attempts:
         return RetryDecision(False, "max_attempts_reached")
     delay = backoff_s(ctx.attempts_made, rng)
-    if f.policy.surface_retry_after and f.retry_after_s is not None:
-        # Never sooner than the provider asked; jitter only ever adds.
+    if f.retry_after_s is not None:
+        # Never sooner than the provider asked, whatever the class (a 503 with Retry-After is
+        # transient, not rate_limited); jitter only ever adds. `surface_retry_after` governs
+        # only whether the guidance line shows the delay to the model.
         delay = max(delay, f.retry_after_s + rng.uniform(0.0, 0.1 + f.retry_after_s * 0.1))
     if ctx.elapsed_s + delay > ctx.deadline_s:
         return RetryDecision(False, "deadline_exceeded", delay)

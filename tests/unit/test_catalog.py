@@ -40,15 +40,20 @@ def _error(body: dict[str, Any], name: str = "make_thing") -> CatalogError:
     return info.value
 
 
-def test_demo_catalog_loads_with_its_three_tools() -> None:
+def test_demo_catalog_loads_with_its_documented_tools() -> None:
     """The bundled demo catalog is valid and declares the documented tools and classes."""
     cat = Catalog.load(DEMO_CATALOG)
-    assert set(cat.tools) == {"create_ticket", "send_email", "charge_card"}
+    assert set(cat.tools) == {"create_ticket", "send_email", "charge_card", "post_message",
+                              "page_oncall", "wire_funds"}
+    assert cat.get("post_message").capabilities.webhooks
+    assert cat.get("wire_funds").commit_policy == "approval"
     assert cat.get("create_ticket").effect_class is EffectClass.IDEMPOTENT
     assert cat.get("send_email").effect_class is EffectClass.NON_IDEMPOTENT
     assert cat.get("charge_card").body_encoding == "form"
     for tool in cat.tools.values():
-        assert tool.readback is not None and tool.capabilities.readback
+        # A readback section exactly where the capability is declared, and vice versa.
+        assert (tool.readback is not None) == tool.capabilities.readback
+    assert not cat.get("page_oncall").capabilities.readback
 
 
 def test_unknown_tool_lookup_is_a_clear_error() -> None:

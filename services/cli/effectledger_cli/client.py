@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -33,8 +34,11 @@ def _check(resp: httpx.Response) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    # Agents and operators authenticate with a bearer token (EFFECTLEDGER_TOKEN).
+    token = os.environ.get("EFFECTLEDGER_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with httpx.Client(base_url=args.ledger_url, timeout=10.0) as http:
+        with httpx.Client(base_url=args.ledger_url, timeout=10.0, headers=headers) as http:
             return _run(http, args)
     except httpx.TransportError as exc:
         print(f"effectledger: cannot reach the ledger at {args.ledger_url}: {exc}",
@@ -71,6 +75,8 @@ def _run(http: httpx.Client, args: argparse.Namespace) -> int:
         else:
             _print(_check(http.get(f"/v1/operations/{args.operation_id}")))
         return 0
+    if args.command == "review":
+        return _review(http, args)
     if args.command in ("approve", "reject", "cancel", "retry"):
         return _operator(http, args)
     params: dict[str, Any] = {"limit": args.limit}
@@ -103,4 +109,29 @@ def _operator(http: httpx.Client, args: argparse.Namespace) -> int:
             body["review"] = {"conclusion": args.review, "evidence_ref": args.evidence_ref,
                               "operator": args.operator}
     _print(_check(http.post(f"/v1/operations/{op_id}/{args.command}", json=body)))
+    return 0
+
+
+def _review(http: httpx.Client, args: argparse.Namespace) -> int:
+    if args.operation_id is None:
+        _print(_check(http.get("/v1/reviews")))
+        return 0
+    if not (args.conclusion and args.evidence_ref):
+        print("effectledger: a review needs --conclusion and --evidence-ref", file=sys.stderr)
+        return 2
+    body: dict[str, Any] = {"conclusion": args.conclusion, "evidence_ref": args.evidence_ref}
+    if args.operator:
+        body["operator"] = args.operator
+    if args.epoch is not None:
+        body["epoch"] = args.epoch
+    op = _check(http.post(f"/v1/operations/{args.operation_id}/reviews", json=body))
+    if args.retry:
+        if args.conclusion != "not_executed":
+            print("effectledger: --retry only follows a not_executed review", file=sys.stderr)
+            return 2
+        retry_body: dict[str, Any] = {"epoch": op["epoch"]}
+        if args.operator:
+            retry_body["operator"] = args.operator
+        op = _check(http.post(f"/v1/operations/{args.operation_id}/retry", json=retry_body))
+    _print(op)
     return 0

@@ -22,7 +22,8 @@ DEFAULT_LEDGER_URL = "http://127.0.0.1:8600"
 def _settings(args: argparse.Namespace) -> Settings:
     overrides: dict[str, Any] = {}
     for name in ("database_url", "nats_url", "catalog_path", "ledger_host", "ledger_port",
-                 "subject_prefix", "stream_prefix", "dispatcher_id", "dispatcher_concurrency"):
+                 "subject_prefix", "stream_prefix", "dispatcher_id", "dispatcher_concurrency",
+                 "reconciler_id", "reconciler_host", "reconciler_port"):
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = value
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ledger-port", type=int, default=8600)
     up.add_argument("--sandbox-port", type=int, default=8700,
                     help="sandbox port (the demo catalog expects 8700)")
+    up.add_argument("--reconciler-port", type=int, default=8800,
+                    help="reconciler webhook port")
     up.add_argument("--demo", type=int, default=0, metavar="N",
                     help="submit N demo intents once ready and print where they ended")
     up.add_argument("--exit-after-demo", action="store_true",
@@ -72,24 +75,48 @@ def build_parser() -> argparse.ArgumentParser:
     dis.add_argument("--id", dest="dispatcher_id", help="dispatcher identity (default host-pid)")
     dis.add_argument("--concurrency", dest="dispatcher_concurrency", type=int)
 
-    rec = sub.add_parser("reconciler", help="run the reconciler")
+    rec = sub.add_parser("reconciler", help="run the reconciler (and its webhook endpoint)")
     _common(rec, nats=True)
+    rec.add_argument("--id", dest="reconciler_id", help="reconciler identity (default host-pid)")
+    rec.add_argument("--host", dest="reconciler_host", help="webhook HTTP host (default 127.0.0.1)")
+    rec.add_argument("--port", dest="reconciler_port", type=int,
+                     help="webhook HTTP port (default 8800)")
 
     sb = sub.add_parser("sandbox", help="run the sandbox provider")
     sb.add_argument("--host", default="127.0.0.1")
     sb.add_argument("--port", type=int, default=8700)
     sb.add_argument("--api-key", default=os.environ.get("EFFECTLEDGER_SANDBOX_API_KEY"),
                     help="bearer key required by /v1 routes (env EFFECTLEDGER_SANDBOX_API_KEY)")
+    sb.add_argument("--webhook-url", default=os.environ.get("EFFECTLEDGER_SANDBOX_WEBHOOK_URL"),
+                    help="send signed webhooks here (env EFFECTLEDGER_SANDBOX_WEBHOOK_URL)")
+    sb.add_argument("--webhook-secret",
+                    default=os.environ.get("EFFECTLEDGER_SANDBOX_WEBHOOK_SECRET"),
+                    help="whsec_... signing secret (env EFFECTLEDGER_SANDBOX_WEBHOOK_SECRET)")
+    sb.add_argument("--webhook-routes",
+                    default=os.environ.get("EFFECTLEDGER_SANDBOX_WEBHOOK_ROUTES", ""),
+                    help="comma-separated routes sending webhooks from the start, '*' for all")
 
     mig = sub.add_parser("migrate", help="create or upgrade the ledger schema")
     _common(mig, db=True)
+
+    from effectledger_bench.cli import add_arguments as add_bench_arguments
+
+    add_bench_arguments(sub.add_parser(
+        "bench", help="the benchmark: throughput, latency and cost vs the limit and peers"))
+
+    from effectledger_chaos.cli import add_arguments as add_chaos_arguments
+
+    add_chaos_arguments(sub.add_parser(
+        "chaos", help="the proving ground: a seeded fault-injection run against real processes"))
 
     for name, help_ in (("submit", "submit an intent"), ("show", "show an operation"),
                         ("list", "list operations"),
                         ("approve", "approve an operation awaiting approval (operator)"),
                         ("reject", "reject an operation awaiting approval (operator)"),
                         ("cancel", "cancel a pending operation (operator)"),
-                        ("retry", "prepare and use a single-use retry plan (operator)")):
+                        ("retry", "prepare and use a single-use retry plan (operator)"),
+                        ("review", "record a review of an operation in needs_review, or list "
+                                   "the review queue (operator)")):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--ledger-url", default=os.environ.get("EFFECTLEDGER_LEDGER_URL",
                                                               DEFAULT_LEDGER_URL))
@@ -105,6 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("operation_id")
             p.add_argument("--journal", action="store_true")
             p.add_argument("--receipt", action="store_true")
+        elif name == "review":
+            p.add_argument("operation_id", nargs="?", help="omit to list the review queue")
+            p.add_argument("--conclusion", choices=["not_executed", "completed", "uncertain"])
+            p.add_argument("--evidence-ref", help="where the evidence is (ticket, call log, ...)")
+            p.add_argument("--operator", help="who reviews (must match an operator token)")
+            p.add_argument("--epoch", type=int, help="the epoch reviewed (default: current)")
+            p.add_argument("--retry", action="store_true",
+                           help="after a not_executed review, use one explicit retry plan")
         elif name in ("approve", "reject", "cancel", "retry"):
             p.add_argument("operation_id")
             p.add_argument("--operator", required=True, help="who is acting (journaled)")
@@ -142,15 +177,31 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .up import run_up
 
         return run_up(args)
-    if cmd in ("submit", "show", "list", "approve", "reject", "cancel", "retry"):
+    if cmd == "chaos":
+        from effectledger_chaos.cli import run as run_chaos
+
+        return run_chaos(args)
+    if cmd == "bench":
+        from effectledger_bench.cli import run as run_bench
+
+        return run_bench(args)
+    if cmd in ("submit", "show", "list", "approve", "reject", "cancel", "retry", "review"):
         from . import client
 
         return client.run(args)
     if cmd == "sandbox":
+        from effectledger_sandbox.app import create_app as sandbox_app
         from effectledger_sandbox.server import serve as serve_sandbox
+        from effectledger_sandbox.server import webhook_options
 
         logging.basicConfig(level="INFO")
-        asyncio.run(serve_sandbox(args.host, args.port, api_key=args.api_key))
+        try:
+            hooks = webhook_options(args)
+        except ValueError as exc:
+            print(f"effectledger sandbox: {exc}", file=sys.stderr)
+            return 2
+        app = sandbox_app(api_key=args.api_key or None, **hooks)
+        asyncio.run(serve_sandbox(args.host, args.port, app=app))
         return 0
     settings = _settings(args)
     _logging(settings)

@@ -8,6 +8,7 @@ child process. Ctrl-C stops them all.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import secrets
@@ -53,19 +54,29 @@ def run_up(args: argparse.Namespace) -> int:
         })
         if args.catalog_path:
             env["EFFECTLEDGER_CATALOG_PATH"] = str(Path(args.catalog_path).resolve())
-        procs["sandbox"] = _spawn("sandbox", ["sandbox", "--port", str(args.sandbox_port)], env,
-                                  logs)
+        # One webhook signing secret per run, shared by the sandbox (signs) and the
+        # reconciler (verifies); the reconciler also reads back, so it holds the provider key.
+        secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+        webhook_url = f"http://127.0.0.1:{args.reconciler_port}/v1/webhooks/sandbox"
+        env["EFFECTLEDGER_WEBHOOK_SECRETS"] = json.dumps({"sandbox": [secret]})
+        env["EFFECTLEDGER_RECONCILER_PORT"] = str(args.reconciler_port)
+        procs["sandbox"] = _spawn("sandbox", [
+            "sandbox", "--port", str(args.sandbox_port), "--webhook-url", webhook_url,
+            "--webhook-secret", secret, "--webhook-routes", "plainhooks"], env, logs)
         wait_for_port("127.0.0.1", args.sandbox_port, 30, procs["sandbox"])
         procs["ledger"] = _spawn("ledger", ["ledger"], env, logs)
         wait_for_port("127.0.0.1", args.ledger_port, 60, procs["ledger"])
         procs["dispatcher"] = _spawn("dispatcher", ["dispatcher", "--id", "dispatcher-1"], env,
                                      logs)
-        procs["reconciler"] = _spawn("reconciler", ["reconciler"], env, logs)
+        procs["reconciler"] = _spawn("reconciler", ["reconciler", "--id", "reconciler-1"], env,
+                                     logs)
+        wait_for_port("127.0.0.1", args.reconciler_port, 60, procs["reconciler"])
         ledger_url = f"http://127.0.0.1:{args.ledger_port}"
         _wait_ready(ledger_url, procs)
         print(f"ledger: {ledger_url}")
         print(f"sandbox: http://127.0.0.1:{args.sandbox_port}")
         print(f"nats: nats://127.0.0.1:{nats_port}")
+        print(f"webhooks: {webhook_url}")
         print(f"logs: {logs}")
         print("try: effectledger submit create_ticket --args '{\"title\": \"hello\"}' --wait 5")
         sys.stdout.flush()
@@ -97,7 +108,7 @@ def _wait_ready(url: str, procs: dict[str, subprocess.Popen[bytes]]) -> None:
 
 
 def _demo(url: str, n: int) -> int:
-    tools = ["create_ticket", "send_email", "charge_card"]
+    tools = ["create_ticket", "send_email", "charge_card", "post_message", "page_oncall"]
     ids = []
     with httpx.Client(base_url=url, timeout=10) as http:
         for i in range(n):

@@ -1,5 +1,8 @@
-"""The reconciler service (provider readback, signed webhooks, human review).
+"""The reconciler service: resolves ambiguous outcomes by evidence, never by a guess.
 
-Not built yet: it arrives with its own issue. Ambiguous outcomes wait, durably, on the
-`<prefix>.reconcile.v1.ambiguous` subject of the events stream until it does.
+- `strategy`: the pure decisions (readback, webhook wait, review) from a tool's capabilities;
+- `worker`: the durable JetStream consumer of `<prefix>.reconcile.v1.>` that carries them out;
+- `ledger_client`: the read-only `rpc_operation` request-reply to the ledger;
+- `signatures`, `webhooks`: Standard Webhooks verification and `POST /v1/webhooks/{provider}`;
+- `app`: the composition root (`serve`).
 """

@@ -1,26 +1,144 @@
-"""Placeholder composition root: the reconciler consumes nothing until it is built.
-
-It deliberately does not subscribe: acknowledging ambiguity notices without resolving them
-would lose them. Running it only proves the process wiring of `effectledger up`.
-"""
+"""Composition root of the reconciler: NATS, the reconcile consumer and the webhook HTTP API."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import signal
+import logging
+import os
 
+import uvicorn
+from faststream import AckPolicy
+from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.nats.annotations import NatsMessage
+from nats.js.api import AckPolicy as JsAckPolicy
+from nats.js.api import ConsumerConfig
+from starlette.applications import Starlette
+
+from effectledger_bus.connect import connect, connect_options, raw_body
+from effectledger_bus.streams import ensure_streams
+from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
+from effectledger_dispatcher.adapters import load_adapter
+from effectledger_dispatcher.provider import make_client
+from effectledger_dispatcher.worker import as_delivery
+
+from .ledger_client import NatsLedgerClient
+from .publisher import JetStreamPublisher
+from .signatures import WebhookVerifier
+from .strategy import Timing
+from .webhooks import SKIP_VERIFICATION_ENV, create_app
+from .worker import ACK_WAIT_S, CONSUMER, Reconciler, http_readback
+
+log = logging.getLogger("effectledger.reconciler")
+CONCURRENCY = 32
+
+
+def skip_verification_requested(env: dict[str, str] | None = None) -> bool:
+    value = (env if env is not None else os.environ).get(SKIP_VERIFICATION_ENV, "")
+    return value.strip().lower() in {"1", "true", "yes"}
+
+
+def build_verifier(settings: Settings, *, skip: bool = False) -> WebhookVerifier:
+    secrets = {p: [s.get_secret_value() for s in values]
+               for p, values in settings.webhook_secrets.items()}
+    return WebhookVerifier(secrets, tolerance_s=settings.webhook_tolerance_s,
+                           skip_verification=skip)
+
+
+def build_broker(settings: Settings, reconciler: Reconciler) -> NatsBroker:
+    subjects = settings.subjects
+    broker = NatsBroker(**connect_options(settings, f"effectledger-reconciler-"
+                                                    f"{settings.reconciler_id}"),
+                        logger=log, log_level=logging.DEBUG, decoder=raw_body)
+
+    @broker.subscriber(
+        subjects.reconcile_all,
+        stream=JStream(subjects.events_stream, declare=False),
+        durable=CONSUMER,
+        pull_sub=PullSub(batch_size=CONCURRENCY, timeout=1.0),
+        max_workers=CONCURRENCY,
+        ack_policy=AckPolicy.MANUAL,
+        config=ConsumerConfig(
+            ack_policy=JsAckPolicy.EXPLICIT,
+            ack_wait=ACK_WAIT_S,
+            # Unlimited: how long to keep trying comes from the command's own timestamps
+            # (horizon, webhook wait, reconciliation deadline), never from a delivery count.
+            max_deliver=-1,
+            max_ack_pending=4096),
+        title="reconciler", description="Ambiguous and accepted operations to reconcile")
+    async def on_reconcile(msg: NatsMessage) -> None:
+        await reconciler.handle(as_delivery(msg))
+
+    return broker
 
 
 async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
-            loop.add_signal_handler(sig, stop.set)
-    print("reconciler ready: placeholder (ambiguous outcomes stay queued until it is built)",
-          flush=True)
-    if started is not None:
-        started.set()
-    await stop.wait()
+    catalog = Catalog.load(settings.catalog_path)
+    for tool in catalog.tools.values():
+        load_adapter(tool)  # a bad adapter path fails the deployment, not each operation
+    skip = skip_verification_requested()
+    verifier = build_verifier(settings, skip=skip)  # bad secrets fail before connecting
+    if not verifier.providers and not skip:
+        log.warning("no webhook secrets configured (EFFECTLEDGER_WEBHOOK_SECRETS): every "
+                    "webhook will be refused")
+    nc = await connect(settings, f"effectledger-reconciler-{settings.reconciler_id}")
+    await ensure_streams(nc.jetstream(), settings)
+    publisher = JetStreamPublisher(nc.jetstream())
+    http = make_client(max_connections=CONCURRENCY * 2)
+    reconciler = Reconciler(
+        ledger=NatsLedgerClient(nc, settings.subjects), publisher=publisher, catalog=catalog,
+        subjects=settings.subjects, reconciler_id=settings.reconciler_id,
+        readback=http_readback(http, dict(os.environ)),
+        timing=Timing(reconcile_deadline_s=settings.reconcile_deadline_s,
+                      webhook_wait_s=settings.webhook_wait_s))
+    broker = build_broker(settings, reconciler)
+
+    async def ready() -> dict[str, bool]:
+        return {"nats": nc.is_connected}
+
+    app = create_app(verifier=verifier, publisher=publisher, subjects=settings.subjects,
+                     max_body_bytes=settings.webhook_max_body_bytes, ready=ready)
+    app.state.reconciler = reconciler
+    try:
+        await broker.start()
+        await _serve_http(app, settings, started)
+    finally:
+        await broker.stop()
+        await http.aclose()
+        with contextlib.suppress(Exception):
+            await nc.drain()
+
+
+async def _serve_http(app: Starlette, settings: Settings,
+                      started: asyncio.Event | None) -> None:
+    """Run uvicorn until it stops (SIGINT/SIGTERM, handled by uvicorn) or is cancelled."""
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=settings.reconciler_host, port=settings.reconciler_port, log_level="warning",
+        access_log=False, lifespan="off"))
+    task = asyncio.create_task(_run(server, settings))
+    try:
+        while not server.started:  # uvicorn exposes a flag, not an event
+            if task.done():
+                task.result()  # a failed start surfaces here
+                return
+            await asyncio.sleep(0.02)
+        url = f"http://{settings.reconciler_host}:{settings.reconciler_port}"
+        log.info("reconciler %s listening on %s", settings.reconciler_id, url)
+        print(f"reconciler ready: {url} ({settings.reconciler_id})", flush=True)
+        if started is not None:
+            started.set()
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await task
+        raise
+
+
+async def _run(server: uvicorn.Server, settings: Settings) -> None:
+    try:
+        await server.serve()
+    except SystemExit as exc:  # uvicorn exits the process when it cannot bind
+        raise RuntimeError(f"reconciler could not listen on {settings.reconciler_host}:"
+                           f"{settings.reconciler_port}") from exc

@@ -12,7 +12,8 @@ idempotency lookup (a new key is claimed "in progress" here) -> `delay` -> apply
 `slow_body`). Faults change what the client sees, never the stored record: a retry after a
 dropped or 5xx'd answer replays the true 201.
 
-TODO(webhooks): the sending side (signed with `webhook_secret`) is a later issue.
+With a webhook URL and secret, routes with webhooks enabled also send signed Standard Webhooks
+about their effects (webhooks.py); `/_webhooks` is their log, `/_webhooks/faults` their faults.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import parse_qsl
@@ -36,6 +37,7 @@ from starlette.types import Receive, Scope, Send
 from .faults import FaultError, Phase, parse_fault
 from .responses import RAW_SEND, DropConnection, SlowBodyResponse
 from .state import Claim, Effect, SandboxState, body_digest
+from .webhooks import SEND_MODES, WebhookSender, parse_webhook_fault
 
 
 class SandboxApp(Starlette):
@@ -77,8 +79,10 @@ def _body_key(body: Any) -> str | None:
 
 
 class _Api:
-    def __init__(self, state: SandboxState, api_key: str | None) -> None:
+    def __init__(self, state: SandboxState, api_key: str | None,
+                 hooks: WebhookSender) -> None:
         self.state = state
+        self.hooks = hooks
         self._bearer = f"Bearer {api_key}".encode() if api_key else None
         self.background: set[asyncio.Task[None]] = set()
         self._generation = 0  # bumped by /_reset so a late apply never lands in a fresh world
@@ -118,10 +122,12 @@ class _Api:
             entry["outcome"] = f"fault:status_before_apply:{before.status}"
             if before.retry_after is not None:
                 headers["Retry-After"] = before.retry_after
+            self._refused(route, key, token, "injected_fault")
             return error(before.status, "injected_fault", "injected before apply", headers)
         if before is not None and before.kind == "rate_limit":
             entry["outcome"] = "fault:rate_limit"
             headers["Retry-After"] = before.retry_after or "1"
+            self._refused(route, key, token, "rate_limited")
             return error(429, "rate_limited", "too many requests", headers)
 
         rejection: tuple[int, str, str] | None = None
@@ -148,6 +154,8 @@ class _Api:
                     return error(503, "sandbox_reset", "the sandbox was reset", headers)
             if rejection is not None:
                 entry["outcome"] = f"rejected:{rejection[1]}"
+                if rejection[1] == "stale_fencing_token":
+                    self._refused(route, key, token, rejection[1])
                 return error(*rejection, headers)
             if replayed is not None:
                 entry["outcome"] = "replayed"
@@ -157,15 +165,23 @@ class _Api:
                 entry["outcome"] = "late_apply:scheduled"
                 self._apply_later(route, key, body, token, late.seconds, entry)
                 owns_claim = False  # the background apply now holds the key in progress
+                self.hooks.pending(route, key, token)
                 return DropConnection()
             effect = state.apply(route, key, body, token)
             owns_claim = False
             entry["outcome"] = "applied"
             entry["effect_id"] = effect.id
+            self.hooks.applied(route, key, effect.to_json())
         finally:
             if owns_claim and key is not None:
                 state.release(route, key)  # cancelled or failed before applying
         return await self._answer(route, key, effect, entry, headers, replay=False)
+
+    def _refused(self, route: str, key: str | None, token: int | None, reason: str) -> None:
+        # Only while the key is untouched: a refused duplicate of an applied (or in-progress)
+        # request must not be reported as "not applied".
+        if key is not None and self.state.key_untouched(route, key):
+            self.hooks.not_applied(route, key, token, reason)
 
     async def _answer(self, route: str, key: str | None, effect: Effect, entry: dict[str, Any],
                       headers: dict[str, str], *, replay: bool) -> Response:
@@ -200,6 +216,7 @@ class _Api:
                 effect = self.state.apply(route, key, body, token)
                 entry["outcome"] = "late_apply:applied"
                 entry["effect_id"] = effect.id
+                self.hooks.applied(route, key, effect.to_json())
 
         task = asyncio.get_running_loop().create_task(apply_later())
         self.background.add(task)
@@ -265,22 +282,79 @@ class _Api:
 
     async def get_route(self, request: Request) -> Response:
         route = request.path_params["route"]
-        return JSONResponse({"route": route, "idempotent": self.state.is_idempotent(route)})
+        hooks = self.hooks.route(route)
+        return JSONResponse({"route": route, "idempotent": self.state.is_idempotent(route),
+                             "webhooks": hooks.webhooks,
+                             "not_applied_webhooks": hooks.not_applied_webhooks})
 
     async def set_route(self, request: Request) -> Response:
+        """Set any of `idempotent`, `webhooks`, `not_applied_webhooks`; echoes what was set."""
         route = request.path_params["route"]
         try:
-            idempotent = (await request.json())["idempotent"]
-        except (ValueError, KeyError, TypeError):
-            idempotent = None
-        if not isinstance(idempotent, bool):
-            return error(400, "invalid_config", 'expected {"idempotent": true|false}')
-        self.state.configure_route(route, idempotent=idempotent)
-        return JSONResponse({"route": route, "idempotent": idempotent})
+            raw = await request.json()
+        except ValueError:
+            raw = None
+        names = ("idempotent", "webhooks", "not_applied_webhooks")
+        if not isinstance(raw, dict) or not raw or set(raw) - set(names) \
+                or not all(isinstance(v, bool) for v in raw.values()):
+            return error(400, "invalid_config", 'expected {"idempotent": true|false} and/or '
+                         '{"webhooks": true|false, "not_applied_webhooks": true|false}')
+        if "idempotent" in raw:
+            self.state.configure_route(route, idempotent=raw["idempotent"])
+        self.hooks.configure_route(route, webhooks=raw.get("webhooks"),
+                                   not_applied_webhooks=raw.get("not_applied_webhooks"))
+        return JSONResponse({"route": route, **raw})
+
+    # -- webhooks (the sending side's log, faults and a send-now helper) ------------------
+
+    async def webhook_log(self, request: Request) -> Response:
+        return JSONResponse(self.hooks.log_json(request.query_params.get("key")))
+
+    async def get_webhook_faults(self, request: Request) -> Response:
+        return JSONResponse(self.hooks.faults.to_json())
+
+    async def set_webhook_faults(self, request: Request) -> Response:
+        try:
+            raw = await request.json()
+            items = raw.get("faults") if isinstance(raw, dict) else raw
+            if not isinstance(items, list):
+                raise FaultError('expected {"faults": [...]} or a list of faults')
+            faults = [parse_webhook_fault(item) for item in items]
+        except ValueError as exc:
+            return error(400, "invalid_fault", str(exc))
+        self.hooks.faults.faults = faults
+        return JSONResponse(self.hooks.faults.to_json())
+
+    async def clear_webhook_faults(self, request: Request) -> Response:
+        self.hooks.faults.faults = []
+        return JSONResponse(self.hooks.faults.to_json())
+
+    async def send_webhook(self, request: Request) -> Response:
+        """`{"type", "data", "mode"?, "webhook_id"?, "skew_s"?}`: one delivery now, no retry."""
+        if not self.hooks.enabled:
+            return error(409, "webhooks_not_configured", "start with a webhook URL and secret")
+        try:
+            raw = await request.json()
+        except ValueError:
+            raw = None
+        ok = isinstance(raw, dict) and isinstance(raw.get("type"), str) \
+            and isinstance(raw.get("data", {}), dict) \
+            and raw.get("mode", "valid") in SEND_MODES \
+            and isinstance(raw.get("webhook_id", ""), str) \
+            and isinstance(raw.get("skew_s", 600), int)
+        if not ok:
+            return error(400, "invalid_webhook", f'expected {{"type": str, "data": {{...}}, '
+                         f'"mode": one of {list(SEND_MODES)}, "webhook_id"?, "skew_s"?}}')
+        result = await self.hooks.send_now(raw["type"], raw.get("data", {}),
+                                           mode=raw.get("mode", "valid"),
+                                           webhook_id=raw.get("webhook_id") or None,
+                                           skew_s=raw.get("skew_s", 600))
+        return JSONResponse(result)
 
     async def reset(self, request: Request) -> Response:
         self.cancel_background()
         self.state.reset()
+        self.hooks.reset()
         return JSONResponse({"ok": True})
 
     async def healthz(self, request: Request) -> Response:
@@ -309,20 +383,26 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 
 def create_app(*, api_key: str | None = None, webhook_secret: str | None = None,
-               retention_s: float = 86400.0,
+               webhook_url: str | None = None, webhook_routes: Iterable[str] = (),
+               webhooks: WebhookSender | None = None, retention_s: float = 86400.0,
                clock: Callable[[], float] = time.monotonic) -> SandboxApp:
     """Build the sandbox app; its state is `app.state.sandbox` (or `sandbox_state(app)`).
 
     `clock` drives the idempotency retention window, readback lag and request log times;
-    injected delays always use real time (asyncio.sleep). `webhook_secret` is reserved.
+    injected delays always use real time (asyncio.sleep). Webhooks are sent when both
+    `webhook_url` and `webhook_secret` are given, for the routes in `webhook_routes` ("*": all)
+    and those enabled later; `webhooks` replaces the sender (tests: transport, clock, retries).
     """
     state = SandboxState(retention_s=retention_s, clock=clock)
-    api = _Api(state, api_key)
+    hooks = webhooks or WebhookSender(url=webhook_url, secret=webhook_secret,
+                                      default_routes=webhook_routes)
+    api = _Api(state, api_key, hooks)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         yield
         api.cancel_background()  # pending late applies must not outlive the server
+        await hooks.aclose()  # nor pending webhook deliveries
 
     routes = [
         Route("/v1/{route}/effects", api.create_effect, methods=["POST"]),
@@ -338,11 +418,18 @@ def create_app(*, api_key: str | None = None, webhook_secret: str | None = None,
         Route("/_config/routes/{route}", api.get_route, methods=["GET"]),
         Route("/_config/routes/{route}", api.set_route, methods=["POST"]),
         Route("/_reset", api.reset, methods=["POST"]),
+        Route("/_webhooks", api.webhook_log, methods=["GET"]),
+        Route("/_webhooks/faults", api.get_webhook_faults, methods=["GET"]),
+        Route("/_webhooks/faults", api.set_webhook_faults, methods=["POST"]),
+        Route("/_webhooks/faults", api.clear_webhook_faults, methods=["DELETE"]),
+        Route("/_webhooks/send", api.send_webhook, methods=["POST"]),
         Route("/healthz", api.healthz, methods=["GET"]),
     ]
     app = SandboxApp(routes=routes, lifespan=lifespan,
                      exception_handlers={404: _http_error, 405: _http_error})
     app.state.sandbox = state
     app.state.background_tasks = api.background  # pending late applies, for tests to await
-    app.state.webhook_secret = webhook_secret
+    app.state.webhook_secret = hooks.secret
+    app.state.webhooks = hooks
+    app.state.webhook_tasks = hooks.tasks  # pending deliveries, for tests to await
     return app

@@ -2,6 +2,8 @@
 
 `python -m effectledger_sandbox --port 8700 --api-key KEY`; the key defaults to the
 EFFECTLEDGER_SANDBOX_API_KEY environment variable, which the demo catalog also sends.
+`--webhook-url URL --webhook-secret whsec_...` (or EFFECTLEDGER_SANDBOX_WEBHOOK_URL / _SECRET)
+make it send signed webhooks, for the routes in `--webhook-routes` and those enabled later.
 """
 
 from __future__ import annotations
@@ -12,13 +14,40 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
 
 from .app import create_app
+from .webhooks import check_secret
 
 API_KEY_ENV = "EFFECTLEDGER_SANDBOX_API_KEY"
+WEBHOOK_URL_ENV = "EFFECTLEDGER_SANDBOX_WEBHOOK_URL"
+WEBHOOK_SECRET_ENV = "EFFECTLEDGER_SANDBOX_WEBHOOK_SECRET"
+WEBHOOK_ROUTES_ENV = "EFFECTLEDGER_SANDBOX_WEBHOOK_ROUTES"
+
+
+def add_webhook_arguments(parser: argparse.ArgumentParser) -> None:
+    """The webhook flags, shared by `python -m effectledger_sandbox` and `effectledger sandbox`."""
+    parser.add_argument("--webhook-url", default=os.environ.get(WEBHOOK_URL_ENV),
+                        help=f"where to send signed webhooks (default: ${WEBHOOK_URL_ENV})")
+    parser.add_argument("--webhook-secret", default=os.environ.get(WEBHOOK_SECRET_ENV),
+                        help=f"Standard Webhooks secret whsec_... (default: ${WEBHOOK_SECRET_ENV})")
+    parser.add_argument("--webhook-routes", default=os.environ.get(WEBHOOK_ROUTES_ENV, ""),
+                        help="comma-separated routes that send webhooks from the start, '*' for "
+                             f"all (default: ${WEBHOOK_ROUTES_ENV}; more via /_config/routes)")
+
+
+def webhook_options(args: argparse.Namespace) -> dict[str, Any]:
+    """create_app keyword arguments from the webhook flags; ValueError if inconsistent."""
+    url, secret = args.webhook_url or None, args.webhook_secret or None
+    if (url is None) != (secret is None):
+        raise ValueError("--webhook-url and --webhook-secret go together")
+    if secret is not None:
+        check_secret(secret)
+    routes = [r.strip() for r in (args.webhook_routes or "").split(",") if r.strip()]
+    return {"webhook_url": url, "webhook_secret": secret, "webhook_routes": routes}
 
 
 class _Server(uvicorn.Server):
@@ -82,8 +111,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"bearer token required on /v1 (default: ${API_KEY_ENV})")
     parser.add_argument("--retention-s", type=float, default=86400.0,
                         help="how long idempotency keys are remembered")
+    add_webhook_arguments(parser)
     args = parser.parse_args(argv)
-    app = create_app(api_key=args.api_key or None, retention_s=args.retention_s)
+    try:
+        hooks = webhook_options(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    app = create_app(api_key=args.api_key or None, retention_s=args.retention_s, **hooks)
 
     def announce(host: str, port: int) -> None:
         # A parseable line, so scripts using --port 0 can learn the port.

@@ -165,6 +165,10 @@ class SandboxState:
             return Claim.MISMATCH, None
         return Claim.REPLAY, record.effect
 
+    def key_untouched(self, route: str, key: str) -> bool:
+        """Nothing applied and nothing in progress for the key: a refusal leaves it unapplied."""
+        return not self.by_key.get((route, key)) and (route, key) not in self.records
+
     def release(self, route: str, key: str) -> None:
         """Forget an in-progress claim whose request ended without applying."""
         record = self.records.get((route, key))
