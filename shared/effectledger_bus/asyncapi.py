@@ -20,7 +20,10 @@ from effectledger_core.messages import (
     DeadLetter,
     DispatchAttempt,
     OutcomeAmbiguous,
+    ReconcileOperation,
     SubmitIntent,
+    VerdictReached,
+    WebhookReceived,
 )
 from effectledger_core.subjects import Subjects
 
@@ -36,12 +39,20 @@ _CHANNELS: list[tuple[str, str, str, list[type[BaseModel]], str]] = [
      "Nats-Msg-Id = outbox id (+ .r<n> for sweeper republishes). Consumer: durable "
      "'dispatcher', explicit acks."),
     ("outcomes", "ledger_all", "receive",
-     [AttemptSucceeded, AttemptAccepted, AttemptFailed, OutcomeAmbiguous, DeadLetter],
-     "JetStream (stream <P>_EVENTS): outcomes published by dispatchers (subject "
-     "<prefix>.ledger.v1.outcome.<type>, Nats-Msg-Id = <type>:<attempt_id>) and dead letters "
-     "(<prefix>.ledger.v1.deadletter). Consumer: durable 'ledger-inbox', explicit acks."),
-    ("ambiguous", "ambiguous", "send", [OutcomeAmbiguous],
-     "JetStream (stream <P>_EVENTS): ambiguity notices for the reconciler, from the outbox."),
+     [AttemptSucceeded, AttemptAccepted, AttemptFailed, OutcomeAmbiguous, VerdictReached,
+      WebhookReceived, DeadLetter],
+     "JetStream (stream <P>_EVENTS): everything the ledger's inbox consumes. Outcomes from "
+     "dispatchers (<prefix>.ledger.v1.outcome.<type>, Nats-Msg-Id = <type>:<attempt_id>), "
+     "verdicts from reconcilers (<prefix>.ledger.v1.verdict, Nats-Msg-Id = "
+     "verdict:<op>:<epoch>:<verdict>), verified webhooks (<prefix>.ledger.v1.webhook, "
+     "Nats-Msg-Id = webhook:<provider>:<id>) and dead letters (<prefix>.ledger.v1.deadletter). "
+     "Consumer: durable 'ledger-inbox', explicit acks."),
+    ("reconcile", "ambiguous", "send", [ReconcileOperation],
+     "JetStream (stream <P>_EVENTS): reconciliation commands for ambiguous or asynchronously "
+     "accepted attempts, from the ledger outbox. Consumer: durable 'reconciler', explicit acks."),
+    ("operation", "rpc_operation", "receive", [],
+     "Request-reply, read-only: {\"operation_id\"} → {ok, operation: {id, state, epoch, "
+     "operation_key, tool, provider_ref}}. Used by reconcilers before deciding."),
 ]
 
 
