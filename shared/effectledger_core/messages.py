@@ -49,7 +49,9 @@ M = TypeVar("M", bound="BaseModel")
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # No NaN or infinity anywhere: JSON cannot carry them portably (PostgreSQL's jsonb refuses
+    # them), so one would make the ledger's commit fail on every redelivery.
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     schema_version: Literal[1] = 1
 
 

@@ -13,7 +13,7 @@ from faststream.nats.annotations import NatsMessage
 from nats.js.api import AckPolicy as JsAckPolicy
 from nats.js.api import ConsumerConfig
 
-from effectledger_bus.connect import connect, connect_options
+from effectledger_bus.connect import connect, connect_options, raw_body
 from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
@@ -29,7 +29,7 @@ def build_broker(settings: Settings, dispatcher: Dispatcher) -> NatsBroker:
     subjects = settings.subjects
     broker = NatsBroker(**connect_options(settings, f"effectledger-dispatcher-"
                                                     f"{settings.dispatcher_id}"),
-                        logger=log, log_level=logging.DEBUG)
+                        logger=log, log_level=logging.DEBUG, decoder=raw_body)
 
     @broker.subscriber(
         subjects.dispatch_all,

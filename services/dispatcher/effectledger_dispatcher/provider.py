@@ -76,9 +76,12 @@ _NOT_SECRET = frozenset({"host", "content-type", "content-length", "accept", "ac
 
 def make_client(max_connections: int = 200) -> httpx.AsyncClient:
     """A client for provider calls: bounded pool, no redirects followed, no transport retries."""
+    # Idle connections expire before the provider's own keep-alive closes them (5 s for uvicorn
+    # and Node): a request written on a connection the server is closing at that instant is
+    # lost without an answer, which is ambiguous, so that race must not be run at all.
     limits = httpx.Limits(max_connections=max_connections,
                           max_keepalive_connections=min(max_connections, 50),
-                          keepalive_expiry=5.0)
+                          keepalive_expiry=2.0)
     return httpx.AsyncClient(
         transport=httpx.AsyncHTTPTransport(retries=0, limits=limits),
         follow_redirects=False, timeout=httpx.Timeout(10.0))

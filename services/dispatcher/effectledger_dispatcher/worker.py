@@ -47,6 +47,12 @@ from .provider import call_provider
 
 log = logging.getLogger(__name__)
 CONSUMER = "dispatcher"
+# TEST-ONLY: disables claim-before-call, so the chaos harness can prove it detects duplicates.
+UNSAFE_SKIP_CLAIM_ENV = "EFFECTLEDGER_UNSAFE_SKIP_CLAIM"
+
+
+def unsafe_skip_claim(env: Mapping[str, str]) -> bool:
+    return env.get(UNSAFE_SKIP_CLAIM_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
 class Delivery:
@@ -79,6 +85,19 @@ class Dispatcher:
     stats: dict[str, int] = field(default_factory=lambda: {
         "granted": 0, "already_claimed": 0, "stale": 0, "lost_mid_attempt": 0,
         "dead_lettered": 0, "claim_unavailable": 0})
+    # Attempt ids whose claim got no answer at all, by (operation, epoch). Such an attempt never
+    # reached the provider (this process calls only after a granted reply), so when the command
+    # comes back to this process it asks again with the same id, which the ledger re-grants if
+    # the claim was recorded and its reply lost. A fresh id would find its own lost claim
+    # "already claimed" and needlessly declare an untouched operation ambiguous.
+    unanswered_claims: dict[tuple[str, int], str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if unsafe_skip_claim(self.env):
+            log.warning("UNSAFE: %s is set: claim-before-call is DISABLED; redelivered "
+                        "commands will call the provider again. This switch exists for the "
+                        "chaos harness only and must never be set in production.",
+                        UNSAFE_SKIP_CLAIM_ENV)
 
     async def handle(self, d: Delivery) -> None:
         try:
@@ -99,15 +118,27 @@ class Dispatcher:
                 await d.nak(delay=10.0)
             return
 
-        attempt_id = self.ids()
+        attempt_id = self.unanswered_claims.pop((cmd.operation_id, cmd.epoch), None) \
+            or self.ids()
         reply = await self._claim(cmd, attempt_id)
         if reply is None:
             self.stats["claim_unavailable"] += 1
+            self.unanswered_claims[(cmd.operation_id, cmd.epoch)] = attempt_id
+            if len(self.unanswered_claims) > 10_000:  # commands redelivered elsewhere
+                del self.unanswered_claims[next(iter(self.unanswered_claims))]
             await d.nak(delay=min(10.0, 0.5 * 2 ** d.deliveries))
             return
         if reply.status is ClaimStatus.GRANTED:
             self.stats["granted"] += 1
             crash_point("dispatcher.after_claim")
+            outcome = await self._attempt(d, cmd, reply.attempt_id or attempt_id)
+        elif reply.status is ClaimStatus.ALREADY_CLAIMED and unsafe_skip_claim(self.env):
+            # The guard this whole service exists for, switched off: a redelivered command
+            # reaches the provider again. Only the chaos harness's "can it fail" runs do this.
+            self.stats["already_claimed"] += 1
+            log.warning("UNSAFE: %s=1: calling the provider for %s epoch %d although the claim "
+                        "is already held (claim-before-call disabled; never use in production)",
+                        UNSAFE_SKIP_CLAIM_ENV, cmd.operation_id, cmd.epoch)
             outcome = await self._attempt(d, cmd, reply.attempt_id or attempt_id)
         elif reply.status is ClaimStatus.ALREADY_CLAIMED:
             self.stats["already_claimed"] += 1

@@ -5,8 +5,9 @@ Agents (agent tokens) submit intents and read their own tenant's operations; ope
 with the operator's name from the token.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: FastAPI resolves string annotations in the
+# module's globals, so the `Who` dependency (local to create_app) would silently become a
+# required query parameter `p` on every route.
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 

@@ -41,7 +41,9 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
                   lease_s=settings.relay_lease_s, poll_interval_s=settings.relay_poll_interval_s)
     sweeper = Sweeper(store, service.outbox_wake, older_than_s=settings.sweep_after_s,
                       interval_s=settings.sweep_interval_s,
-                      reconcile_after_s=settings.reconcile_sweep_after_s)
+                      reconcile_after_s=settings.reconcile_sweep_after_s,
+                      repair_lost_outcomes=lambda: service.repair_lost_outcomes(
+                          settings.lost_outcome_after_s))
     tasks = [asyncio.create_task(relay.run(), name="relay"),
              asyncio.create_task(sweeper.run(), name="sweeper"),
              asyncio.create_task(_janitor(store, settings), name="janitor"),

@@ -17,7 +17,7 @@ from faststream.nats.annotations import NatsMessage
 from nats.js.api import AckPolicy as JsAckPolicy
 from nats.js.api import ConsumerConfig
 
-from effectledger_bus.connect import connect_options
+from effectledger_bus.connect import connect_options, raw_body
 from effectledger_core.config import Settings
 from effectledger_core.errors import (
     EffectLedgerError,
@@ -50,7 +50,7 @@ def _error_reply(exc: EffectLedgerError) -> str:
 def build_broker(settings: Settings, service: LedgerService) -> NatsBroker:
     subjects = settings.subjects
     broker = NatsBroker(**connect_options(settings, "effectledger-ledger"), logger=log,
-                        log_level=logging.DEBUG)
+                        log_level=logging.DEBUG, decoder=raw_body)
 
     @broker.subscriber(subjects.rpc_intents, queue="ledger", max_workers=16,
                        title="ledger.intents", description="Submit an intent (request-reply)")
@@ -81,13 +81,15 @@ def build_broker(settings: Settings, service: LedgerService) -> NatsBroker:
     async def on_operation(msg: NatsMessage) -> str:
         try:
             query = json.loads(msg.raw_message.data)
-            op_id = query["operation_id"] if isinstance(query, dict) else None
+            # .get: an object without the field must get an error reply, not a KeyError.
+            op_id = query.get("operation_id") if isinstance(query, dict) else None
             if not isinstance(op_id, str) or not 0 < len(op_id) <= 1024:
                 raise InvalidRequest("expected {\"operation_id\": \"...\"}")
             op = await service.operation(op_id)
         except EffectLedgerError as exc:
             return _error_reply(exc)
-        except ValueError:
+        except (ValueError, RecursionError):
+            # RecursionError: deeply nested JSON; without this the requester gets no reply.
             return _error_reply(InvalidRequest("payload is not JSON"))
         return json.dumps({"ok": True, "operation": {
             k: op[k] for k in ("id", "state", "epoch", "operation_key", "tool", "provider_ref")}})

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.js import JetStreamContext
@@ -90,8 +91,11 @@ class Sweeper:
 
     def __init__(self, store: Store, wake: asyncio.Event, *, older_than_s: float,
                  interval_s: float, reconcile_after_s: float = 900.0,
-                 clock: Clock = utcnow) -> None:
+                 clock: Clock = utcnow,
+                 repair_lost_outcomes: Callable[[], Awaitable[int]] | None = None) -> None:
         self.store, self.wake = store, wake
+        # Claimed attempts whose outcome message the broker lost (db/lost.py).
+        self.repair_lost_outcomes = repair_lost_outcomes
         self.older_than_s, self.interval_s, self.clock = older_than_s, interval_s, clock
         # Reconciliation legitimately waits (provider horizons, webhook windows): resend a
         # reconcile command only after much longer than a dispatch command.
@@ -107,6 +111,13 @@ class Sweeper:
             log.warning("sweeper: republishing %d unclaimed dispatch commands", n)
             self.republished += n
             self.wake.set()
+        if self.repair_lost_outcomes is not None:
+            lost = await self.repair_lost_outcomes()
+            if lost:
+                log.warning("sweeper: %d claimed attempts never reported an outcome; "
+                            "handed to reconciliation as ambiguous", lost)
+                self.wake.set()
+            n += lost
         return n
 
     async def run(self) -> None:

@@ -126,6 +126,14 @@ class LedgerService:
             self.outbox_wake.set()
         return result
 
+    async def repair_lost_outcomes(self, older_than_s: float) -> int:
+        """In-flight attempts with no outcome for `older_than_s`: ambiguous (db/lost.py)."""
+        from .db.lost import sweep_lost_outcomes_txn
+
+        return await self.store.run(sweep_lost_outcomes_txn, now=self.clock(),
+                                    older_than_s=older_than_s, subjects=self.subjects,
+                                    new_id=self.ids, decide_retry=self.decide_retry)
+
     async def record_dead_letter(self, letter: DeadLetter) -> None:
         await self.store.run(record_dead_letter_txn, letter, now=self.clock())
         log.warning("dead-lettered %s from %s: %s", letter.message_id, letter.consumer,

@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from effectledger_core.catalog import Catalog
 from effectledger_core.errors import IdempotencyConflict
 from effectledger_core.ids import operation_key as derive_operation_key
-from effectledger_core.intents import validate_arguments
+from effectledger_core.intents import reject_nul, validate_arguments
 from effectledger_core.messages import DispatchAttempt, SubmitIntent, encode
 from effectledger_core.states import State
 from effectledger_core.subjects import Subjects
@@ -44,6 +44,7 @@ async def submit_intent_txn(conn: AsyncConnection, *, catalog: Catalog, intent: 
                             now: datetime, actor: str = "agent") -> Submitted:
     tool = catalog.get(intent.tool)
     _canonical, args_digest = validate_arguments(intent.arguments)
+    reject_nul(intent.arguments)
     op_key = derive_operation_key(tenant=intent.tenant, task_id=intent.task_id,
                                   caller_key=intent.idempotency_key, operation_id=operation_id)
     if intent.idempotency_key is not None:

@@ -130,8 +130,17 @@ async def record_outcome_txn(conn: AsyncConnection, outcome: Outcome, *, consume
     return Recorded("applied", to_state=step.to.value)
 
 
+def _storable(text: str | None) -> str | None:
+    # PostgreSQL text and jsonb cannot hold NUL, and poison messages often contain one: a dead
+    # letter that cannot be stored would leave its message stuck in the stream for good.
+    return None if text is None else text.replace("\x00", "\ufffd")
+
+
 async def record_dead_letter_txn(conn: AsyncConnection, letter: DeadLetter, *,
                                  now: datetime) -> None:
+    letter = letter.model_copy(update={
+        f: _storable(getattr(letter, f))
+        for f in ("consumer", "subject", "message_id", "error", "payload_excerpt")})
     await conn.execute(dead_letters.insert().values(
         at=now, consumer=letter.consumer, subject=letter.subject, message_id=letter.message_id,
         error=letter.error, payload_excerpt=letter.payload_excerpt, deliveries=letter.deliveries))

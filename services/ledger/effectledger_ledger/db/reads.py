@@ -10,7 +10,8 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.errors import InvalidRequest, NotFound
-from effectledger_core.failures import policy_digest
+from effectledger_core.failures import Failure, Idempotency, policy_digest
+from effectledger_core.messages import FailureClass
 from effectledger_core.states import State
 
 from .schema import attempts, journal, operations
@@ -111,6 +112,19 @@ def _recovery(op: dict[str, Any]) -> dict[str, str]:
     return {"fact": a.fact.value, "decision": a.decision.value, "reason": a.reason}
 
 
+def _guidance(last: dict[str, Any]) -> str | None:
+    """The model's one line for a failure: the one the outcome carried, else rendered here
+    from the same policy table, so a failure's receipt never lacks it."""
+    if last.get("type") != "attempt_failed":
+        return None
+    if last.get("guidance"):
+        return str(last["guidance"])
+    failure = Failure(FailureClass(last["failure_class"]), last.get("code", ""),
+                      last.get("message", ""), retry_after_s=last.get("retry_after_s"),
+                      idempotency=Idempotency(last.get("idempotency", "unset")))
+    return failure.guidance()
+
+
 def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
     """DESIGN.md section 7. A receipt is evidence, not success: it lists what is still open."""
     last = op["attempts"][-1] if op["attempts"] else None
@@ -122,8 +136,11 @@ def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
         open_items.append("provider outcome unknown: awaiting reconciliation")
     if state == "needs_review":
         open_items.append("no machine can decide: awaiting operator review")
+    evidence = op.get("evidence") or None
     reconciliation = {"ambiguous": "pending", "awaiting_confirmation": "pending",
-                      "needs_review": "needs_review"}.get(state, "not_needed")
+                      "needs_review": "needs_review"}.get(
+                          state, "resolved" if evidence and state in ("succeeded", "failed")
+                          else "not_needed")
     return {
         "operation_id": op["id"],
         "operation_key": op["operation_key"],
@@ -145,7 +162,10 @@ def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
         "provider_request_ref": op["provider_ref"],
         "dispatch_outcome": last["status"] if last else None,
         "reconciliation_status": reconciliation,
+        # How the outcome became known when no provider response said so (readback, webhook,
+        # operator): the evidence itself, never a synthesized response digest.
+        "evidence": evidence,
         "recovery_decision": _recovery(op),
-        "guidance": (op.get("last_outcome") or {}).get("guidance") or None,
+        "guidance": _guidance(op.get("last_outcome") or {}),
         "open_uncertainties": open_items,
     }

@@ -168,7 +168,8 @@ async def consume_plan_txn(conn: AsyncConnection, plan_id: str, *, catalog: Cata
                              detail={"plan_id": plan_id, "reason": reason})
         return Admission(False, reason)
     tool = catalog.get(op["tool"])
-    new = await move(conn, op, Event.PLAN_ADMITTED, now=now, actor=plan["requested_by"],
+    new = await move(conn, op, Event.PLAN_ADMITTED, now=now,
+                     actor=f"operator:{plan['requested_by']}",
                      kind="retry_admitted", subjects=subjects, outbox_id=outbox_id,
                      detail={"plan_id": plan_id, "review": plan["review"],
                              "operation_key": op["operation_key"]})

@@ -103,6 +103,9 @@ async def apply_verdict(conn: AsyncConnection, *, op: dict[str, Any], epoch: int
         event = (Event.VERDICT_NOT_APPLIED_RETRY if decision.retry
                  else Event.VERDICT_NOT_APPLIED_FINAL)
     step = transition(State(op["state"]), event)
+    # The stored evidence names what it proved and for which epoch: a later epoch's receipt
+    # must not read an earlier "not applied" readback as the proof of its success.
+    evidence = {**evidence, "verdict": verdict, "epoch": epoch}
     values: dict[str, Any] = dict(state=step.to.value, updated_at=now, evidence=evidence)
     if step.new_epoch:
         values["epoch"] = epoch + 1
@@ -143,8 +146,13 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
     op = await lock_op(conn, v.operation_id)
     evidence = (v.evidence.model_dump(mode="json") if v.evidence else {})
     evidence |= {"reason": v.reason, "reconciler_id": v.reconciler_id}
+    verdict = v.verdict
+    if verdict != "undecidable" and v.evidence is None:
+        # Evidence before verdict (DESIGN.md section 2, rule 4): a bare "applied" or "not
+        # applied" is a guess, and a guess goes to a human, never to success or a retry.
+        evidence["claimed_verdict"], verdict = verdict, "undecidable"
     result = (Recorded("rejected", reason="unknown_operation") if op is None else
-              await apply_verdict(conn, op=op, epoch=v.epoch, verdict=v.verdict,
+              await apply_verdict(conn, op=op, epoch=v.epoch, verdict=verdict,
                                   evidence=evidence, actor=f"reconciler:{v.reconciler_id}",
                                   now=now, subjects=subjects, outbox_id=outbox_id,
                                   decide_retry=decide_retry))
@@ -220,6 +228,11 @@ async def _use_webhook(conn: AsyncConnection, op: dict[str, Any], hook: dict[str
         # "Not applied" speaks only for the attempt it names; "applied" speaks for the key.
         await conn.execute(webhook_events.update().where(where).values(applied="ignored"))
         return Recorded("kept", reason="other_epoch")
+    if verdict == "not_applied" and token is None and await _before_attempt(conn, op, hook):
+        # Without a token, a "not applied" received before this epoch's attempt was even
+        # claimed is about an earlier attempt: applying it would retry on stale evidence.
+        await conn.execute(webhook_events.update().where(where).values(applied="ignored"))
+        return Recorded("kept", reason="earlier_attempt")
     evidence = {"source": "webhook", "provider_ref": hook["provider_ref"],
                 "digest": hook["body_digest"], "at": now.isoformat(),
                 "webhook_id": hook["webhook_id"], "event_type": hook["event_type"]}
@@ -229,6 +242,14 @@ async def _use_webhook(conn: AsyncConnection, op: dict[str, Any], hook: dict[str
     await conn.execute(webhook_events.update().where(where).values(
         applied="applied" if result.status == "applied" else f"rejected:{result.reason}"))
     return result
+
+
+async def _before_attempt(conn: AsyncConnection, op: dict[str, Any],
+                          hook: dict[str, Any]) -> bool:
+    claimed_at = (await conn.execute(
+        sa.select(attempts.c.claimed_at).where(attempts.c.operation_id == op["id"],
+                                               attempts.c.epoch == op["epoch"]))).scalar()
+    return claimed_at is not None and hook["received_at"] < claimed_at
 
 
 async def apply_stored_webhooks(conn: AsyncConnection, op: dict[str, Any], *, now: datetime,

@@ -1,0 +1,500 @@
+"""Resolving ambiguity on both databases (issue 4): reconciler verdicts and verified webhooks
+are applied only to the epoch they are about, from a state waiting for them; everything else
+is rejected or kept, and journaled."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import tomllib
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+
+import pytest
+import sqlalchemy as sa
+
+from effectledger_core.catalog import Catalog
+from effectledger_core.ids import operation_key
+from effectledger_core.messages import (
+    AttemptFailed,
+    AttemptSucceeded,
+    ClaimAttempt,
+    ClaimStatus,
+    DispatchAttempt,
+    Evidence,
+    FailureClass,
+    OutcomeAmbiguous,
+    ReconcileOperation,
+    SubmitIntent,
+    VerdictReached,
+    WebhookReceived,
+    parse,
+)
+from effectledger_core.retry_policy import RetryBudget
+from effectledger_core.subjects import Subjects
+from effectledger_ledger.db.resolution import Recorded
+from effectledger_ledger.db.schema import journal, operations, outbox, webhook_events
+from effectledger_ledger.db.store import Store
+from effectledger_ledger.service import LedgerService
+
+NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
+SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
+CATALOG = Catalog.from_mapping(tomllib.loads("""
+[tools.ticket]
+endpoint = "http://provider.test/tickets"
+effect_class = "idempotent"
+contract_revision = "r1"
+max_attempts = 3
+capabilities = { accepts_idempotency_key = true, readback = true, webhooks = true }
+readback = { url = "http://provider.test/tickets/{operation_key}" }
+
+[tools.charge]
+endpoint = "http://provider.test/charges"
+effect_class = "non_idempotent"
+contract_revision = "r1"
+max_attempts = 5
+capabilities = { webhooks = true }
+
+[tools.once]
+endpoint = "http://provider.test/once"
+effect_class = "idempotent"
+contract_revision = "r1"
+max_attempts = 1
+capabilities = { accepts_idempotency_key = true, readback = true }
+readback = { url = "http://provider.test/once/{operation_key}" }
+"""))
+
+
+class Ledger:
+    def __init__(self, store: Store) -> None:
+        self.store, self.now = store, NOW
+        counter = itertools.count(1)
+        self.svc = LedgerService(
+            store=store, catalog=CATALOG, subjects=SUBJECTS, clock=lambda: self.now,
+            ids=lambda: f"id{next(counter):05d}", rng=random.Random(5),
+            budget=RetryBudget(capacity=1e9, refill_per_s=0.0))
+        self.messages = itertools.count(1)
+
+    def mid(self) -> str:
+        return f"m{next(self.messages):05d}"
+
+    async def submit(self, tool: str = "ticket", *, caller_key: str | None = None,
+                     n: int = 1) -> str:
+        result = await self.svc.submit(SubmitIntent(tool=tool, arguments={"n": n},
+                                                    idempotency_key=caller_key))
+        return str(result.operation["id"])
+
+    async def claim(self, op_id: str, epoch: int = 1) -> str:
+        attempt = f"{op_id}-a{epoch}"
+        reply = await self.svc.claim(ClaimAttempt(operation_id=op_id, epoch=epoch,
+                                                  attempt_id=attempt, dispatcher_id="d1"))
+        assert reply.status is ClaimStatus.GRANTED, reply
+        return attempt
+
+    async def ambiguous(self, op_id: str, epoch: int = 1, *, claimed: bool = False) -> Recorded:
+        attempt = f"{op_id}-a{epoch}" if claimed else await self.claim(op_id, epoch)
+        return await self.svc.record_outcome(OutcomeAmbiguous(
+            operation_id=op_id, epoch=epoch, attempt_id=attempt, dispatcher_id="d1",
+            at=self.now, reason="timeout"), consumer="ledger", message_id=self.mid())
+
+    async def verdict(self, op_id: str, verdict: Literal["applied", "not_applied",
+                                                          "undecidable"],
+                      epoch: int = 1, *, reconciler: str = "r1") -> Recorded:
+        evidence = None
+        if verdict != "undecidable":
+            evidence = Evidence(source="readback", at=self.now, provider_ref="tk_7",
+                                digest="sha256:readback", detail="found by key")
+        return await self.svc.record_verdict(VerdictReached(
+            operation_id=op_id, epoch=epoch, verdict=verdict, evidence=evidence,
+            reconciler_id=reconciler, reason="readback", at=self.now),
+            consumer="ledger", message_id=self.mid())
+
+    async def webhook(self, webhook_id: str, *, key: str | None,
+                      outcome: Literal["applied", "not_applied", "pending"] = "applied",
+                      final: bool = True, fencing_token: int | None = None) -> Recorded:
+        return await self.svc.record_webhook(WebhookReceived(
+            provider="sandbox", webhook_id=webhook_id, event_type="effect.updated",
+            operation_key=key, provider_ref="tk_hook", outcome=outcome, final=final,
+            fencing_token=fencing_token, body_digest="sha256:body", signed_at=self.now,
+            received_at=self.now))
+
+    async def op(self, op_id: str) -> dict[str, Any]:
+        return await self.svc.operation(op_id)
+
+    async def key(self, op_id: str) -> str:
+        return str((await self.op(op_id))["operation_key"])
+
+    async def rows(self, table: sa.Table, *where: Any) -> list[dict[str, Any]]:
+        async with self.store.transaction() as conn:
+            rows = (await conn.execute(sa.select(table).where(*where))).mappings().all()
+        return sorted((dict(r) for r in rows), key=lambda r: str(r.get("id")))
+
+    async def entries(self, op_id: str | None, kind: str) -> list[dict[str, Any]]:
+        async with self.store.transaction() as conn:
+            rows = (await conn.execute(
+                sa.select(journal).where(journal.c.operation_id.is_(None) if op_id is None
+                                         else journal.c.operation_id == op_id,
+                                         journal.c.kind == kind)
+                .order_by(journal.c.id))).mappings().all()
+        return [dict(r) for r in rows]
+
+    async def outbox_rows(self, op_id: str, kind: str) -> list[dict[str, Any]]:
+        rows = await self.rows(outbox, outbox.c.operation_id == op_id, outbox.c.kind == kind)
+        return sorted(rows, key=lambda r: (r["epoch"], r["id"]))
+
+
+# ---- verdicts ------------------------------------------------------------------------------
+
+
+async def test_ambiguous_outcome_writes_a_reconcile_command(store: Store) -> None:
+    """The ambiguity firewall: a ReconcileOperation outbox row, never a dispatch row."""
+    led = Ledger(store)
+    op_id = await led.submit()
+    assert (await led.ambiguous(op_id)).to_state == "ambiguous"
+    [row] = await led.outbox_rows(op_id, "reconcile")
+    cmd = parse(ReconcileOperation, row["payload"].encode())
+    assert (cmd.operation_id, cmd.epoch, cmd.cause, cmd.operation_key) == (
+        op_id, 1, "ambiguous", await led.key(op_id))
+    assert cmd.claimed_at == NOW and cmd.reason == "timeout"
+    assert [r["epoch"] for r in await led.outbox_rows(op_id, "dispatch")] == [1]
+
+
+async def test_applied_verdict_succeeds_with_evidence_in_the_receipt(store: Store) -> None:
+    """applied → succeeded; the receipt carries the readback evidence and the provider ref,
+    and no response digest is invented."""
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.ambiguous(op_id)
+    assert await led.verdict(op_id, "applied") == Recorded("applied", to_state="succeeded")
+    op = await led.op(op_id)
+    assert op["state"] == "succeeded" and op["response_digest"] is None
+    receipt = await led.svc.receipt(op_id)
+    assert receipt["digests"]["response"] is None
+    assert receipt["provider_request_ref"] == "tk_7"
+    ev = receipt["evidence"]
+    assert ev["source"] == "readback" and ev["digest"] == "sha256:readback"
+    assert ev["provider_ref"] == "tk_7" and ev["reconciler_id"] == "r1"
+    assert ev["verdict"] == "applied" and ev["epoch"] == 1
+    assert receipt["reconciliation_status"] == "resolved"
+    assert receipt["open_uncertainties"] == []
+    [entry] = await led.entries(op_id, "verdict_applied")
+    assert (entry["from_state"], entry["to_state"], entry["actor"]) == (
+        "ambiguous", "succeeded", "reconciler:r1")
+
+
+async def test_not_applied_verdict_retries_under_policy_with_the_same_key(
+        store: Store) -> None:
+    """not_applied (known not applied) → pending at epoch 2 with the same key and a dispatch
+    row for epoch 2; the retry policy journals why."""
+    led = Ledger(store)
+    op_id = await led.submit()
+    key = await led.key(op_id)
+    await led.ambiguous(op_id)
+    assert (await led.verdict(op_id, "not_applied")).to_state == "pending"
+    op = await led.op(op_id)
+    assert (op["state"], op["epoch"], op["operation_key"]) == ("pending", 2, key)
+    rows = await led.outbox_rows(op_id, "dispatch")
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert parse(DispatchAttempt, rows[1]["payload"].encode()).operation_key == key
+    [scheduled] = await led.entries(op_id, "retry_scheduled")
+    assert scheduled["epoch"] == 2 and scheduled["detail"]["reason"].startswith("transient:")
+
+
+async def test_not_applied_verdict_fails_when_attempts_are_exhausted(store: Store) -> None:
+    led = Ledger(store)
+    op_id = await led.submit("once")
+    await led.ambiguous(op_id)
+    assert (await led.verdict(op_id, "not_applied")).to_state == "failed"
+    assert (await led.op(op_id))["epoch"] == 1
+    assert [r["epoch"] for r in await led.outbox_rows(op_id, "dispatch")] == [1]
+    [declined] = await led.entries(op_id, "retry_declined")
+    assert declined["detail"]["reason"] == "max_attempts_reached"
+
+
+async def test_undecidable_verdict_goes_to_review(store: Store) -> None:
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.ambiguous(op_id)
+    assert (await led.verdict(op_id, "undecidable")).to_state == "needs_review"
+    receipt = await led.svc.receipt(op_id)
+    assert receipt["reconciliation_status"] == "needs_review"
+    assert receipt["open_uncertainties"]
+
+
+async def test_verdict_for_a_superseded_epoch_is_rejected_and_journaled(store: Store) -> None:
+    """After not_applied moved the operation to epoch 2, a paused replica's epoch-1 verdict is
+    rejected (stale_epoch), journaled as verdict_rejected, and changes nothing."""
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.ambiguous(op_id)
+    await led.verdict(op_id, "not_applied")
+    await led.ambiguous(op_id, epoch=2)
+    before = await led.op(op_id)
+    result = await led.verdict(op_id, "applied", epoch=1, reconciler="r2")
+    assert result == Recorded("rejected", reason="stale_epoch")
+    assert await led.op(op_id) == before
+    [entry] = await led.entries(op_id, "verdict_rejected")
+    assert entry["epoch"] == 1 and entry["actor"] == "reconciler:r2"
+    assert entry["detail"]["reason"] == "stale_epoch" and entry["detail"]["verdict"] == "applied"
+
+
+async def test_verdict_after_another_verdict_decided_is_rejected(store: Store) -> None:
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.ambiguous(op_id)
+    await led.verdict(op_id, "applied")
+    before = await led.op(op_id)
+    result = await led.verdict(op_id, "undecidable", reconciler="r2")
+    assert result.status == "rejected" and result.reason == "state_succeeded"
+    assert await led.op(op_id) == before
+    [entry] = await led.entries(op_id, "verdict_rejected")
+    assert entry["detail"]["reason"] == "state_succeeded"
+
+
+async def test_verdict_for_an_unknown_operation_is_rejected(store: Store) -> None:
+    led = Ledger(store)
+    result = await led.verdict("ghost", "applied")
+    assert result == Recorded("rejected", reason="unknown_operation")
+    [entry] = await led.entries("ghost", "verdict_rejected")
+    assert entry["detail"]["reason"] == "unknown_operation"
+
+
+async def test_redelivered_verdict_is_a_duplicate(store: Store) -> None:
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.ambiguous(op_id)
+    v = VerdictReached(operation_id=op_id, epoch=1, verdict="undecidable", reconciler_id="r1",
+                       at=NOW)
+    first = await led.svc.record_verdict(v, consumer="ledger", message_id="v1")
+    again = await led.svc.record_verdict(v, consumer="ledger", message_id="v1")
+    assert (first.status, again.status) == ("applied", "duplicate")
+    assert len(await led.entries(op_id, "verdict_applied")) == 1
+
+
+async def test_racing_reconcilers_with_opposite_verdicts_decide_once_each(
+        store: Store) -> None:
+    """Two reconcilers race with opposite verdicts on 50 ambiguous operations: exactly one
+    verdict is accepted per operation, the other is rejected and journaled."""
+    led = Ledger(store)
+    op_ids = [await led.submit(n=i) for i in range(50)]
+    for op_id in op_ids:
+        await led.ambiguous(op_id)
+    results = await asyncio.gather(*(
+        led.verdict(op_id, verdict, reconciler=name)
+        for op_id in op_ids
+        for verdict, name in (("applied", "rA"), ("not_applied", "rB"))))
+    for i, op_id in enumerate(op_ids):
+        pair = results[2 * i: 2 * i + 2]
+        assert sorted(r.status for r in pair) == ["applied", "rejected"], (op_id, pair)
+        op = await led.op(op_id)
+        winner = pair[0] if pair[0].status == "applied" else pair[1]
+        if winner is pair[0]:
+            assert (op["state"], op["epoch"]) == ("succeeded", 1)
+        else:
+            assert (op["state"], op["epoch"]) == ("pending", 2)
+        assert len(await led.entries(op_id, "verdict_applied")) == 1
+        assert len(await led.entries(op_id, "verdict_rejected")) == 1
+
+
+@pytest.mark.parametrize("verdict", ["applied", "not_applied"])
+async def test_verdict_without_evidence_goes_to_review_not_to_a_guess(
+        store: Store, verdict: Literal["applied", "not_applied"]) -> None:
+    """Evidence before verdict: an applied / not_applied verdict that carries no evidence is
+    not applied as such (no success, no retry); the operation goes to needs_review."""
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.ambiguous(op_id)
+    result = await led.svc.record_verdict(VerdictReached(
+        operation_id=op_id, epoch=1, verdict=verdict, reconciler_id="r1", at=NOW),
+        consumer="ledger", message_id="v-bare")
+    assert result.to_state == "needs_review"
+    op = await led.op(op_id)
+    assert (op["state"], op["epoch"]) == ("needs_review", 1)
+    assert [r["epoch"] for r in await led.outbox_rows(op_id, "dispatch")] == [1]
+    [entry] = await led.entries(op_id, "verdict_applied")
+    assert entry["detail"]["verdict"] == "undecidable"
+    assert entry["detail"]["evidence"]["claimed_verdict"] == verdict
+
+
+# ---- webhooks ------------------------------------------------------------------------------
+
+
+async def test_applied_webhook_resolves_an_ambiguous_operation(store: Store) -> None:
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.ambiguous(op_id)
+    result = await led.webhook("wh1", key=await led.key(op_id))
+    assert result == Recorded("applied", to_state="succeeded")
+    op = await led.op(op_id)
+    assert op["state"] == "succeeded" and op["provider_ref"] == "tk_hook"
+    assert op["evidence"]["source"] == "webhook" and op["evidence"]["webhook_id"] == "wh1"
+    assert op["response_digest"] is None
+    [hook] = await led.rows(webhook_events)
+    assert hook["applied"] == "applied" and hook["operation_id"] == op_id
+
+
+async def test_concurrent_duplicate_webhooks_have_one_effect(store: Store) -> None:
+    """The same webhook id delivered five times at once: one row, one state change, one
+    journal entry; the others are duplicates."""
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.ambiguous(op_id)
+    key = await led.key(op_id)
+    results = await asyncio.gather(*(led.webhook("wh-dup", key=key) for _ in range(5)))
+    assert sorted(r.status for r in results) == ["applied"] + ["duplicate"] * 4
+    assert len(await led.rows(webhook_events)) == 1
+    assert len(await led.entries(op_id, "verdict_applied")) == 1
+    assert (await led.op(op_id))["state"] == "succeeded"
+
+
+async def test_webhook_before_the_outcome_is_kept_then_applied(store: Store) -> None:
+    """A webhook for an in-flight operation is kept; when the ambiguous outcome arrives it
+    decides at once, so no reconciliation command is written."""
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.claim(op_id)
+    kept = await led.webhook("wh-early", key=await led.key(op_id))
+    assert kept.status == "kept"
+    assert (await led.op(op_id))["state"] == "in_flight"
+    [entry] = await led.entries(op_id, "webhook_kept")
+    assert entry["detail"]["state"] == "in_flight"
+
+    led.now += timedelta(seconds=5)
+    result = await led.ambiguous(op_id, claimed=True)
+    assert result == Recorded("applied", to_state="succeeded")
+    op = await led.op(op_id)
+    assert op["state"] == "succeeded" and op["evidence"]["webhook_id"] == "wh-early"
+    assert await led.outbox_rows(op_id, "reconcile") == []
+    [hook] = await led.rows(webhook_events)
+    assert hook["applied"] == "applied"
+
+
+async def test_webhook_before_the_operation_exists_is_applied_when_it_can_be(
+        store: Store) -> None:
+    """A webhook naming an operation key the ledger does not know yet is kept (unmatched) and
+    decides that operation once it is created and its outcome turns ambiguous."""
+    led = Ledger(store)
+    key = operation_key(tenant="default", task_id=None, caller_key="ck-1",
+                        operation_id="unused")
+    kept = await led.webhook("wh-orphan", key=key)
+    assert kept == Recorded("kept", reason="unknown_operation")
+    op_id = await led.submit(caller_key="ck-1")
+    assert await led.key(op_id) == key
+    result = await led.ambiguous(op_id)
+    assert result.to_state == "succeeded"
+    assert await led.outbox_rows(op_id, "reconcile") == []
+
+
+async def test_webhook_for_an_unknown_operation_is_kept_and_journaled(store: Store) -> None:
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.ambiguous(op_id)
+    before = await led.op(op_id)
+    result = await led.webhook("wh-x", key="ck_nobody")
+    assert result == Recorded("kept", reason="unknown_operation")
+    [entry] = await led.entries(None, "webhook_unmatched")
+    assert entry["detail"] == {"webhook_id": "wh-x", "operation_key": "ck_nobody"}
+    [hook] = await led.rows(webhook_events)
+    assert hook["operation_id"] is None and hook["applied"] is None
+    assert await led.op(op_id) == before
+
+
+async def test_final_not_applied_webhook_for_a_succeeded_operation_is_a_conflict(
+        store: Store) -> None:
+    """The provider contradicts a recorded success: journaled as evidence_conflict for a
+    human; the state and its evidence stay."""
+    led = Ledger(store)
+    op_id = await led.submit()
+    attempt = await led.claim(op_id)
+    await led.svc.record_outcome(AttemptSucceeded(
+        operation_id=op_id, epoch=1, attempt_id=attempt, dispatcher_id="d1", at=NOW,
+        provider_ref="tk_1", response_digest="sha256:resp"), consumer="ledger",
+        message_id="m-ok")
+    before = await led.op(op_id)
+    result = await led.webhook("wh-no", key=await led.key(op_id), outcome="not_applied")
+    assert result.status == "kept"
+    assert await led.op(op_id) == before
+    [entry] = await led.entries(op_id, "evidence_conflict")
+    assert entry["detail"] == {"webhook_id": "wh-no", "says": "not_applied"}
+
+
+async def test_non_final_webhook_is_evidence_only(store: Store) -> None:
+    """A 'not applied yet' (non-final) or 'pending' webhook decides nothing."""
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.ambiguous(op_id)
+    key = await led.key(op_id)
+    for wid, outcome in (("w1", "not_applied"), ("w2", "pending")):
+        r = await led.webhook(wid, key=key, outcome=outcome, final=False)  # type: ignore[arg-type]
+        assert r.status == "kept"
+    assert (await led.op(op_id))["state"] == "ambiguous"
+
+
+async def test_final_not_applied_webhook_of_another_epoch_is_ignored(store: Store) -> None:
+    """'Not applied' speaks only for the attempt whose fencing token it names."""
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.ambiguous(op_id)
+    r = await led.webhook("w-old", key=await led.key(op_id), outcome="not_applied",
+                          fencing_token=7)
+    assert r == Recorded("kept", reason="other_epoch")
+    assert (await led.op(op_id))["state"] == "ambiguous"
+    r = await led.webhook("w-now", key=await led.key(op_id), outcome="not_applied",
+                          fencing_token=1)
+    assert r.to_state == "pending"
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+async def test_operation_rows_untouched_by_unmatched_webhooks(store: Store) -> None:
+    """Nothing but the webhook row and the journal entry is written for an unknown key."""
+    led = Ledger(store)
+    await led.webhook("wh-lonely", key="ck_none")
+    assert await led.rows(operations) == []
+    assert await led.rows(outbox) == []
+
+
+async def test_stored_not_applied_webhook_of_an_earlier_attempt_does_not_decide_a_later_one(
+        store: Store) -> None:
+    """A final 'not applied' webhook without a fencing token, kept while epoch 1 was in
+    flight, says nothing about epoch 2 (claimed after it arrived): when epoch 2 turns
+    ambiguous it goes to the reconciler instead of being retried on stale evidence, which
+    for a non-idempotent tool could apply the effect twice."""
+    led = Ledger(store)
+    op_id = await led.submit("charge")
+    key = await led.key(op_id)
+    attempt = await led.claim(op_id, 1)
+    kept = await led.webhook("wh-epoch1", key=key, outcome="not_applied")
+    assert kept.status == "kept"
+    led.now += timedelta(seconds=1)
+    r = await led.svc.record_outcome(AttemptFailed(
+        operation_id=op_id, epoch=1, attempt_id=attempt, dispatcher_id="d1", at=led.now,
+        http_status=429, failure_class=FailureClass.RATE_LIMITED, code="rate_limited",
+        message="slow down", retry_after_s=1.0, idempotency="yes"),
+        consumer="ledger", message_id=led.mid())
+    assert r.to_state == "pending"
+    led.now += timedelta(seconds=2)
+    result = await led.ambiguous(op_id, epoch=2)
+    assert result == Recorded("applied", to_state="ambiguous")
+    op = await led.op(op_id)
+    assert (op["state"], op["epoch"]) == ("ambiguous", 2)
+    [row] = await led.outbox_rows(op_id, "reconcile")
+    assert row["epoch"] == 2
+    [hook] = await led.rows(webhook_events)
+    assert hook["applied"] == "ignored"
+
+
+async def test_stored_applied_webhook_speaks_for_the_key_at_any_epoch(store: Store) -> None:
+    """'Applied' is about the operation key, not one attempt: kept from epoch 1, it settles
+    the operation when a later epoch turns ambiguous."""
+    led = Ledger(store)
+    op_id = await led.submit("charge")
+    attempt = await led.claim(op_id, 1)
+    await led.svc.record_outcome(AttemptFailed(
+        operation_id=op_id, epoch=1, attempt_id=attempt, dispatcher_id="d1", at=led.now,
+        http_status=429, failure_class=FailureClass.RATE_LIMITED, code="rate_limited",
+        message="slow down", idempotency="yes"), consumer="ledger", message_id=led.mid())
+    kept = await led.webhook("wh-applied", key=await led.key(op_id), outcome="applied")
+    assert kept.status == "kept"
+    led.now += timedelta(seconds=2)
+    assert (await led.ambiguous(op_id, epoch=2)).to_state == "succeeded"
