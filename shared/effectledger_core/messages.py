@@ -106,6 +106,7 @@ class ClaimReply(Message):
     current_epoch: int | None = None
     outcome_recorded: bool = False
     state: str | None = None
+    claim_age_s: float | None = None  # for already_claimed: seconds since the claim
 
 
 class FailureClass(StrEnum):

@@ -47,6 +47,8 @@ from .provider import call_provider
 
 log = logging.getLogger(__name__)
 CONSUMER = "dispatcher"
+# Beyond a tool's timeout, how long a claim may go unanswered before it is presumed lost.
+LOST_GRACE_S = 5.0
 # TEST-ONLY: disables claim-before-call, so the chaos harness can prove it detects duplicates.
 UNSAFE_SKIP_CLAIM_ENV = "EFFECTLEDGER_UNSAFE_SKIP_CLAIM"
 
@@ -144,6 +146,13 @@ class Dispatcher:
             self.stats["already_claimed"] += 1
             if reply.outcome_recorded:
                 await d.ack()  # a duplicate delivery of a finished attempt
+                return
+            patience = self.catalog.get(cmd.tool).timeout_s + LOST_GRACE_S
+            if reply.claim_age_s is not None and reply.claim_age_s < patience:
+                # A duplicate (a sweeper republish, a redelivery) while the claimer may still be
+                # mid-call: come back once its attempt must have ended, rather than declaring a
+                # live attempt lost. A dead claimer is only redelivered after ack_wait anyway.
+                await d.nak(delay=patience - reply.claim_age_s + 0.5)
                 return
             # Someone claimed this epoch and never reported: we cannot know whether the
             # provider saw the request, so it is ambiguous. We never call the provider here.

@@ -25,7 +25,7 @@ async def claim_txn(conn: AsyncConnection, claim: ClaimAttempt, *, now: datetime
 
     held = await _held(conn, claim)
     if held is not None:
-        return _held_reply(held, claim, op)
+        return await _held_reply(conn, held, claim, op, now)
 
     updated = await conn.execute(
         operations.update()
@@ -37,7 +37,7 @@ async def claim_txn(conn: AsyncConnection, claim: ClaimAttempt, *, now: datetime
         # lock; this statement sees it, so the answer is "already claimed", not "stale".
         held = await _held(conn, claim)
         if held is not None:
-            return _held_reply(held, claim, op)
+            return await _held_reply(conn, held, claim, op, now)
         await append_journal(conn, operation_id=claim.operation_id, at=now,
                              kind="claim_rejected", actor=claim.dispatcher_id, epoch=claim.epoch,
                              detail={"attempt_id": claim.attempt_id, "current_epoch": op.epoch,
@@ -64,17 +64,39 @@ async def claim_txn(conn: AsyncConnection, claim: ClaimAttempt, *, now: datetime
 
 async def _held(conn: AsyncConnection, claim: ClaimAttempt) -> Any | None:
     return (await conn.execute(
-        sa.select(attempts.c.id, attempts.c.status)
+        sa.select(attempts.c.id, attempts.c.status, attempts.c.claimed_at)
         .where(attempts.c.operation_id == claim.operation_id, attempts.c.epoch == claim.epoch)
     )).first()
 
 
-def _held_reply(held: Any, claim: ClaimAttempt, op: Any
-                ) -> ClaimReply:
+async def _held_reply(conn: AsyncConnection, held: Any, claim: ClaimAttempt, op: Any,
+                      now: datetime) -> ClaimReply:
     base = dict(operation_id=claim.operation_id, epoch=claim.epoch, current_epoch=op[1],
                 state=op[0], attempt_id=held[0])
     if held[0] == claim.attempt_id:
-        # The same attempt asking again (its first reply was lost): still its claim.
-        return ClaimReply(status=ClaimStatus.GRANTED, **base)
+        # The same attempt asking again (its first reply was lost): still its claim while the
+        # attempt is open. Its dispatcher may only now start sending, so the attempt starts
+        # now: reconciliation counts the provider's processing horizon from claimed_at, and must
+        # not count it from a grant whose reply was lost (found by the chaos harness). Guarded
+        # on the attempt row, which every outcome (and the lost-outcome sweep) updates in the
+        # transaction that moves the operation on.
+        regranted = await conn.execute(
+            attempts.update().where(attempts.c.id == held[0], attempts.c.status == "claimed")
+            .values(claimed_at=now))
+        if regranted.rowcount == 1:
+            return ClaimReply(status=ClaimStatus.GRANTED, **base)
+        # The attempt is over for the ledger (outcome recorded, presumed lost, superseded):
+        # re-granting it would start a provider call for an epoch already being reconciled.
+        await append_journal(conn, operation_id=claim.operation_id, at=now,
+                             kind="claim_rejected", actor=claim.dispatcher_id, epoch=claim.epoch,
+                             detail={"attempt_id": claim.attempt_id, "reason": "attempt_closed",
+                                     "attempt_status": held[1], "state": op[0]})
+        status = (ClaimStatus.NOT_CLAIMABLE if op[1] == claim.epoch
+                  else ClaimStatus.STALE_EPOCH)
+        return ClaimReply(status=status, current_epoch=op[1], state=op[0],
+                          operation_id=claim.operation_id, epoch=claim.epoch)
+    # The claim's age lets the asker tell a dispatcher that is still working (a duplicate
+    # delivery arrived meanwhile) from one that died; ages are the ledger's own clock.
+    age = max(0.0, (now - held[2]).total_seconds()) if held[2] is not None else None
     return ClaimReply(status=ClaimStatus.ALREADY_CLAIMED, outcome_recorded=held[1] != "claimed",
-                      **base)
+                      claim_age_s=age, **base)
