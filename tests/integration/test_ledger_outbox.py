@@ -251,3 +251,30 @@ async def test_skip_locked_lets_a_second_relay_pass_an_open_lease_transaction(
         await tx1.commit()
     rows = await outbox_rows(store)
     assert {r["status"] for r in rows.values()} == {"publishing"}
+
+
+def test_stream_position_tells_queued_from_gone() -> None:
+    """Between the ack floor and the stream's end a message is queued or in hand; below the
+    first sequence, at or below the ack floor, or past the end it is gone."""
+    from effectledger_ledger.db.outbox import StreamPosition
+
+    pos = StreamPosition(first_seq=10, last_seq=20, ack_floor=12)
+    assert [s for s in range(5, 25) if pos.still_queued(s)] == list(range(13, 21))
+    assert not pos.still_queued(None)
+
+
+async def test_sweeper_leaves_rows_queued_behind_a_backlog(store: Store) -> None:
+    """An old, unclaimed row whose message is still in the stream is not republished; the
+    same row is republished once the stream says the message is gone."""
+    from effectledger_ledger.db.outbox import StreamPosition
+
+    await submit(store, "op1")
+    [item] = await store.run(lease_batch_txn, now=T0, limit=10, lease_s=30)
+    await store.run(mark_published_txn, [item.id], now=T0, seqs={item.id: 7})
+    later = T0 + timedelta(seconds=3600)
+    queued = StreamPosition(first_seq=5, last_seq=9, ack_floor=6)
+    assert await store.run(sweep_unclaimed_txn, now=later, older_than_s=60,
+                           position=queued) == 0
+    gone = StreamPosition(first_seq=8, last_seq=9, ack_floor=6)  # seq 7 deleted
+    assert await store.run(sweep_unclaimed_txn, now=later, older_than_s=60,
+                           position=gone) == 1

@@ -7,6 +7,7 @@ import contextlib
 import logging
 
 import uvicorn
+from nats.js import JetStreamContext
 
 from effectledger_bus.connect import connect
 from effectledger_bus.streams import ensure_streams
@@ -15,10 +16,11 @@ from effectledger_core.config import Settings
 
 from .api import create_app
 from .auth import Authenticator
+from .db.outbox import StreamPosition
 from .db.store import Store
 from .messaging import build_broker
 from .migrate import upgrade
-from .relay import Relay, Sweeper, listen_notify
+from .relay import Relay, Sweeper, listen_notify, stream_position
 from .service import LedgerService
 
 log = logging.getLogger("effectledger.ledger")
@@ -42,6 +44,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     sweeper = Sweeper(store, service.outbox_wake, older_than_s=settings.sweep_after_s,
                       interval_s=settings.sweep_interval_s,
                       reconcile_after_s=settings.reconcile_sweep_after_s,
+                      positions=lambda: _positions(js, settings),
                       repair_lost_outcomes=lambda: service.repair_lost_outcomes(
                           settings.lost_outcome_after_s))
     tasks = [asyncio.create_task(relay.run(), name="relay"),
@@ -100,3 +103,10 @@ async def _janitor(store: Store, settings: Settings) -> None:
         except Exception:
             log.exception("janitor failed; will retry")
         await asyncio.sleep(3600)  # a period, not synchronisation
+
+
+async def _positions(js: JetStreamContext, settings: Settings
+                     ) -> dict[str, StreamPosition | None]:
+    subjects = settings.subjects
+    return {"dispatch": await stream_position(js, subjects.dispatch_stream, "dispatcher"),
+            "reconcile": await stream_position(js, subjects.events_stream, "reconciler")}

@@ -22,6 +22,7 @@ from effectledger_core.ids import Clock, utcnow
 
 from .db.outbox import (
     OutboxItem,
+    StreamPosition,
     lease_batch_txn,
     mark_published_txn,
     release_txn,
@@ -51,10 +52,12 @@ class Relay:
         results = await asyncio.gather(*(self._publish(i) for i in items),
                                        return_exceptions=True)
         crash_point("ledger.relay.after_publish")
-        ok = [i.id for i, r in zip(items, results, strict=True) if r is None]
-        failed = [(i, r) for i, r in zip(items, results, strict=True) if r is not None]
+        seqs = {i.id: r for i, r in zip(items, results, strict=True) if isinstance(r, int)}
+        ok = list(seqs)
+        failed = [(i, r) for i, r in zip(items, results, strict=True)
+                  if isinstance(r, BaseException)]
         if ok:
-            await self.store.run(mark_published_txn, ok, now=self.clock())
+            await self.store.run(mark_published_txn, ok, now=self.clock(), seqs=seqs)
             self.published += len(ok)
         if failed:
             err = repr(failed[0][1])
@@ -63,9 +66,10 @@ class Relay:
                                  error=err, retry_after_s=1.0)
         return len(items)
 
-    async def _publish(self, item: OutboxItem) -> None:
-        await self.js.publish(item.subject, item.payload, timeout=self.publish_timeout_s,
-                              headers={"Nats-Msg-Id": item.message_id})
+    async def _publish(self, item: OutboxItem) -> int:
+        ack = await self.js.publish(item.subject, item.payload, timeout=self.publish_timeout_s,
+                                    headers={"Nats-Msg-Id": item.message_id})
+        return int(ack.seq)
 
     async def run(self) -> None:
         while True:
@@ -91,9 +95,13 @@ class Sweeper:
 
     def __init__(self, store: Store, wake: asyncio.Event, *, older_than_s: float,
                  interval_s: float, reconcile_after_s: float = 900.0,
+                 positions: Callable[[], Awaitable[dict[str, StreamPosition | None]]]
+                 | None = None,
                  clock: Clock = utcnow,
                  repair_lost_outcomes: Callable[[], Awaitable[int]] | None = None) -> None:
         self.store, self.wake = store, wake
+        # Where the dispatch and reconcile streams stand, so queued rows are not resent.
+        self.positions = positions
         # Claimed attempts whose outcome message the broker lost (db/lost.py).
         self.repair_lost_outcomes = repair_lost_outcomes
         self.older_than_s, self.interval_s, self.clock = older_than_s, interval_s, clock
@@ -103,10 +111,14 @@ class Sweeper:
         self.republished = 0
 
     async def sweep_once(self) -> int:
+        pos: dict[str, StreamPosition | None] = {}
+        if self.positions is not None:
+            pos = await self.positions()
         n = await self.store.run(sweep_unclaimed_txn, now=self.clock(),
-                                 older_than_s=self.older_than_s)
+                                 older_than_s=self.older_than_s, position=pos.get("dispatch"))
         n += await self.store.run(sweep_unclaimed_txn, now=self.clock(),
-                                  older_than_s=self.reconcile_after_s, kind="reconcile")
+                                  older_than_s=self.reconcile_after_s, kind="reconcile",
+                                  position=pos.get("reconcile"))
         if n:
             log.warning("sweeper: republishing %d unclaimed dispatch commands", n)
             self.republished += n
@@ -157,3 +169,27 @@ async def listen_notify(store: Store, wake: asyncio.Event) -> None:
         finally:
             if conn is not None and not conn.is_closed():
                 await conn.close()
+
+
+async def stream_position(js: JetStreamContext, stream: str,
+                          consumer: str) -> StreamPosition | None:
+    """The stream's bounds and the consumer's ack floor; None when JetStream cannot say."""
+    from nats.js.errors import NotFoundError
+
+    try:
+        info = await js.stream_info(stream)
+    except Exception as exc:  # an unreachable broker: no position, age rules alone apply
+        log.debug("sweeper: no stream info for %s: %s", stream, exc)
+        return None
+    state = info.state
+    ack_floor = 0
+    try:
+        cinfo = await js.consumer_info(stream, consumer)
+        ack_floor = int(cinfo.ack_floor.stream_seq) if cinfo.ack_floor else 0
+    except NotFoundError:
+        pass  # nobody has consumed yet: nothing is acknowledged
+    except Exception as exc:
+        log.debug("sweeper: no consumer info for %s/%s: %s", stream, consumer, exc)
+        return None
+    return StreamPosition(first_seq=int(state.first_seq), last_seq=int(state.last_seq),
+                          ack_floor=ack_floor)

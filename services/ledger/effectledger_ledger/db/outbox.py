@@ -63,12 +63,33 @@ async def lease_batch_txn(conn: AsyncConnection, *, now: datetime, limit: int,
             for r in rows]
 
 
-async def mark_published_txn(conn: AsyncConnection, ids: list[str], *, now: datetime) -> int:
+async def mark_published_txn(conn: AsyncConnection, ids: list[str], *, now: datetime,
+                             seqs: dict[str, int] | None = None) -> int:
     # Only rows still being published: a fast dispatcher may already have consumed the row.
     result = await conn.execute(
         outbox.update().where(outbox.c.id.in_(ids), outbox.c.status == OUTBOX_PUBLISHING)
         .values(status=OUTBOX_PUBLISHED, published_at=now, lease_until=None))
+    if seqs:
+        # Recorded for every row, consumed or not, in one executemany.
+        await conn.execute(
+            outbox.update().where(outbox.c.id == sa.bindparam("row_id"))
+            .values(stream_seq=sa.bindparam("seq")),
+            [{"row_id": i, "seq": q} for i, q in seqs.items()])
     return int(result.rowcount)
+
+
+@dataclass(frozen=True)
+class StreamPosition:
+    """Where a stream and its consumer stand, read from JetStream before a sweep."""
+
+    first_seq: int
+    last_seq: int
+    ack_floor: int  # every message at or below it was acknowledged or removed
+
+    def still_queued(self, seq: int | None) -> bool:
+        # In a work-queue stream a message between the ack floor and the end that has not
+        # been removed is waiting or being worked on: not lost, however old.
+        return seq is not None and self.first_seq <= seq <= self.last_seq and seq > self.ack_floor
 
 
 async def release_txn(conn: AsyncConnection, ids: list[str], *, now: datetime, error: str,
@@ -81,7 +102,8 @@ async def release_txn(conn: AsyncConnection, ids: list[str], *, now: datetime, e
 
 
 async def sweep_unclaimed_txn(conn: AsyncConnection, *, now: datetime, older_than_s: float,
-                              limit: int = 1000, kind: str = "dispatch") -> int:
+                              limit: int = 1000, kind: str = "dispatch",
+                              position: StreamPosition | None = None) -> int:
     """Republish rows that were published but never answered (broker message loss).
 
     `dispatch` rows wait for a claim (operation still `pending` at that epoch); `reconcile`
@@ -96,12 +118,14 @@ async def sweep_unclaimed_txn(conn: AsyncConnection, *, now: datetime, older_tha
                              operations.c.state.in_(waiting))
     stale = (await conn.execute(
         sa.select(outbox.c.id, outbox.c.operation_id, outbox.c.epoch, outbox.c.publish_count,
-                  live.label("live"))
+                  outbox.c.stream_seq, live.label("live"))
         .where(outbox.c.status == OUTBOX_PUBLISHED, outbox.c.kind == kind,
                outbox.c.published_at < cutoff)
         .limit(limit).with_for_update(skip_locked=True))).all()
     republished = 0
     for row in stale:
+        if row.live and position is not None and position.still_queued(row.stream_seq):
+            continue  # queued behind a backlog, or in a consumer's hands: not lost
         if not row.live:
             # The operation moved on (cancelled, new epoch): this command is no longer wanted.
             await conn.execute(outbox.update().where(outbox.c.id == row.id)

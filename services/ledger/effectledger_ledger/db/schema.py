@@ -126,6 +126,9 @@ outbox = sa.Table(
     sa.Column("lease_until", UTCDateTime),
     sa.Column("published_at", UTCDateTime),
     sa.Column("publish_count", sa.Integer, nullable=False, server_default="0"),
+    # JetStream's sequence from the publish-ack: lets the sweeper tell "still queued" from
+    # "lost" instead of guessing from age alone (a long backlog is not a loss).
+    sa.Column("stream_seq", sa.BigInteger),
     sa.Column("last_error", sa.String(1024)),
     sa.Index("ix_outbox_unpublished", "available_at",
              postgresql_where=sa.text("status IN ('pending', 'publishing')"),
