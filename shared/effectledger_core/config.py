@@ -58,6 +58,8 @@ class Settings(BaseSettings):
     # Far beyond any attempt (timeout_s <= 300, plus outcome publish retries).
     lost_outcome_after_s: float = 900.0
     inbox_concurrency: int = 16
+    # How long an unacked inbox message waits before redelivery (a ledger that died mid-commit).
+    inbox_ack_wait_s: float = Field(default=30.0, gt=0)
     inbox_retention_s: float = 8 * 86400  # beyond the streams' max age: no redelivery after
     webhook_retention_s: float = 30 * 86400  # webhook ids deduplicated at least this long
     # {"<token>": "<tenant>"} and {"<token>": "<operator name>"}; none set = open API

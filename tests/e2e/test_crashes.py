@@ -18,7 +18,7 @@ import pytest
 from tests.support.cluster import Cluster, wait_until
 
 pytestmark = pytest.mark.slow
-FAST_REDELIVERY = {"EFFECTLEDGER_ACK_WAIT_S": "3"}
+FAST_REDELIVERY = {"EFFECTLEDGER_ACK_WAIT_S": "3", "EFFECTLEDGER_INBOX_ACK_WAIT_S": "3"}
 KILLED = -signal.SIGKILL
 
 

@@ -122,7 +122,7 @@ class Dispatcher:
 
         attempt_id = self.unanswered_claims.pop((cmd.operation_id, cmd.epoch), None) \
             or self.ids()
-        reply = await self._claim(cmd, attempt_id)
+        reply = await self._claim(cmd, attempt_id, d)
         if reply is None:
             self.stats["claim_unavailable"] += 1
             self.unanswered_claims[(cmd.operation_id, cmd.epoch)] = attempt_id
@@ -195,11 +195,17 @@ class Dispatcher:
             with contextlib.suppress(Exception):
                 await d.in_progress()
 
-    async def _claim(self, cmd: DispatchAttempt, attempt_id: str) -> ClaimReply | None:
+    async def _claim(self, cmd: DispatchAttempt, attempt_id: str,
+                     d: Delivery | None = None) -> ClaimReply | None:
         request = ClaimAttempt(operation_id=cmd.operation_id, epoch=cmd.epoch,
                                attempt_id=attempt_id, dispatcher_id=self.dispatcher_id)
         # Retrying with the same attempt id is safe: the ledger re-grants the same attempt.
-        for _ in range(3):
+        for tries in range(3):
+            if tries and d is not None:
+                # Keep the command ours while a slow ledger answers: a redelivery meanwhile
+                # would find our claim and declare the attempt lost for nothing.
+                with contextlib.suppress(Exception):
+                    await d.in_progress()
             try:
                 msg = await self.nc.request(self.subjects.rpc_claim, encode(request),
                                             timeout=self.claim_timeout_s)

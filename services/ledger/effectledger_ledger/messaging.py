@@ -103,7 +103,7 @@ def build_broker(settings: Settings, service: LedgerService) -> NatsBroker:
         pull_sub=PullSub(batch_size=64, timeout=1.0),
         max_workers=settings.inbox_concurrency,
         ack_policy=AckPolicy.MANUAL,
-        config=ConsumerConfig(ack_policy=JsAckPolicy.EXPLICIT, ack_wait=30.0,
+        config=ConsumerConfig(ack_policy=JsAckPolicy.EXPLICIT, ack_wait=settings.inbox_ack_wait_s,
                               max_deliver=max_deliver, max_ack_pending=4096),
         title="ledger.inbox", description="Attempt outcomes and dead letters")
     async def on_event(msg: NatsMessage) -> None:
