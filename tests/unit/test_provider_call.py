@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
-import effectledger_core
 import httpx
 import pytest
+
+import effectledger_core
 from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.crash import CrashPointHit
 from effectledger_core.errors import CatalogError

@@ -20,10 +20,11 @@ from typing import Any
 import httpx
 import pytest
 import pytest_asyncio
+from starlette.applications import Starlette
+
 from effectledger_sandbox.app import create_app, sandbox_state
 from effectledger_sandbox.responses import ConnectionDropped
 from effectledger_sandbox.server import serve
-from starlette.applications import Starlette
 
 API_KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
