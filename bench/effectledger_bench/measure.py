@@ -1,0 +1,161 @@
+"""Figures from the ledger's own timestamps, and the effect check against the provider's truth.
+
+Latency of an operation = journal `outcome_recorded` (to_state `succeeded`).at minus journal
+`intent_accepted`.at: both written by the ledger in the transactions that made them true.
+Throughput of a phase = succeeded operations / (last succeeded.at - first intent_accepted.at).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import asyncpg
+
+AT_REST = ("succeeded", "failed", "cancelled", "needs_review", "ambiguous")
+MOVING = ("pending", "in_flight", "awaiting_confirmation", "awaiting_approval")
+
+OPS_SQL = """
+SELECT o.id, o.state, o.operation_key, o.task_id,
+       min(j.at) FILTER (WHERE j.kind = 'intent_accepted') AS accepted,
+       min(j.at) FILTER (WHERE j.kind = 'outcome_recorded' AND j.to_state = 'succeeded')
+           AS succeeded
+FROM operations o JOIN journal j ON j.operation_id = o.id
+WHERE o.task_id = ANY($1::text[])
+GROUP BY o.id
+"""
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile (the smallest value with at least p % of values at or below it).
+
+    With n values p99.9 is a real observation, never an interpolation beyond the data; for
+    n < 1000 it is simply the maximum.
+    """
+    if not values:
+        return None
+    if not 0 < p <= 100:
+        raise ValueError("p must be in (0, 100]")
+    ordered = sorted(values)
+    rank = math.ceil(p / 100 * len(ordered))
+    return ordered[max(0, rank - 1)]
+
+
+def summary(values: Iterable[float | None]) -> dict[str, float | None]:
+    """min / median / max of repeated measurements (None values are skipped)."""
+    vals = sorted(v for v in values if v is not None)
+    if not vals:
+        return {"min": None, "median": None, "max": None}
+    n = len(vals)
+    median = vals[n // 2] if n % 2 else (vals[n // 2 - 1] + vals[n // 2]) / 2
+    return {"min": vals[0], "median": median, "max": vals[-1]}
+
+
+@dataclass(frozen=True)
+class OpRow:
+    id: str
+    state: str
+    operation_key: str
+    task_id: str
+    accepted: datetime | None
+    succeeded: datetime | None
+
+
+def latency_stats(rows: Sequence[OpRow]) -> dict[str, Any]:
+    ok = [r for r in rows if r.succeeded is not None and r.accepted is not None]
+    lat = [(r.succeeded - r.accepted).total_seconds() * 1000 for r in ok]  # type: ignore[operator]
+    states: dict[str, int] = {}
+    for r in rows:
+        states[r.state] = states.get(r.state, 0) + 1
+    out: dict[str, Any] = {"operations": len(rows), "succeeded": len(ok), "states": states}
+    if ok:
+        first = min(r.accepted for r in ok)  # type: ignore[type-var]
+        last = max(r.succeeded for r in ok)  # type: ignore[type-var]
+        span = (last - first).total_seconds()  # type: ignore[operator]
+        out["span_s"] = round(span, 3)
+        out["ops_per_s"] = round(len(ok) / span, 1) if span > 0 else None
+        out["latency_ms"] = {name: round(v, 2) if v is not None else None for name, v in (
+            ("p50", percentile(lat, 50)), ("p95", percentile(lat, 95)),
+            ("p99", percentile(lat, 99)), ("p99_9", percentile(lat, 99.9)),
+            ("max", max(lat)), ("mean", sum(lat) / len(lat)))}
+    return out
+
+
+async def fetch_ops(dsn: str, tags: Sequence[str]) -> list[OpRow]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(OPS_SQL, list(tags))
+    finally:
+        await conn.close()
+    return [OpRow(r["id"], r["state"], r["operation_key"], r["task_id"], r["accepted"],
+                  r["succeeded"]) for r in rows]
+
+
+async def count_moving(conn: asyncpg.Connection, tags: Sequence[str]) -> int:
+    return int(await conn.fetchval(
+        "SELECT count(*) FROM operations WHERE state = ANY($1::text[]) "
+        "AND task_id = ANY($2::text[])", list(MOVING), list(tags)))
+
+
+async def all_ops(dsn: str) -> list[tuple[str, str, str, str | None]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch("SELECT id, state, operation_key, task_id FROM operations")
+    finally:
+        await conn.close()
+    return [(r["id"], r["state"], r["operation_key"], r["task_id"]) for r in rows]
+
+
+def check_effects(ops: Sequence[tuple[str, str, str, str | None]], truth: dict[str, Any],
+                  submitted_ids: Iterable[str], *, peer_prefixes: Sequence[str] = ()
+                  ) -> dict[str, Any]:
+    """Zero lost and zero duplicated effects, from the provider's ground truth.
+
+    - duplicated: a key the provider applied more than once;
+    - lost: an intent the ledger acknowledged with no operation row; an operation the ledger
+      calls `succeeded` that the provider never applied; an operation still moving at the end;
+    - lied: an operation the ledger calls `failed` that the provider applied;
+    - unknown: `ambiguous` operations (honestly unknown; no reconciler in this run), by what
+      the provider really did.
+    """
+    keys = truth.get("keys", {})
+    applied = {k: int(v.get("applied", 0)) for k, v in keys.items()}
+    by_id = {o[0]: o for o in ops}
+    ledger_keys = {o[2] for o in ops}
+    missing = [i for i in submitted_ids if i not in by_id]
+    succeeded_not_applied = [o[0] for o in ops if o[1] == "succeeded" and applied.get(o[2], 0) < 1]
+    moving = [o[0] for o in ops if o[1] in MOVING]
+    failed_applied = [o[0] for o in ops if o[1] == "failed" and applied.get(o[2], 0) > 0]
+    ambiguous = [o for o in ops if o[1] in ("ambiguous", "needs_review")]
+    dup_ledger = [k for k in ledger_keys if applied.get(k, 0) > 1]
+    peers = {p: {"keys": 0, "applied": 0, "duplicated": 0} for p in peer_prefixes}
+    stray = 0
+    for k, n in applied.items():
+        if k in ledger_keys:
+            continue
+        for p in peer_prefixes:
+            if k.startswith(p):
+                peers[p]["keys"] += 1
+                peers[p]["applied"] += n
+                peers[p]["duplicated"] += int(n > 1)
+                break
+        else:
+            stray += int(n > 0)
+    lost = len(missing) + len(succeeded_not_applied) + len(moving)
+    return {
+        "operations": len(ops), "lost": lost, "duplicated": len(dup_ledger),
+        "failed_but_applied": len(failed_applied),
+        "lost_detail": {"acknowledged_without_row": len(missing),
+                        "succeeded_not_applied": len(succeeded_not_applied),
+                        "still_moving": len(moving)},
+        "ambiguous": {"count": len(ambiguous),
+                      "applied": sum(1 for o in ambiguous if applied.get(o[2], 0) == 1),
+                      "not_applied": sum(1 for o in ambiguous if applied.get(o[2], 0) == 0)},
+        "unknown_provider_keys_applied": stray, "peers": peers,
+        "examples": {"missing": missing[:3], "succeeded_not_applied": succeeded_not_applied[:3],
+                     "moving": moving[:3], "duplicated": dup_ledger[:3]},
+        "ok": lost == 0 and not dup_ledger and not failed_applied and stray == 0,
+    }

@@ -1,0 +1,112 @@
+"""Per-process CPU seconds and peak RSS, read from /proc (Linux).
+
+- CPU: `/proc/<pid>/stat` utime + stime (clock ticks); for a process tree (PostgreSQL), the live
+  descendants' times plus the `cutime`/`cstime` that exited children left in their parent
+  (the postmaster reaps its backends), so a backend that ended during a phase still counts.
+- memory: `/proc/<pid>/status` VmRSS (now) and VmHWM (the peak resident set).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+@dataclass(frozen=True)
+class CpuSample:
+    cpu_s: float
+    rss_bytes: int
+    hwm_bytes: int
+    sys_s: float = 0.0  # the kernel's share of cpu_s (syscalls: sockets, fsync, ...)
+
+
+def _stat(pid: int) -> tuple[int, list[str]] | None:
+    """(ppid, fields after the command name) of /proc/<pid>/stat, or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    rest = text[text.rindex(")") + 2:].split()  # the command may contain spaces
+    return int(rest[1]), rest
+
+
+def _times(rest: list[str], *, children: bool) -> tuple[float, float]:
+    # fields 14..17 of stat: utime stime cutime cstime (rest starts at field 3)
+    user, system = int(rest[11]), int(rest[12])
+    if children:
+        user += int(rest[13])
+        system += int(rest[14])
+    return (user + system) / _TICK, system / _TICK
+
+
+def _status(pid: int) -> tuple[int, int]:
+    """(VmRSS, VmHWM) in bytes."""
+    rss = hwm = 0
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1]) * 1024
+    return rss, hwm
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st is not None:
+                children.setdefault(st[0], []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def sample(pid: int, *, tree: bool = False) -> CpuSample | None:
+    st = _stat(pid)
+    if st is None:
+        return None
+    cpu, sys_s = _times(st[1], children=tree)
+    rss, hwm = _status(pid)
+    if tree:
+        for child in _descendants(pid):
+            cst = _stat(child)
+            if cst is not None:
+                c_cpu, c_sys = _times(cst[1], children=False)
+                cpu += c_cpu
+                sys_s += c_sys
+                rss += _status(child)[0]
+    return CpuSample(cpu, rss, hwm, sys_s)
+
+
+def self_cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def machine() -> dict[str, object]:
+    import platform
+
+    model = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    ram = 0
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                ram = int(line.split()[1]) * 1024
+                break
+    return {"nproc": os.cpu_count(), "cpu_model": model, "ram_gib": round(ram / 2**30, 1),
+            "kernel": platform.release(), "python": platform.python_version(),
+            "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}

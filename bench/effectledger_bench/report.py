@@ -1,0 +1,424 @@
+"""The report: results.json → report.md (tables, min / median / max over repetitions) + PNGs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from .measure import summary
+
+Phase = dict[str, Any]
+
+
+def fmt(v: float | None, digits: int = 1) -> str:
+    if v is None:
+        return "n/a"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.{digits}f}"
+
+
+def mmm(values: Iterable[float | None], digits: int = 1) -> str:
+    """'median (min-max)'; a single value is shown alone."""
+    vals = [v for v in values if v is not None]
+    s = summary(vals)
+    if not vals:
+        return "n/a"
+    if len(vals) == 1:
+        return fmt(s["median"], digits)
+    return f"{fmt(s['median'], digits)} ({fmt(s['min'], digits)}-{fmt(s['max'], digits)})"
+
+
+def med(values: Iterable[float | None]) -> float | None:
+    return summary(values)["median"]
+
+
+def _get(p: Phase, path: str) -> Any:
+    cur: Any = p
+    for part in path.split("."):
+        if not isinstance(cur, dict):
+            return None
+        cur = cur.get(part)
+    return cur
+
+
+def group(phases: list[Phase], scenario: str, key: str | None) -> dict[Any, list[Phase]]:
+    out: dict[Any, list[Phase]] = {}
+    for p in phases:
+        if p["scenario"] != scenario:
+            continue
+        k = p["params"].get(key) if key else None
+        out.setdefault(k, []).append(p)
+    return dict(sorted(out.items(), key=lambda kv: (kv[0] is None, kv[0])))
+
+
+METRICS: list[tuple[str, str, int]] = [
+    ("ops/s", "ops_per_s", 1),
+    ("p50 ms", "latency_ms.p50", 1),
+    ("p95 ms", "latency_ms.p95", 1),
+    ("p99 ms", "latency_ms.p99", 1),
+    ("p99.9 ms", "latency_ms.p99_9", 1),
+]
+COST: list[tuple[str, str, int]] = [
+    ("system CPU ms/op", "system_cpu_ms_per_op", 2),
+    ("ledger", "cpu_ms_per_op.ledger", 2),
+    ("dispatchers", "cpu_ms_per_op.dispatcher", 2),
+    ("postgres", "cpu_ms_per_op.postgres", 2),
+    ("nats", "cpu_ms_per_op.nats", 2),
+    ("sandbox", "cpu_ms_per_op.sandbox", 2),
+    ("loadgen", "cpu_ms_per_op.loadgen", 2),
+    ("WAL commits/op", "pg.wal_commits_per_op", 2),
+    ("xact_commit/op", "pg.xact_commit_per_op", 2),
+    ("WAL bytes/op", "pg.wal_bytes_per_op", 0),
+]
+
+
+def table(rows: list[list[str]], header: list[str]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def scenario_table(phases: list[Phase], scenario: str, key: str | None, label: str,
+                   metrics: list[tuple[str, str, int]]) -> str:
+    rows = []
+    for k, ps in group(phases, scenario, key).items():
+        row = [str(k) if key else scenario, str(len(ps))]
+        row += [mmm((_get(p, path) for p in ps), d) for _, path, d in metrics]
+        rows.append(row)
+    return table(rows, [label, "reps"] + [m[0] for m in metrics])
+
+
+def multi_table(phases: list[Phase], scenarios: Iterable[str],
+                metrics: list[tuple[str, str, int]]) -> str:
+    rows = []
+    for scen in scenarios:
+        ps = [p for p in phases if p["scenario"] == scen]
+        if ps:
+            rows.append([scen, str(len(ps))]
+                        + [mmm((_get(p, path) for p in ps), d) for _, path, d in metrics])
+    return table(rows, ["scenario", "reps"] + [m[0] for m in metrics])
+
+
+def plot_curve(phases: list[Phase], scenario: str, key: str, xlabel: str, out: Path,
+               series: list[tuple[str, str]]) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    groups = group(phases, scenario, key)
+    if not groups:
+        return None
+    xs = list(groups)
+    fig, axes = plt.subplots(1, len(series), figsize=(4.2 * len(series), 3.4))
+    if len(series) == 1:
+        axes = [axes]
+    for ax, (title, path) in zip(axes, series, strict=True):
+        meds, lows, highs = [], [], []
+        for x in xs:
+            s = summary(_get(p, path) for p in groups[x])
+            meds.append(s["median"])
+            lows.append(s["min"])
+            highs.append(s["max"])
+        pos = list(range(len(xs)))
+        ys = [m if m is not None else float("nan") for m in meds]
+        err = [[(m - lo) if m is not None and lo is not None else 0 for m, lo in
+                zip(meds, lows, strict=True)],
+               [(hi - m) if m is not None and hi is not None else 0 for m, hi in
+                zip(meds, highs, strict=True)]]
+        ax.errorbar(pos, ys, yerr=err, marker="o", capsize=4)
+        ax.set_xticks(pos, [str(x) for x in xs])
+        ax.set_xlabel(xlabel)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"effectledger: {scenario} (median, min-max)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out.name
+
+
+def _peer_values(results: dict[str, Any], name: str) -> list[float]:
+    return [p["ops_per_s"] for p in results.get("peers", [])
+            if p["peer"] == name and p.get("ops_per_s") is not None]
+
+
+def pgbench_best(results: dict[str, Any]) -> tuple[int | None, list[float]]:
+    by_clients: dict[int, list[float]] = {}
+    for p in results.get("peers", []):
+        if p["peer"] == "pgbench_limit" and p.get("ops_per_s") is not None:
+            by_clients.setdefault(p["clients"], []).append(p["ops_per_s"])
+    if not by_clients:
+        return None, []
+    best = max(by_clients, key=lambda c: max(by_clients[c]))
+    return best, by_clients[best]
+
+
+def targets(results: dict[str, Any]) -> list[list[str]]:
+    phases = results.get("phases", [])
+    rows: list[list[str]] = []
+
+    def verdict(ok: bool | None) -> str:
+        return "n/a" if ok is None else ("met" if ok else "**missed**")
+
+    def gap(value: float | None, target: float, higher: bool = True) -> str:
+        if value is None:
+            return ""
+        if (value >= target) if higher else (value <= target):
+            return ""
+        return (f" (short by {target - value:.1f}, {100 * (target - value) / target:.0f} %)"
+                if higher else f" (over by {value - target:.1f}, "
+                               f"{100 * (value - target) / target:.0f} %)")
+
+    top = [p.get("ops_per_s") for p in phases if p["scenario"] == "max"]
+    m = med(top)
+    rows.append(["≥ 500 ops/s end to end (latency 0)", mmm(top) + gap(m, 500),
+                 verdict(None if m is None else m >= 500)])
+    clients, pgb = pgbench_best(results)
+    if pgb and m:
+        ratio = m / (med(pgb) or 1)
+        rows.append([f"≥ 0.6 x pgbench limit ({mmm(pgb)} ops/s at {clients} clients)",
+                     f"{ratio:.2f} x" + gap(ratio, 0.6), verdict(ratio >= 0.6)])
+    dbos_best = max((med(_peer_values(results, f"dbos_{mode}")) or 0, mode)
+                    for mode in ("direct", "queue"))
+    if dbos_best[0] and m:
+        ratio = m / dbos_best[0]
+        rows.append([f"≥ 2 x DBOS (best mode: {dbos_best[1]}, {dbos_best[0]:.1f} ops/s)",
+                     f"{ratio:.2f} x" + gap(ratio, 2.0), verdict(ratio >= 2.0)])
+    half = [_get(p, "latency_ms.p99") for p in phases if p["scenario"] == "half"]
+    hm = med(half)
+    rows.append(["p99 intent→succeeded ≤ 50 ms at half the max rate", mmm(half) + " ms"
+                 + gap(hm, 50, higher=False), verdict(None if hm is None else hm <= 50)])
+    bl = group(phases, "backlog", "backlog")
+    if len(bl) >= 2:
+        xs = list(bl)
+        c0 = med(p["system_cpu_ms_per_op"] for p in bl[xs[0]])
+        cn = med(p["system_cpu_ms_per_op"] for p in bl[xs[-1]])
+        if c0 and cn:
+            change = 100 * (cn - c0) / c0
+            # Growth is the failure mode; a drop is fixed per-second costs (relay polls,
+            # sweeper) spread over more operations while the backlog drains.
+            rows.append([f"flat cost {xs[0]} → {xs[-1]:,} backlog (no more than +20 %)",
+                         f"{fmt(c0, 2)} → {fmt(cn, 2)} system CPU ms/op ({change:+.0f} %)",
+                         verdict(change <= 20)])
+    rp = group(phases, "replicas", "dispatchers")
+    if 1 in rp and 2 in rp:
+        r1 = med(p.get("ops_per_s") for p in rp[1])
+        r2 = med(p.get("ops_per_s") for p in rp[2])
+        if r1 and r2:
+            rows.append(["near-linear gain 1 → 2 dispatchers (while CPU remains)",
+                         f"{r1:.1f} → {r2:.1f} ops/s ({r2 / r1:.2f} x)",
+                         verdict(r2 / r1 >= 1.8)])
+    peak = results.get("peak_rss_mib", {})
+    svc = {k: v for k, v in peak.items() if k.split("-")[0] in ("ledger", "dispatcher",
+                                                                "reconciler")}
+    if svc:
+        worst = max(svc, key=lambda k: svc[k])
+        rows.append(["peak RSS ≤ 150 MiB per service process",
+                     f"max {svc[worst]:.0f} MiB ({worst})" + gap(svc[worst], 150, higher=False),
+                     verdict(svc[worst] <= 150)])
+    eff = results.get("effects", {})
+    if eff:
+        rows.append(["zero lost, zero duplicated effects",
+                     f"lost {eff.get('lost')}, duplicated {eff.get('duplicated')}, "
+                     f"failed-but-applied {eff.get('failed_but_applied')}",
+                     verdict(bool(eff.get("ok")))])
+    return rows
+
+
+def render(results: dict[str, Any], out_dir: Path) -> str:
+    phases = results.get("phases", [])
+    mach = results.get("machine", {})
+    cfg = results.get("config", {})
+    git = results.get("git", {})
+    parts = [
+        f"# effectledger benchmark — {'quick' if cfg.get('quick') else 'full'} run",
+        "",
+        f"- date: {results.get('started_at')} → {results.get('finished_at')} "
+        f"({results.get('duration_s')} s of scenarios)",
+        f"- machine: {mach.get('nproc')} CPUs ({mach.get('cpu_model')}), "
+        f"{mach.get('ram_gib')} GiB RAM, kernel {mach.get('kernel')}, Python "
+        f"{mach.get('python')}; load average at start {mach.get('load_avg_at_start')}",
+        f"- code: commit {git.get('commit')}"
+        + (" (product code modified in the work tree)" if git.get(
+            "product_code_modified_in_worktree") else ""),
+        f"- durability: PostgreSQL {results.get('postgres', {}).get('version', '')} "
+        f"{results.get('postgres', {}).get('settings', '')}; JetStream file storage",
+        f"- load: intents over NATS request-reply; closed loop window {cfg.get('window')} "
+        f"(probe: {results.get('window_probe', {}).get('outcomes_per_s', 'fixed')}), "
+        f"{cfg.get('duration_s')} s per phase; dispatchers {cfg.get('dispatchers')} x "
+        f"concurrency {cfg.get('dispatcher_concurrency')}; repetitions {cfg.get('reps')}",
+        "- figures: median (min-max) over repetitions; latency = ledger journal "
+        "`intent_accepted` → `outcome_recorded`(succeeded)",
+        "",
+        "## Targets",
+        "",
+        table(targets(results), ["target", "measured", "verdict"]),
+        "",
+        "## Throughput and latency",
+        "",
+        "`max`: closed loop (the maximum sustainable rate); `half`: open loop at half of that "
+        "repetition's max; `failure_mix`: open loop at half rate with 1 % transient 503s and "
+        "1 % provider timeouts.",
+        "",
+    ]
+    parts += [multi_table(phases, ("max", "half", "failure_mix"), METRICS), ""]
+    parts += ["## Cost per operation", "",
+              "CPU milliseconds per operation by process (all processes of a kind summed; "
+              "`system` = ledger + dispatchers + PostgreSQL + NATS); WAL commit records and "
+              "bytes per operation (pg_waldump / pg_current_wal_lsn); `xact_commit` from "
+              "pg_stat_database (flushed lazily, indicative).", ""]
+    parts += [multi_table(phases, ("max", "half", "failure_mix"), COST), ""]
+    curves = [
+        ("backlog", "backlog", "operations queued first",
+         [("system CPU ms/op", "system_cpu_ms_per_op"), ("ops/s", "ops_per_s"),
+          ("WAL bytes/op", "pg.wal_bytes_per_op")]),
+        ("replicas", "dispatchers", "dispatcher processes",
+         [("ops/s", "ops_per_s"), ("p99 ms", "latency_ms.p99"),
+          ("system CPU ms/op", "system_cpu_ms_per_op")]),
+        ("latency", "latency_ms", "provider latency (ms)",
+         [("ops/s", "ops_per_s"), ("p50 ms", "latency_ms.p50"), ("p99 ms", "latency_ms.p99")]),
+    ]
+    for scen, key, xlabel, series in curves:
+        if not any(p["scenario"] == scen for p in phases):
+            continue
+        parts += [f"## Scale curve: {scen}", ""]
+        if scen == "backlog":
+            parts += ["Dispatchers stopped while the backlog is queued (over NATS), then started "
+                      "while intents keep arriving at the half rate; cost covers every operation "
+                      "of the phase (queued + offered), ops/s is the drain rate from ledger "
+                      "timestamps. Latency of the offered operations (they wait behind the "
+                      "backlog):", ""]
+            rows = []
+            for k, ps in group(phases, "backlog", "backlog").items():
+                rows.append([str(k), mmm(_get(p, "load_ops.latency_ms.p50") for p in ps),
+                             mmm(_get(p, "load_ops.latency_ms.p99") for p in ps)])
+            parts += [table(rows, ["backlog", "offered p50 ms", "offered p99 ms"]), ""]
+        parts += [scenario_table(phases, scen, key, key, METRICS[:1] + METRICS[3:4] + COST[:3]
+                                 + COST[7:8] + COST[9:]), ""]
+        png = plot_curve(phases, scen, key, xlabel, out_dir / f"curve-{scen}.png", series)
+        if png:
+            parts += [f"![{scen}]({png})", ""]
+    parts += ["## Side by side: the limit and the peers", "",
+              "Same run, same sandbox provider (latency 0, no faults), same call "
+              "(`POST /v1/idempotent/effects` with `Idempotency-Key`, `Fencing-Token`).", ""]
+    rows = []
+    m = med(p.get("ops_per_s") for p in phases if p["scenario"] == "max")
+    clients, pgb = pgbench_best(results)
+    for name, label in (("pgbench_limit", f"pgbench: one operation's SQL ({clients} clients)"),
+                        ("dbos_direct", "DBOS Transact, direct workflows"),
+                        ("dbos_queue", "DBOS Transact, queue"),
+                        ("no_durability_httpx", "no durability: httpx from one process")):
+        vals = pgb if name == "pgbench_limit" else _peer_values(results, name)
+        if not vals:
+            continue
+        pm = med(vals)
+        lat = [(_get(p, "latency_ms.p99")) for p in results.get("peers", [])
+               if p["peer"] == name]
+        rows.append([label, mmm(vals), mmm(lat),
+                     f"{m / pm:.2f}" if m and pm else "n/a"])
+    if m:
+        rows.insert(0, ["effectledger (max, closed loop)", mmm(
+            p.get("ops_per_s") for p in phases if p["scenario"] == "max"),
+            mmm(_get(p, "latency_ms.p99") for p in phases if p["scenario"] == "max"), "1.00"])
+    parts += [table(rows, ["system", "ops/s", "p99 ms", "effectledger ÷ this"]), ""]
+    cap = results.get("sql_capture")
+    if cap:
+        parts += [f"The pgbench script (`{Path(cap['script']).name}`) replays the "
+                  f"{cap['transactions_per_op']} transactions / {cap['statements_per_op']} "
+                  f"statements one operation costs, captured with `log_statement=all` "
+                  f"(shape identical across {cap['operations_captured']} captured operations: "
+                  f"{cap['consistent_shape']}): " + "; ".join(f"`{s}`" for s in cap["shape"]),
+                  ""]
+    eff = results.get("effects")
+    if eff:
+        parts += ["## Effects check (sandbox ground truth vs ledger)", "",
+                  "```json", _short_json(eff), "```", ""]
+    peak = results.get("peak_rss_mib")
+    if peak:
+        parts += ["## Peak RSS (VmHWM) per process, MiB", "",
+                  table([[k, fmt(v)] for k, v in peak.items()], ["process", "peak RSS MiB"]),
+                  ""]
+    profile = results.get("profile")
+    if profile:
+        parts += ["## Where the time goes (py-spy, closed-loop load)", ""]
+        for name, s in profile.items() if isinstance(profile, dict) else []:
+            if not isinstance(s, dict) or "samples" not in s:
+                parts += [f"- {name}: {s}"]
+                continue
+            parts += [f"**{name}**: busy {s.get('busy_pct')} % of the sampled time; "
+                      "self time by package: " + ", ".join(
+                          f"{k} {v} %" for k, v in s["self_by_package_pct"][:8]),
+                      "",
+                      "inclusive: " + ", ".join(f"{k} {v} %" for k, v in s["inclusive_pct"]),
+                      "", "top self functions: " + ", ".join(
+                          f"`{k}` {v} %" for k, v in s["self_top_functions_pct"][:6]), ""]
+    if results.get("errors"):
+        parts += ["## Errors during the run", ""] + [f"- {e}" for e in results["errors"]] + [""]
+    return "\n".join(parts) + "\n"
+
+
+def summary_section(results: dict[str, Any]) -> str:
+    """The short form for the README: machine, date, targets, side by side, curves."""
+    phases = results.get("phases", [])
+    mach = results.get("machine", {})
+    lines = [
+        f"Latest full run: {results.get('started_at')}, {mach.get('nproc')} CPUs "
+        f"({mach.get('cpu_model')}), {mach.get('ram_gib')} GiB RAM, load average at start "
+        f"{mach.get('load_avg_at_start')} (the machine was shared). Durability on: "
+        "`synchronous_commit=on`, `fsync=on`, JetStream file storage. Median (min-max) over "
+        f"{results.get('config', {}).get('reps')} repetitions.",
+        "",
+        table(targets(results), ["target", "measured", "verdict"]),
+        "",
+    ]
+    rows = []
+    m = med(p.get("ops_per_s") for p in phases if p["scenario"] == "max")
+    _clients, pgb = pgbench_best(results)
+    for name, label in (("pgbench_limit", "pgbench, one operation's SQL"),
+                        ("dbos_direct", "DBOS Transact, direct"),
+                        ("dbos_queue", "DBOS Transact, queue"),
+                        ("no_durability_httpx", "no durability (httpx)")):
+        vals = pgb if name == "pgbench_limit" else _peer_values(results, name)
+        if vals:
+            pm = med(vals)
+            rows.append([label, mmm(vals), f"{m / pm:.2f}" if m and pm else "n/a"])
+    if m:
+        rows.insert(0, ["effectledger (max)", mmm(p.get("ops_per_s") for p in phases
+                                                  if p["scenario"] == "max"), "1.00"])
+    lines += [table(rows, ["same run, same provider", "ops/s", "effectledger / this"]), ""]
+    for scen, key in (("replicas", "dispatchers"), ("latency", "latency_ms"),
+                      ("backlog", "backlog")):
+        g = group(phases, scen, key)
+        if g:
+            lines.append(f"- {scen}: " + "; ".join(
+                f"{k}: {mmm(p.get('ops_per_s') for p in ps)} ops/s, "
+                f"{mmm((p.get('system_cpu_ms_per_op') for p in ps), 2)} CPU ms/op"
+                for k, ps in g.items()))
+    return "\n".join(lines) + "\n"
+
+
+def _short_json(obj: Any) -> str:
+    import json
+
+    return json.dumps(obj, indent=1, default=str)
+
+
+def write(results: dict[str, Any], out_dir: Path,
+          renderer: Callable[[dict[str, Any], Path], str] = render) -> Path:
+    path = out_dir / "report.md"
+    path.write_text(renderer(results, out_dir))
+    (out_dir / "summary.md").write_text(summary_section(results))
+    return path
+
+
+def rerender(out_dir: Path) -> Path:
+    """Render report.md again from an existing results.json."""
+    import json
+
+    return write(json.loads((out_dir / "results.json").read_text()), out_dir)

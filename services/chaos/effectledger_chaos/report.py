@@ -1,0 +1,93 @@
+"""The report: JSON (config, schedule, results) and a readable summary table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .checker import INVARIANTS
+from .config import ChaosConfig
+from .schedule import Schedule
+
+TITLES = {
+    "duplicate_effects": "1 duplicate effects",
+    "lost_intents": "2 lost intents",
+    "not_at_rest": "3 not at rest after quiet period",
+    "verdicts_contradicting_truth": "4 verdicts contradicting provider truth",
+    "duplicate_requests_per_epoch": "5 >1 provider request per epoch",
+    "stale_epoch_writes_accepted": "6 stale-epoch writes accepted",
+    "unneeded_reviews": "7 unneeded reviews (type a)",
+    "bad_webhook_state_changes": "8 state changes by bad webhooks",
+    "leftover_backlog": "9 leftover backlog / memory growth",
+    "canary_leaks": "10 canary secrets leaked",
+}
+
+
+def build(cfg: ChaosConfig, schedule: Schedule, result: dict[str, Any],
+          workdir: Path) -> dict[str, Any]:
+    bad = result["bad_input"]
+    exits = result["process_exits"]
+    ok = result["ok"] and (not bad.get("ran") or bad["ok"]) and not exits["unexpected"]
+    return {"ok": ok, "invariants_ok": result["ok"], "seed": cfg.seed,
+            "config": cfg.to_json(), "workdir": str(workdir),
+            "summary": summary_rows(result), **result, "schedule": schedule.to_json()}
+
+
+def summary_rows(result: dict[str, Any]) -> dict[str, Any]:
+    inv = result["invariants"]
+    return {"invariants": {name: inv[name]["count"] for name in INVARIANTS},
+            "metrics": {k: result["metrics"][k] for k in (
+                "operations_planned", "operations_acknowledged", "operations_in_ledger",
+                "final_states", "throughput_ops_per_s", "time_to_rest_s")},
+            "faults_injected": {k: v["injected"] for k, v in result["faults_injected"].items()},
+            "bad_input_ok": result["bad_input"].get("ok"),
+            "unexpected_exits": len(result["process_exits"]["unexpected"])}
+
+
+def table(reports: list[dict[str, Any]]) -> str:
+    """One column per seed: invariants, metrics, faults injected, review rates."""
+    seeds = [f"seed {r['seed']}" for r in reports]
+    width = max(42, *(len(t) for t in TITLES.values())) + 2
+    col = max(10, *(len(s) for s in seeds)) + 2
+
+    def row(label: str, values: list[Any]) -> str:
+        return label.ljust(width) + "".join(str(v).rjust(col) for v in values)
+
+    lines = [row("", seeds), "-" * (width + col * len(reports))]
+    for name in INVARIANTS:
+        lines.append(row(TITLES[name], [r["invariants"][name]["count"] for r in reports]))
+    lines.append(row("bad-input batch ok", [_yn(r["bad_input"].get("ok")) for r in reports]))
+    lines.append(row("unexpected process exits",
+                     [len(r["process_exits"]["unexpected"]) for r in reports]))
+    lines.append("-" * (width + col * len(reports)))
+    m = [r["metrics"] for r in reports]
+    lines.append(row("operations acknowledged / in ledger",
+                     [f"{x['operations_acknowledged']}/{x['operations_in_ledger']}" for x in m]))
+    for state in ("succeeded", "failed", "needs_review"):
+        lines.append(row(f"  {state}", [x["final_states"].get(state, 0) for x in m]))
+    lines.append(row("throughput (ops at rest / s)", [x["throughput_ops_per_s"] for x in m]))
+    lines.append(row("time to rest p50 (s)", [x["time_to_rest_s"]["p50"] for x in m]))
+    lines.append(row("time to rest p99 (s)", [x["time_to_rest_s"]["p99"] for x in m]))
+    lines.append(row("run time (s)", [r.get("timing", {}).get("total_s") for r in reports]))
+    lines.append("-" * (width + col * len(reports)))
+    kinds = sorted({k for r in reports for k in r["faults_injected"]})
+    lines.append(row("faults injected (review rate)", ["" for _ in reports]))
+    for kind in kinds:
+        vals = []
+        for r in reports:
+            n = r["faults_injected"].get(kind, {}).get("injected", 0)
+            rate = r["metrics"]["review_rate_by_fault"].get(kind, {}).get("rate")
+            vals.append(f"{n} ({_pct(rate)})")
+        lines.append(row(f"  {kind}", vals))
+    base = [r["metrics"]["review_rate_by_fault"].get("(none)", {}) for r in reports]
+    lines.append(row("  no fault (review rate)",
+                     [f"{b.get('operations', 0)} ({_pct(b.get('rate'))})" for b in base]))
+    return "\n".join(lines)
+
+
+def _pct(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate * 100:.0f}%"
+
+
+def _yn(v: Any) -> str:
+    return "n/a" if v is None else ("yes" if v else "NO")
