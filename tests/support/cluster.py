@@ -13,8 +13,10 @@ with `EFFECTLEDGER_CRASH_POINTS`; an armed process SIGKILLs itself when it reach
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import inspect
+import json
 import os
 import secrets
 import signal
@@ -90,6 +92,11 @@ class Cluster:
         self.sandbox_url = f"http://127.0.0.1:{self.sandbox_port}"
         self.ledger_url = f"http://127.0.0.1:{self.ledger_port}"
         self.api_key = "sk_test_" + secrets.token_hex(12)
+        # The reconciler's webhook endpoint and the per-run signing secret it shares with the
+        # sandbox (as `effectledger up` wires them); used only when a test asks for webhooks.
+        self.reconciler_port = free_port()
+        self.reconciler_url = f"http://127.0.0.1:{self.reconciler_port}"
+        self.webhook_secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
         self.catalog_template = catalog_template
         self.catalog_path = workdir / "catalog.toml"
         self._write_catalog()
@@ -149,11 +156,17 @@ class Cluster:
         self.history.append(proc)
         return proc
 
-    async def start_sandbox(self, name: str = "sandbox", *, timeout_s: float = 30.0) -> Proc:
+    async def start_sandbox(self, name: str = "sandbox", *, timeout_s: float = 30.0,
+                            webhook_routes: Iterable[str] | None = None) -> Proc:
+        """`webhook_routes`: routes that send signed webhooks to this cluster's reconciler
+        (`start_reconciler`); None (the default) starts the sandbox without webhooks."""
         for attempt in range(3):
-            proc = self._spawn(name, "sandbox",
-                               ["sandbox", "--port", str(self.sandbox_port), "--api-key",
-                                self.api_key], self._env(None, None))
+            args = ["sandbox", "--port", str(self.sandbox_port), "--api-key", self.api_key]
+            if webhook_routes is not None:
+                args += ["--webhook-url", f"{self.reconciler_url}/v1/webhooks/sandbox",
+                         "--webhook-secret", self.webhook_secret,
+                         "--webhook-routes", ",".join(webhook_routes)]
+            proc = self._spawn(name, "sandbox", args, self._env(None, None))
             try:
                 await self._wait_http(proc, self.sandbox, "/healthz", timeout_s)
                 return proc
@@ -212,6 +225,27 @@ class Cluster:
         proc = self._spawn(name, "dispatcher", ["dispatcher"], self._env(extra, crash_points))
         # The dispatcher has no HTTP port; it prints one line once its consumer is running.
         marker = f"dispatcher ready: {name}".encode()
+
+        def ready() -> bool:
+            self._check_alive(proc)
+            return marker in proc.log.read_bytes()
+
+        await wait_until(ready, timeout_s, what=f"{name} to be ready")
+        return proc
+
+    async def start_reconciler(self, name: str = "reconciler", *,
+                               crash_points: Iterable[str] | None = None,
+                               env: dict[str, str] | None = None,
+                               timeout_s: float = 60.0) -> Proc:
+        """The reconciler with its webhook endpoint on `reconciler_port`, verifying webhooks
+        signed with this cluster's `webhook_secret` (provider "sandbox")."""
+        extra = {"EFFECTLEDGER_RECONCILER_ID": name,
+                 "EFFECTLEDGER_RECONCILER_HOST": "127.0.0.1",
+                 "EFFECTLEDGER_RECONCILER_PORT": str(self.reconciler_port),
+                 "EFFECTLEDGER_WEBHOOK_SECRETS": json.dumps({"sandbox": [self.webhook_secret]}),
+                 **(env or {})}
+        proc = self._spawn(name, "reconciler", ["reconciler"], self._env(extra, crash_points))
+        marker = b"reconciler ready:"
 
         def ready() -> bool:
             self._check_alive(proc)
@@ -289,7 +323,8 @@ class Cluster:
     async def stop_all(self) -> None:
         # Consumers first so they stop taking work, the provider last.
         order = sorted(self.procs.values(),
-                       key=lambda p: {"dispatcher": 0, "ledger": 1, "sandbox": 2}[p.service])
+                       key=lambda p: {"dispatcher": 0, "reconciler": 0, "ledger": 1,
+                                      "sandbox": 2}[p.service])
         for proc in order:
             if proc.alive:
                 proc.popen.send_signal(signal.SIGCONT)  # a paused process must see SIGTERM
