@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,12 +93,13 @@ class Stack:
         self.ledger_url = f"http://127.0.0.1:{self.ledger_port}"
         self.db_name = "effectledger_bench"
         self._launcher: str | None = None
+        self._tmp_pg: Path | None = None
 
     # -- infrastructure --------------------------------------------------------------------
 
     def start_infra(self) -> None:
         if self.database_url is None:
-            self.pg = PrivatePostgres(self.workdir / "pg")
+            self.pg = PrivatePostgres(self._pg_root())
             self.pg.start()
             self.database_url = self.pg.create_database(self.db_name)
             pid = int((self.pg.data / "postmaster.pid").read_text().split()[0])
@@ -111,6 +114,19 @@ class Stack:
         self.catalog_path = self.workdir / "catalog.toml"
         self.catalog_path.write_text(CATALOG.format(sandbox=self.sandbox_url,
                                                     timeout_s=self.provider_timeout_s))
+
+    def _pg_root(self) -> Path:
+        """`<workdir>/pg` if the postgres user can reach it, else a fresh folder in /tmp.
+
+        When we are root, PostgreSQL runs as `postgres`, which needs search permission on every
+        ancestor folder (pytest's tmp_path, under a 0700 folder, is not reachable).
+        """
+        root = self.workdir / "pg"
+        if os.geteuid() != 0 or all(p.stat().st_mode & 0o001 for p in root.parents):
+            return root
+        self._tmp_pg = Path(tempfile.mkdtemp(prefix="effectledger-bench-pg-"))
+        os.chmod(self._tmp_pg, 0o755)
+        return self._tmp_pg / "pg"
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECTLEDGER_")}
@@ -261,3 +277,5 @@ class Stack:
                     svc.popen.wait(10)
         if self.pg is not None:
             self.pg.stop()
+        if self._tmp_pg is not None:
+            shutil.rmtree(self._tmp_pg, ignore_errors=True)

@@ -1,0 +1,49 @@
+"""CI hook for the benchmark: `effectledger bench --quick --check` runs and finds no lost or
+duplicated effect. It asserts nothing about speed (the benchmark is not a test)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from effectledger_bench.pg import pg_bindir
+
+TIME_LIMIT_S = 240  # the quick run takes about 1.5 minutes on the 2-core CI machine
+
+
+def _why_no_private_postgres() -> str | None:
+    if pg_bindir() is None:
+        return "PostgreSQL's initdb is not installed (pg_config --bindir)"
+    if os.geteuid() == 0:
+        import pwd
+
+        try:
+            pwd.getpwnam("postgres")
+        except KeyError:
+            return "running as root without a `postgres` user to run initdb as"
+    return None
+
+
+@pytest.mark.slow
+def test_bench_quick_check_finds_no_lost_or_duplicated_effect(tmp_path: Path) -> None:
+    """The harness starts its private servers and services, runs every scenario small, and the
+    sandbox's ground truth agrees with the ledger: zero lost, zero duplicated."""
+    reason = _why_no_private_postgres()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "bench"
+    proc = subprocess.run(
+        [sys.executable, "-m", "effectledger_cli", "bench", "--quick", "--check",
+         "--no-progress", "--out", str(out)],
+        capture_output=True, text=True, timeout=TIME_LIMIT_S, cwd=tmp_path)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    results = json.loads((out / "results.json").read_text())
+    effects = results["effects"]
+    assert effects["ok"] is True and effects["lost"] == 0 and effects["duplicated"] == 0
+    assert results["phases"], "no scenario was measured"
+    assert (out / "report.md").exists()

@@ -1,0 +1,183 @@
+"""The benchmark harness's pure parts: percentiles, summaries, SQL capture, report rendering."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from effectledger_bench.measure import OpRow, check_effects, latency_stats, percentile, summary
+from effectledger_bench.pg import parse_lsn
+from effectledger_bench.report import mmm, render, targets
+from effectledger_bench.sqlcapture import extract, pgbench_script
+
+OP = "13e691d5c68d456dbe7eccdc7db39d87"
+OUTBOX = "554618b400db4fad8d8bc44fc40113f9"
+ATTEMPT = "f917f1ad99374af48dfdf878de27bdce"
+KEY = "ck_8b620acd3c7b19f1c3df60fb944614c28b70d257"
+
+LOG = f"""\
+2026-11-30 03:22:40.180 UTC [23076] 0 LOG:  statement: BEGIN;
+2026-11-30 03:22:40.180 UTC [23076] 0 LOG:  statement: ROLLBACK;
+2026-11-30 03:22:40.180 UTC [23076] 0 LOG:  statement: BEGIN;
+2026-11-30 03:22:40.181 UTC [23076] 0 LOG:  execute __asyncpg_stmt_2d__: SELECT operations.id \
+FROM operations WHERE operations.operation_key = $1::VARCHAR
+2026-11-30 03:22:40.181 UTC [23076] 0 DETAIL:  parameters: $1 = '{KEY}'
+2026-11-30 03:22:40.182 UTC [23076] 741 LOG:  execute __asyncpg_stmt_2e__: INSERT INTO operations \
+(id, operation_key) VALUES ($1::VARCHAR, $2::VARCHAR)
+2026-11-30 03:22:40.182 UTC [23076] 741 DETAIL:  parameters: $1 = '{OP}', $2 = '{KEY}'
+2026-11-30 03:22:40.182 UTC [23076] 741 LOG:  execute __asyncpg_stmt_30__: INSERT INTO outbox \
+(id, operation_id, payload) VALUES ($1::VARCHAR, $2::VARCHAR, $3::VARCHAR)
+2026-11-30 03:22:40.182 UTC [23076] 741 DETAIL:  parameters: $1 = '{OUTBOX}', $2 = '{OP}', \
+$3 = '{{"schema_version":1,"operation_id":"{OP}","it''s":"x"}}'
+2026-11-30 03:22:40.182 UTC [23076] 741 LOG:  statement: COMMIT;
+2026-11-30 03:22:40.185 UTC [23083] 0 LOG:  statement: BEGIN;
+2026-11-30 03:22:40.186 UTC [23083] 0 LOG:  execute __asyncpg_stmt_59__: SELECT outbox.id
+\tFROM outbox
+\tWHERE outbox.status = $1::VARCHAR LIMIT $2::INTEGER FOR UPDATE SKIP LOCKED
+2026-11-30 03:22:40.186 UTC [23083] 0 DETAIL:  parameters: $1 = 'pending', $2 = '256'
+2026-11-30 03:22:40.188 UTC [23083] 742 LOG:  execute __asyncpg_stmt_5b__: UPDATE outbox SET \
+status=$1::VARCHAR WHERE outbox.id IN ($2::VARCHAR)
+2026-11-30 03:22:40.188 UTC [23083] 742 DETAIL:  parameters: $1 = 'publishing', $2 = '{OUTBOX}'
+2026-11-30 03:22:40.188 UTC [23083] 742 LOG:  statement: COMMIT;
+2026-11-30 03:22:40.190 UTC [23099] 0 LOG:  statement: BEGIN;
+2026-11-30 03:22:40.190 UTC [23099] 0 LOG:  execute __asyncpg_stmt_60__: SELECT 1 FROM outbox \
+WHERE status = $1::VARCHAR
+2026-11-30 03:22:40.190 UTC [23099] 0 DETAIL:  parameters: $1 = 'published'
+2026-11-30 03:22:40.190 UTC [23099] 0 LOG:  statement: COMMIT;
+2026-11-30 03:22:40.205 UTC [23073] 0 LOG:  statement: BEGIN;
+2026-11-30 03:22:40.208 UTC [23073] 744 LOG:  execute __asyncpg_stmt_61__: INSERT INTO attempts \
+(id, operation_id) VALUES ($1::VARCHAR, $2::VARCHAR)
+2026-11-30 03:22:40.208 UTC [23073] 744 DETAIL:  parameters: $1 = '{ATTEMPT}', $2 = '{OP}'
+2026-11-30 03:22:40.209 UTC [23073] 744 LOG:  statement: COMMIT;
+2026-11-30 03:22:40.218 UTC [23076] 0 LOG:  statement: BEGIN;
+2026-11-30 03:22:40.218 UTC [23076] 0 LOG:  execute __asyncpg_stmt_62__: INSERT INTO inbox \
+(consumer, message_id) VALUES ($1::VARCHAR, $2::VARCHAR) ON CONFLICT DO NOTHING
+2026-11-30 03:22:40.218 UTC [23076] 0 DETAIL:  parameters: $1 = 'ledger-inbox', \
+$2 = 'attempt_succeeded:{ATTEMPT}'
+2026-11-30 03:22:40.222 UTC [23076] 745 LOG:  statement: COMMIT;
+"""
+
+
+def test_percentile_is_nearest_rank() -> None:
+    """p50 of 1..100 is 50, p99 is 99, p99.9 of 100 values is the maximum."""
+    values = [float(v) for v in range(100, 0, -1)]
+    assert percentile(values, 50) == 50
+    assert percentile(values, 99) == 99
+    assert percentile(values, 99.9) == 100
+    assert percentile(values, 100) == 100
+    assert percentile([7.0], 50) == 7.0
+    assert percentile([], 50) is None
+    with pytest.raises(ValueError):
+        percentile(values, 0)
+
+
+def test_summary_gives_min_median_max_and_skips_missing() -> None:
+    assert summary([3.0, 1.0, 2.0]) == {"min": 1.0, "median": 2.0, "max": 3.0}
+    assert summary([4.0, 1.0, None, 2.0, 3.0]) == {"min": 1.0, "median": 2.5, "max": 4.0}
+    assert summary([]) == {"min": None, "median": None, "max": None}
+    assert mmm([1.0, 2.0, 30.0]) == "2.0 (1.0-30.0)"
+    assert mmm([5.0]) == "5.0"
+
+
+def test_latency_stats_from_ledger_timestamps() -> None:
+    """Throughput spans first acceptance to last success; latency is per operation."""
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    rows = [OpRow(f"op{i}", "succeeded", f"k{i}", "t", t0 + timedelta(seconds=i / 10),
+                  t0 + timedelta(seconds=i / 10, milliseconds=10 + i)) for i in range(10)]
+    rows.append(OpRow("opx", "ambiguous", "kx", "t", t0, None))
+    stats = latency_stats(rows)
+    assert stats["operations"] == 11 and stats["succeeded"] == 10
+    assert stats["states"] == {"succeeded": 10, "ambiguous": 1}
+    assert stats["span_s"] == pytest.approx(0.919)
+    assert stats["latency_ms"]["p50"] == pytest.approx(14.0)
+    assert stats["latency_ms"]["max"] == pytest.approx(19.0)
+
+
+def test_effect_check_finds_lost_duplicated_and_lies() -> None:
+    ops = [("a", "succeeded", "ka", "t"), ("b", "succeeded", "kb", "t"),
+           ("c", "failed", "kc", "t"), ("d", "pending", "kd", "t"),
+           ("e", "ambiguous", "ke", "t")]
+    truth = {"keys": {"ka": {"applied": 1}, "kb": {"applied": 0}, "kc": {"applied": 1},
+                      "ke": {"applied": 2}, "dbos-1": {"applied": 2}, "stray": {"applied": 1}}}
+    got = check_effects(ops, truth, ["a", "b", "zz"], peer_prefixes=("dbos-",))
+    assert got["lost_detail"] == {"acknowledged_without_row": 1, "succeeded_not_applied": 1,
+                                  "still_moving": 1}
+    assert got["lost"] == 3 and got["duplicated"] == 1 and got["failed_but_applied"] == 1
+    assert got["peers"]["dbos-"] == {"keys": 1, "applied": 2, "duplicated": 1}
+    assert got["unknown_provider_keys_applied"] == 1 and got["ok"] is False
+    clean = check_effects([("a", "succeeded", "ka", "t")], {"keys": {"ka": {"applied": 1}}},
+                          ["a"])
+    assert clean["ok"] is True
+
+
+def test_sql_capture_keeps_the_operations_transactions_only() -> None:
+    """Transactions are found transitively (outbox id, attempt id); unrelated ones are not."""
+    got = extract(LOG, [OP])
+    assert got.consistent
+    ((_op, txns, ids),) = got.per_op
+    assert ids == {OP, OUTBOX, ATTEMPT, KEY}
+    assert len(txns) == 4  # submit, lease, claim, inbox; not the unrelated SELECT
+    assert txns[0].preping and not txns[1].preping
+    assert "FOR UPDATE SKIP LOCKED" in txns[1].text  # the lease SELECT has no id itself
+    assert "'pending'::VARCHAR" in txns[1].text and "$1" not in txns[1].text
+
+
+def test_pgbench_script_makes_identifiers_unique_per_transaction() -> None:
+    ((_op, txns, ids),) = extract(LOG, [OP]).per_op
+    script = pgbench_script(txns, ids)
+    for ident in (OP, OUTBOX, ATTEMPT, KEY):
+        assert ident not in script
+    assert r"\set n random(" in script
+    assert "'attempt_succeeded:b" in script and "-:client_id-:n'" in script
+    assert script.count("BEGIN;") == 5 and script.count("COMMIT;") == 4  # 1 pre-ping pair
+    assert "it''s" in script  # quoting of logged literals is preserved
+
+
+def test_parse_lsn() -> None:
+    assert parse_lsn("0/1941A38") == 0x1941A38
+    assert parse_lsn("1/0") == 1 << 32
+
+
+def test_report_renders_targets_and_tables(tmp_path: Path) -> None:
+    phase = {"scenario": "max", "params": {"dispatchers": 1}, "ops_per_s": 250.0,
+             "latency_ms": {"p50": 10.0, "p95": 20.0, "p99": 30.0, "p99_9": 40.0},
+             "system_cpu_ms_per_op": 4.0, "cpu_ms_per_op": {"ledger": 3.0},
+             "pg": {"wal_commits_per_op": 5.0, "wal_bytes_per_op": 4000}}
+    half = {**phase, "scenario": "half", "latency_ms": {"p99": 80.0}}
+    results = {"phases": [phase, {**phase, "ops_per_s": 300.0}, half],
+               "peers": [{"peer": "pgbench_limit", "clients": 16, "ops_per_s": 1000.0},
+                         {"peer": "dbos_queue", "ops_per_s": 100.0}],
+               "effects": {"ok": True, "lost": 0, "duplicated": 0, "failed_but_applied": 0},
+               "peak_rss_mib": {"ledger": 120.0, "dispatcher-1": 70.0}}
+    rows = {r[0].split(" (")[0]: r for r in targets(results)}
+    assert rows["≥ 500 ops/s end to end"][2] == "**missed**"
+    assert "short by 225.0" in rows["≥ 500 ops/s end to end"][1]
+    assert rows["≥ 0.6 x pgbench limit"][1].startswith("0.28 x")
+    assert rows["≥ 2 x DBOS"][2] == "met"
+    assert rows["p99 intent→succeeded ≤ 50 ms at half the max rate"][2] == "**missed**"
+    assert rows["peak RSS ≤ 150 MiB per service process"][2] == "met"
+    text = render(results, tmp_path)
+    assert "| max | 2 | 275.0 (250.0-300.0) | 10.0 (10.0-10.0) |" in text
+    assert "| half | 1 | 250.0 | 10.0 | 20.0 | 80.0 | n/a |" not in text  # p99.9 absent here
+    assert "| half | 1 | 250.0 | n/a | n/a | 80.0 | n/a |" in text
+    assert "## Side by side" in text
+
+
+def test_proc_sampling_reads_this_process() -> None:
+    """CPU seconds grow with work; peak RSS is at least the current RSS; gone pids give None."""
+    import os
+
+    from effectledger_bench.procs import machine, sample
+
+    before = sample(os.getpid())
+    assert before is not None
+    sum(i * i for i in range(300_000))  # some CPU work
+    after = sample(os.getpid())
+    assert after is not None and after.cpu_s >= before.cpu_s
+    assert sample(os.getpid(), tree=True) is not None
+    assert after.hwm_bytes >= after.rss_bytes > 0
+    assert 0 <= after.sys_s <= after.cpu_s
+    assert sample(2**22 + 12345) is None
+    assert machine()["nproc"] == os.cpu_count()
