@@ -74,6 +74,7 @@ TARGETS: dict[str, tuple[str, str]] = {  # name -> (subject, consumer expected t
     "webhook": (f"{SUBJECT_PREFIX}.ledger.v1.webhook", "ledger-inbox"),
     "reconcile": (f"{SUBJECT_PREFIX}.reconcile.v1.ambiguous", "reconciler"),
 }
+UNAVAILABLE_WAIT_S = 240.0
 RPC = {"intents": f"{SUBJECT_PREFIX}.rpc.v1.intents", "claim": f"{SUBJECT_PREFIX}.rpc.v1.claim",
        "operation": f"{SUBJECT_PREFIX}.rpc.v1.operation"}
 
@@ -231,7 +232,10 @@ class BadInput:
         async with httpx.AsyncClient(base_url=url, timeout=20) as http:
             for name, kwargs in cases:
                 entry: dict[str, Any] = {"case": name}
-                for _ in range(20):
+                # A reconciler restarted during a broker outage serves HTTP only once it
+                # reaches NATS again: wait for it (the long outage lasts 130 s).
+                deadline = time.monotonic() + UNAVAILABLE_WAIT_S
+                while time.monotonic() < deadline:
                     try:
                         r = await http.post(path, **kwargs)
                         entry["status"] = r.status_code
@@ -275,10 +279,15 @@ class BadInput:
         body = json.dumps({"type": "effect.applied", "data": {}}).encode()
         headers = self._signed(body)
         entry: dict[str, Any] = {"case": "slow_body"}
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError as exc:
-            return {**entry, "error": type(exc).__name__}
+        deadline = time.monotonic() + UNAVAILABLE_WAIT_S
+        while True:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                break
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    return {**entry, "error": type(exc).__name__}
+                await asyncio.sleep(1.0)  # the reconciler is restarting
         head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
                 f"Content-Length: {len(body)}\r\n"
                 + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n")
@@ -304,7 +313,10 @@ class BadInput:
         finally:
             writer.close()
         entry["health_latencies_s"] = health
-        entry["stayed_responsive"] = bool(health) and all(0 <= h < 2.0 for h in health)
+        # A server blocked by the trickle would answer nothing until it ends; a loaded machine
+        # may be slow once. So: every probe answered, and most of them quickly.
+        entry["stayed_responsive"] = (bool(health) and all(h >= 0 for h in health)
+                                      and sorted(health)[len(health) // 2] < 1.0)
         return entry
 
 

@@ -334,10 +334,11 @@ def _bad_input_checks(cfg: ChaosConfig, bad: dict[str, Any], db: dict[str, Any],
         elif d["deliveries"] > 20:
             over.append({"message_id": m["message_id"], "deliveries": d["deliveries"]})
     rpc_bad = [r for r in bad["rpc"] if not r.get("error_reply")]
+    # A slow body is a valid webhook sent slowly: 2xx, or 503 if the broker was down.
     hooks_bad = [w for w in bad["webhooks"]
                  if (w.get("status") is None or not 400 <= w["status"] < 500)
                  and not (w["case"] == "slow_body" and w.get("status") is not None
-                          and w["status"] < 500)]
+                          and (w["status"] < 500 or w["status"] == 503))]
     slow: dict[str, Any] = next((w for w in bad["webhooks"] if w["case"] == "slow_body"), {})
     too_large_ok = all(t["refused"] for t in bad["too_large"])
     checks = {

@@ -29,6 +29,7 @@ from .schedule import Schedule, TimedFault
 from .stack import Stack
 
 ARMED_TIMEOUT_S = 10.0  # an armed crash point not reached by then is disarmed (and recorded)
+ARMED_CAP_S = 240.0  # ... however long outages keep it from being reached
 
 
 class FaultRunner:
@@ -44,6 +45,7 @@ class FaultRunner:
         # The sandbox's provider faults as they stood at the end of the fault phase (their
         # `fired` counters; the list is re-posted without the timed holds, which resets them).
         self.provider_faults_at_restore: list[dict[str, Any]] = []
+        self.pg_down = False
 
     def now(self) -> float:
         return round(time.monotonic() - self.phase_start, 3)
@@ -83,6 +85,26 @@ class FaultRunner:
         if cur is not None and not cur.alive:
             self.stack.record_exit(s)
             return True
+        return False
+
+    def dependencies_down(self) -> bool:
+        return self.stack.nats.service.held_down or self.pg_down
+
+    async def _wait_armed(self, s: Service) -> bool:
+        """Wait for an armed process to hit its crash point: True if it died.
+
+        The window (ARMED_TIMEOUT_S) counts only while the process is ready and the broker and
+        the database are up; no crash point can be reached during an outage.
+        """
+        left, cap = ARMED_TIMEOUT_S, time.monotonic() + ARMED_CAP_S
+        while time.monotonic() < cap:
+            if not s.alive:
+                return await self._wait_dead(s)
+            await asyncio.sleep(0.1)
+            if s.ready() and not self.dependencies_down():
+                left -= 0.1
+                if left <= 0:
+                    return False
         return False
 
     # -- processes ------------------------------------------------------------------------
@@ -130,7 +152,7 @@ class FaultRunner:
                 s.signal(signal.SIGKILL, "fault:crash_point_arm")
                 await self._wait_dead(s)
                 s.start(crash_points=armed)
-                hit = await self._wait_dead(s, ARMED_TIMEOUT_S)
+                hit = await self._wait_armed(s)
                 if not hit:
                     s.signal(signal.SIGKILL, "fault:crash_point_disarm")
                     await self._wait_dead(s)
@@ -150,10 +172,12 @@ class FaultRunner:
             before = len((await sb.get("/_requests")).json()["requests"])
             await sb.post("/_faults/append", json={
                 "match": {}, "action": {"kind": "delay", "seconds": hold_s}, "times": 1})
-            deadline = time.monotonic() + 20
+            left, cap = 20.0, time.monotonic() + ARMED_CAP_S
             key = None
-            while time.monotonic() < deadline and key is None:
+            while left > 0 and time.monotonic() < cap and key is None:
                 await asyncio.sleep(0.1)
+                if not self.dependencies_down():
+                    left -= 0.1
                 faults = (await sb.get("/_faults")).json()["faults"]
                 mine = [x for x in faults if x["action"]["kind"] == "delay"
                         and x["match"] == {}]
@@ -266,9 +290,13 @@ class FaultRunner:
             return {"skipped": "no private PostgreSQL"}
         async with self.stack.locks["postgres"]:
             rec["started_at"] = self.now()
-            await asyncio.to_thread(pg.stop_immediate)
-            await asyncio.sleep(f.params["down_s"])
-            await asyncio.to_thread(pg.start)
+            self.pg_down = True
+            try:
+                await asyncio.to_thread(pg.stop_immediate)
+                await asyncio.sleep(f.params["down_s"])
+                await asyncio.to_thread(pg.start)
+            finally:
+                self.pg_down = False
         self.log(f"fault: PostgreSQL stopped -m immediate, down {f.params['down_s']}s")
         return {"down_s": f.params["down_s"]}
 

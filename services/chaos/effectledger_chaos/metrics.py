@@ -151,11 +151,24 @@ def _sandbox_kind(kind: str) -> str:
     return {"rate_limit_seconds": "rate_limit", "rate_limit_date": "rate_limit"}.get(kind, kind)
 
 
+_UNREACHABLE = ("Connect call failed", "ConnectionRefusedError", "ConnectionResetError",
+                "NoServersError", "connection refused", "Connection reset by peer")
+
+
+def _outage(r: dict[str, Any]) -> bool:
+    """A fault that makes the broker or the database unreachable for new connections."""
+    return r["kind"] in ("nats_restart", "nats_long_outage", "pg_restart") or (
+        r["kind"] == "net_blackhole" and r["target"] in ("nats", "pg"))
+
+
 def exits(exits: list[ExitRecord], records: list[dict[str, Any]],
-           phase_start_wall: float) -> dict[str, Any]:
+          phase_start_wall: float) -> dict[str, Any]:
+    """Process exits: expected (a fault's signal, an armed crash point), during an outage of
+    a dependency (a service that cannot start without its database or broker exits and is
+    restarted, as any supervisor would), and unexpected (a crash: a failed check)."""
     outages = []
     for r in records:
-        if r["kind"] in ("nats_restart", "nats_long_outage", "pg_restart") and "started_at" in r:
+        if _outage(r) and "started_at" in r:
             outages.append((phase_start_wall + r["started_at"],
                             phase_start_wall + r.get("ended_at", r["started_at"]) + 5))
     expected = Counter(e.reason.split(":")[0] + ":" + e.reason.split(":")[1]
@@ -167,7 +180,10 @@ def exits(exits: list[ExitRecord], records: list[dict[str, Any]],
             continue
         item = {"service": e.service, "incarnation": e.incarnation, "exit_code": e.code,
                 "tail": e.tail[-1500:]}
-        if any(lo <= e.at <= hi for lo, hi in outages):
+        # Only a startup that died of the unreachable dependency itself, not any crash that
+        # happened to fall inside the window.
+        unreachable = any(m in e.tail for m in _UNREACHABLE)
+        if unreachable and any(lo <= e.at <= hi for lo, hi in outages):
             during_outage.append(item)
         else:
             unexpected.append(item)

@@ -89,6 +89,10 @@ class Store:
             if is_retryable(exc):
                 raise StoreUnavailable(f"database unavailable: {type(exc.orig).__name__}") from exc
             raise
+        except OSError as exc:
+            # asyncpg raises the socket's own error when it cannot connect (refused, reset):
+            # the database is unavailable, a retryable condition (503), not an internal error.
+            raise StoreUnavailable(f"database unavailable: {type(exc).__name__}") from exc
 
     async def run(self, fn: Callable[..., Awaitable[T]], *args: Any, attempts: int = 5,
                   **kwargs: Any) -> T:

@@ -1,0 +1,50 @@
+"""The harness can fail: with a guard switched off, the same seed reports the violation.
+
+A checker that always says zero proves nothing. Each test switches off one safety mechanism
+with its test-only switch and runs seed 1 again, with the faults that matter to that mechanism
+(the full fault set gives the same verdict, just slower; the README records such runs):
+- `EFFECTLEDGER_UNSAFE_SKIP_CLAIM=1`: dispatchers call the provider even when the attempt is
+  already claimed, so every redelivered command (a killed or paused dispatcher, a crash point)
+  reaches the provider again: more than one request per operation epoch, and duplicate effects
+  on non-idempotent routes;
+- `EFFECTLEDGER_UNSAFE_SKIP_WEBHOOK_VERIFICATION=1`: reconcilers accept unsigned, forged and
+  expired webhooks, so the harness's lying webhooks are stored as evidence and move operations.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from effectledger_chaos import ChaosConfig, parse_faults, run_chaos
+from effectledger_chaos.procs import database_choice
+
+pytestmark = pytest.mark.slow
+SEED = 1
+
+
+def _run(tmp_path: Any, **options: Any) -> dict[str, Any]:
+    cfg = ChaosConfig(seed=SEED, ci=True, database=database_choice(),
+                      workdir=str(tmp_path / "run"), progress=True, progress_interval_s=15.0,
+                      **options)
+    return run_chaos(cfg)
+
+
+def test_without_claim_before_call_duplicate_requests_are_reported(tmp_path: Any) -> None:
+    """Seed 1 with claim-before-call disabled: redelivered commands call the provider again."""
+    report = _run(tmp_path, ops=60, duration_s=15.0, unsafe_skip_claim=True,
+                  faults=parse_faults("kill,pause,crash_point"))
+    inv = report["invariants"]
+    assert inv["duplicate_requests_per_epoch"]["count"] > 0, inv
+    assert not report["invariants_ok"]
+
+
+def test_without_webhook_verification_forged_webhooks_are_counted(tmp_path: Any) -> None:
+    """Seed 1 with verification disabled: forged and expired webhooks change ledger state."""
+    report = _run(tmp_path, ops=30, duration_s=8.0, unsafe_skip_webhook_verification=True,
+                  tool_mix={"a": 0, "b": 0, "c": 1, "d": 0},
+                  faults=parse_faults("webhook_forged,webhook_expired"))
+    inv = report["invariants"]
+    assert inv["bad_webhook_state_changes"]["count"] > 0, inv
+    assert not report["invariants_ok"]
