@@ -274,10 +274,10 @@ async def test_redelivered_verdict_is_a_duplicate(store: Store) -> None:
 
 async def test_racing_reconcilers_with_opposite_verdicts_decide_once_each(
         store: Store) -> None:
-    """Two reconcilers race with opposite verdicts on 50 ambiguous operations: exactly one
+    """Two reconcilers race with opposite verdicts on 500 ambiguous operations: exactly one
     verdict is accepted per operation, the other is rejected and journaled."""
     led = Ledger(store)
-    op_ids = [await led.submit(n=i) for i in range(50)]
+    op_ids = [await led.submit(n=i) for i in range(500)]
     for op_id in op_ids:
         await led.ambiguous(op_id)
     results = await asyncio.gather(*(
