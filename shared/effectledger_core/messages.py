@@ -7,6 +7,7 @@ wrong schema version or a typo is a clear error rather than a silently ignored v
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Literal, TypeVar
@@ -46,6 +47,7 @@ ShortText = Annotated[str, StringConstraints(max_length=1024)]
 ProviderRef = Annotated[str, StringConstraints(max_length=MAX_PROVIDER_REF_BYTES)]
 Epoch = Annotated[int, Field(ge=1)]
 M = TypeVar("M", bound="BaseModel")
+T = TypeVar("T")
 
 
 class Message(BaseModel):
@@ -254,23 +256,23 @@ LedgerEvent = Annotated[
 LEDGER_EVENT_ADAPTER: TypeAdapter[LedgerEvent] = TypeAdapter(LedgerEvent)
 
 
-def parse(model: type[M], raw: bytes) -> M:
-    """Parse a bus payload into `model`, turning every kind of bad input into PoisonMessage."""
+def _validated(validate: Callable[[bytes], T], raw: bytes) -> T:
+    """Size-bound, then validate: every kind of bad input becomes one of our two errors."""
     if len(raw) > MAX_MESSAGE_BYTES:
         raise PayloadTooLarge(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
-        return model.model_validate_json(raw)
+        return validate(raw)
     except ValidationError as exc:
         raise PoisonMessage(_short_errors(exc)) from exc
+
+
+def parse(model: type[M], raw: bytes) -> M:
+    """Parse a bus payload into `model`, turning every kind of bad input into PoisonMessage."""
+    return _validated(model.model_validate_json, raw)
 
 
 def parse_outcome(raw: bytes) -> Outcome:
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise PayloadTooLarge(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        return OUTCOME_ADAPTER.validate_json(raw)
-    except ValidationError as exc:
-        raise PoisonMessage(_short_errors(exc)) from exc
+    return _validated(OUTCOME_ADAPTER.validate_json, raw)
 
 
 def encode(msg: BaseModel) -> bytes:
@@ -291,9 +293,4 @@ def excerpt(raw: bytes, limit: int = 2048) -> str:
 
 
 def parse_ledger_event(raw: bytes) -> LedgerEvent:
-    if len(raw) > MAX_MESSAGE_BYTES:
-        raise PayloadTooLarge(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
-    try:
-        return LEDGER_EVENT_ADAPTER.validate_json(raw)
-    except ValidationError as exc:
-        raise PoisonMessage(_short_errors(exc)) from exc
+    return _validated(LEDGER_EVENT_ADAPTER.validate_json, raw)
