@@ -25,6 +25,10 @@ class Settings(BaseSettings):
     database_url: str = "sqlite+aiosqlite:///effectledger-data/ledger.db"
     auto_migrate: bool = True
     db_pool_size: int = 10
+    # Group commit: at most this many intents/claims/outcomes share one transaction (1: off).
+    db_batch_max: int = Field(default=64, ge=1, le=1024)
+    # Transactions in flight at once for group commit (default: 2 on PostgreSQL, 1 on SQLite).
+    db_batch_workers: int | None = Field(default=None, ge=1, le=64)
 
     # broker
     nats_url: str = "nats://127.0.0.1:4222"
@@ -57,7 +61,8 @@ class Settings(BaseSettings):
     # A claimed attempt with no outcome this long is presumed lost by the broker: ambiguous.
     # Far beyond any attempt (timeout_s <= 300, plus outcome publish retries).
     lost_outcome_after_s: float = 900.0
-    inbox_concurrency: int = 16
+    # Outcomes handled at once; more in flight means larger group commits under load.
+    inbox_concurrency: int = 64
     # How long an unacked inbox message waits before redelivery (a ledger that died mid-commit).
     inbox_ack_wait_s: float = Field(default=30.0, gt=0)
     inbox_retention_s: float = 8 * 86400  # beyond the streams' max age: no redelivery after

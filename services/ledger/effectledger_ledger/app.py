@@ -31,7 +31,9 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     store = Store(settings.database_url, pool_size=settings.db_pool_size)
     if settings.auto_migrate:
         await upgrade(store)
-    service = LedgerService(store=store, catalog=catalog, subjects=settings.subjects)
+    service = LedgerService(store=store, catalog=catalog, subjects=settings.subjects,
+                            batch_max=settings.db_batch_max,
+                            batch_workers=settings.db_batch_workers)
 
     nc = await connect(settings, "effectledger-ledger-relay")
     js = nc.jetstream()
@@ -74,6 +76,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         await broker.stop()
         with contextlib.suppress(Exception):
             await nc.drain()
+        await service.close()
         await store.close()
 
 

@@ -31,6 +31,7 @@ from effectledger_core.subjects import Subjects
 
 from .db import reads
 from .db import recovery as rec
+from .db.batch import GroupCommit
 from .db.claims import claim_txn
 from .db.intents import Submitted, submit_intent_txn
 from .db.outcomes import record_dead_letter_txn, record_outcome_txn
@@ -51,6 +52,18 @@ class LedgerService:
     outbox_wake: asyncio.Event = field(default_factory=asyncio.Event)
     rng: random.Random = field(default_factory=random.Random)
     budget: RetryBudget = field(default_factory=lambda: RetryBudget(now=time.monotonic()))
+    # Intents, claims and outcomes arriving together share a transaction (db/batch.py).
+    batch_max: int = 64
+    batch_workers: int | None = None  # default: 2 on PostgreSQL, 1 on SQLite (one writer)
+    writes: GroupCommit = field(init=False)
+
+    def __post_init__(self) -> None:
+        workers = self.batch_workers or (2 if self.store.is_postgres else 1)
+        self.writes = GroupCommit(self.store, name="ledger", max_batch=self.batch_max,
+                                  workers=workers)
+
+    async def close(self) -> None:
+        await self.writes.close()
 
     def decide_retry(self, op: dict[str, Any], failure: Failure) -> RetryDecision:
         """The automatic retry policy applied to a known-not-applied failure of `op`'s epoch."""
@@ -73,7 +86,7 @@ class LedgerService:
         self.catalog.get(intent.tool)  # unknown tool: a clear error before any transaction
         for _ in range(3):
             try:
-                result = await self.store.run(
+                result = await self.writes.run(
                     submit_intent_txn, catalog=self.catalog, intent=intent,
                     subjects=self.subjects, operation_id=self.ids(), outbox_id=self.ids(),
                     now=self.clock(), actor=actor)
@@ -90,14 +103,14 @@ class LedgerService:
     async def claim(self, claim: ClaimAttempt) -> ClaimReply:
         for _ in range(3):
             try:
-                return await self.store.run(claim_txn, claim, now=self.clock())
+                return await self.writes.run(claim_txn, claim, now=self.clock())
             except IntegrityError:
                 continue  # a concurrent claim for this epoch won; re-read answers "already"
         raise RuntimeError("claim kept conflicting")
 
     async def record_outcome(self, outcome: Outcome, *, consumer: str,
                              message_id: str) -> Recorded:
-        result = await self.store.run(
+        result = await self.writes.run(
             record_outcome_txn, outcome, consumer=consumer, message_id=message_id,
             subjects=self.subjects, now=self.clock(), ambiguous_outbox_id=self.ids(),
             decide_retry=self.decide_retry)

@@ -29,7 +29,14 @@ async def append_journal(conn: AsyncConnection, *, operation_id: str | None, at:
         from_state=from_state, to_state=to_state, detail=detail or {}))
 
 
+NOTIFY_FLAG = "effectledger_notify_outbox"
+
+
 async def notify_outbox(conn: AsyncConnection) -> None:
-    """Wake relays on other ledger replicas (PostgreSQL only; a hint, relays also poll)."""
+    """Wake relays on other ledger replicas (PostgreSQL only; a hint, relays also poll).
+
+    Only marks the transaction: `Store.transaction` sends one NOTIFY just before the commit,
+    however many rows a (group-committed) transaction added.
+    """
     if conn.dialect.name == "postgresql":
-        await conn.execute(sa.text("SELECT pg_notify('effectledger_outbox', '')"))
+        conn.info[NOTIFY_FLAG] = True

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -65,16 +66,24 @@ async def lease_batch_txn(conn: AsyncConnection, *, now: datetime, limit: int,
 
 async def mark_published_txn(conn: AsyncConnection, ids: list[str], *, now: datetime,
                              seqs: dict[str, int] | None = None) -> int:
-    # Only rows still being published: a fast dispatcher may already have consumed the row.
-    result = await conn.execute(
-        outbox.update().where(outbox.c.id.in_(ids), outbox.c.status == OUTBOX_PUBLISHING)
-        .values(status=OUTBOX_PUBLISHED, published_at=now, lease_until=None))
+    """Mark rows published (with their stream sequence) in one statement.
+
+    Only rows still being published: a fast dispatcher may already have consumed the row. Rows
+    locked right now are skipped, not waited for: the lock is a claim (group-committed with
+    others) that is about to mark the row consumed, and waiting on it while holding other rows
+    could deadlock with that claim batch. Should the claim roll back, the row's lease runs out
+    and it is published again under the same Nats-Msg-Id, which JetStream deduplicates.
+    """
+    ours = (sa.select(outbox.c.id)
+            .where(outbox.c.id.in_(ids), outbox.c.status == OUTBOX_PUBLISHING)
+            .with_for_update(skip_locked=True))
+    values: dict[str, Any] = dict(status=OUTBOX_PUBLISHED, published_at=now, lease_until=None)
     if seqs:
-        # Recorded for every row, consumed or not, in one executemany.
-        await conn.execute(
-            outbox.update().where(outbox.c.id == sa.bindparam("row_id"))
-            .values(stream_seq=sa.bindparam("seq")),
-            [{"row_id": i, "seq": q} for i, q in seqs.items()])
+        values["stream_seq"] = sa.case(seqs, value=outbox.c.id, else_=outbox.c.stream_seq)
+    result = await conn.execute(
+        outbox.update().where(outbox.c.id.in_(ours.scalar_subquery()),
+                              outbox.c.status == OUTBOX_PUBLISHING)
+        .values(**values))
     return int(result.rowcount)
 
 

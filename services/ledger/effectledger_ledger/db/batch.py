@@ -1,0 +1,145 @@
+"""Group commit: concurrent transaction functions share one transaction, one commit.
+
+Every intent, claim and outcome used to be its own transaction, and with synchronous commit each
+commit is a WAL flush: under load the ledger spent most of its time waiting for and paying for
+commits, not doing work. `GroupCommit.run(fn, ...)` queues the call; a worker takes whatever has
+queued up (at most `max_batch`) and runs the functions one after another on one connection, then
+commits once. Nothing waits for a batch to fill: at low load a batch is one call, so latency is
+unchanged; under load batches grow by themselves.
+
+Each caller still gets its own result or exception, and only after the commit that made its
+writes durable, so "ack after commit" holds per message. If anything in a batch raises, the
+whole transaction is rolled back and every call in it is run again on its own (`Store.run`, with
+its usual retries): one bad call can neither fail nor half-apply its neighbours. The functions
+must therefore be pure transaction functions (all their effects are in the connection), which
+the `*_txn` functions are.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from .store import Store
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass
+class _Call(Generic[T]):
+    fn: Callable[..., Awaitable[T]]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    future: asyncio.Future[T] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass
+class BatchStats:
+    batches: int = 0
+    calls: int = 0
+    fallbacks: int = 0  # batches rolled back and replayed call by call
+    largest: int = 0
+
+
+class GroupCommit:
+    """Coalesces concurrent `*_txn` calls into shared transactions (see module docstring)."""
+
+    def __init__(self, store: Store, *, name: str, max_batch: int = 64, workers: int = 1) -> None:
+        if max_batch < 1 or workers < 1:
+            raise ValueError("max_batch and workers must be at least 1")
+        self.store, self.name = store, name
+        self.max_batch, self.workers = max_batch, workers
+        self.stats = BatchStats()
+        self._queue: asyncio.Queue[_Call[Any]] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def run(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        if self.max_batch == 1:
+            return await self.store.run(fn, *args, **kwargs)
+        self._start()
+        assert self._queue is not None
+        call: _Call[T] = _Call(fn, args, kwargs)
+        # Retrieve the outcome even when the caller is gone, so asyncio does not log it as lost.
+        call.future.add_done_callback(_consume)
+        self._queue.put_nowait(call)
+        # The caller may be cancelled (a client went away); the call itself still runs and
+        # commits or not as a unit with its batch, like a transaction whose reply was lost.
+        return await asyncio.shield(call.future)
+
+    def _start(self) -> None:
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+        self._tasks = [t for t in self._tasks if not t.done()]
+        while len(self._tasks) < self.workers:
+            self._tasks.append(asyncio.create_task(self._work(), name=f"group-commit-{self.name}"))
+
+    async def _work(self) -> None:
+        assert self._queue is not None
+        queue = self._queue
+        while True:
+            batch = [await queue.get()]
+            while len(batch) < self.max_batch and not queue.empty():
+                batch.append(queue.get_nowait())
+            try:
+                await self._run_batch(batch)
+            except BaseException as exc:  # cancelled while running: nobody may wait forever
+                for call in batch:
+                    if not call.future.done():
+                        call.future.set_exception(
+                            exc if isinstance(exc, Exception) else RuntimeError("ledger stopping"))
+                raise
+
+    async def _run_batch(self, batch: list[_Call[Any]]) -> None:
+        self.stats.batches += 1
+        self.stats.calls += len(batch)
+        self.stats.largest = max(self.stats.largest, len(batch))
+        if len(batch) == 1:
+            await self._run_alone(batch[0])
+            return
+        try:
+            results = []
+            async with self.store.transaction() as conn:
+                for call in batch:
+                    results.append(await call.fn(conn, *call.args, **call.kwargs))
+        except Exception as exc:
+            self.stats.fallbacks += 1
+            log.debug("group commit %s: batch of %d rolled back (%s: %s); replaying one by one",
+                      self.name, len(batch), type(exc).__name__, exc)
+            await asyncio.gather(*(self._run_alone(call) for call in batch))
+            return
+        for call, result in zip(batch, results, strict=True):
+            if not call.future.done():
+                call.future.set_result(result)
+
+    async def _run_alone(self, call: _Call[Any]) -> None:
+        try:
+            result = await self.store.run(call.fn, *call.args, **call.kwargs)
+        except Exception as exc:
+            if not call.future.done():
+                call.future.set_exception(exc)
+            return
+        if not call.future.done():
+            call.future.set_result(result)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        while self._queue is not None and not self._queue.empty():
+            call = self._queue.get_nowait()  # never started: it wrote nothing
+            if not call.future.done():
+                call.future.set_exception(RuntimeError("ledger stopping"))
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

@@ -1,0 +1,130 @@
+"""Group commit on both databases: shared transactions, per-call results, isolation on failure."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from effectledger_ledger.db.batch import GroupCommit
+from effectledger_ledger.db.common import append_journal
+from effectledger_ledger.db.outbox import mark_published_txn
+from effectledger_ledger.db.schema import OUTBOX_PUBLISHING, journal, outbox
+from effectledger_ledger.db.store import Store
+
+NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
+
+
+async def write(conn: AsyncConnection, n: int) -> int:
+    await append_journal(conn, operation_id=None, at=NOW, kind="t", actor="test",
+                         detail={"n": n})
+    return n * 10
+
+
+async def write_then_fail(conn: AsyncConnection, n: int) -> int:
+    await append_journal(conn, operation_id=None, at=NOW, kind="t", actor="test",
+                         detail={"n": n})
+    raise ValueError(f"call {n} refuses")
+
+
+async def written(store: Store) -> list[int]:
+    async with store.transaction() as conn:
+        rows = (await conn.execute(sa.select(journal.c.detail))).scalars().all()
+    return sorted(r["n"] for r in rows)
+
+
+async def test_concurrent_calls_share_one_transaction_and_get_their_own_results(
+        store: Store) -> None:
+    group = GroupCommit(store, name="t", max_batch=64, workers=2)
+    try:
+        results = await asyncio.gather(*(group.run(write, i) for i in range(50)))
+    finally:
+        await group.close()
+    assert results == [i * 10 for i in range(50)]
+    assert await written(store) == list(range(50))
+    # All 50 were queued before a worker ran: one transaction, one commit.
+    assert (group.stats.batches, group.stats.calls, group.stats.largest) == (1, 50, 50)
+
+
+async def test_batches_never_exceed_max_batch(store: Store) -> None:
+    group = GroupCommit(store, name="t", max_batch=4)
+    try:
+        results = await asyncio.gather(*(group.run(write, i) for i in range(10)))
+    finally:
+        await group.close()
+    assert results == [i * 10 for i in range(10)]
+    assert group.stats.largest == 4 and group.stats.calls == 10
+    assert await written(store) == list(range(10))
+
+
+async def test_a_failing_call_fails_alone_and_half_applies_nothing(store: Store) -> None:
+    group = GroupCommit(store, name="t", max_batch=64)
+    calls = [group.run(write_then_fail if i == 3 else write, i) for i in range(8)]
+    try:
+        results = await asyncio.gather(*calls, return_exceptions=True)
+    finally:
+        await group.close()
+    assert isinstance(results[3], ValueError) and str(results[3]) == "call 3 refuses"
+    assert [r for i, r in enumerate(results) if i != 3] == [i * 10 for i in range(8) if i != 3]
+    # The failing call's own write was rolled back with the batch and not replayed.
+    assert await written(store) == [0, 1, 2, 4, 5, 6, 7]
+    assert group.stats.fallbacks == 1
+
+
+async def test_close_fails_running_and_queued_calls_and_commits_nothing(store: Store) -> None:
+    group = GroupCommit(store, name="t", max_batch=2)
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def blocked(conn: AsyncConnection, n: int) -> int:
+        await write(conn, n)
+        entered.set()
+        await release.wait()  # never set: the batch is cancelled mid-transaction
+        return n
+
+    calls = [asyncio.ensure_future(group.run(blocked if i == 0 else write, i))
+             for i in range(5)]
+    await entered.wait()
+    await group.close()
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    assert all(isinstance(r, RuntimeError) for r in results), results
+    assert await written(store) == []
+
+
+async def test_max_batch_one_is_plain_store_run(store: Store) -> None:
+    group = GroupCommit(store, name="t", max_batch=1)
+    assert await asyncio.gather(*(group.run(write, i) for i in range(3))) == [0, 10, 20]
+    assert group.stats.batches == 0  # never queued
+    with pytest.raises(ValueError):
+        GroupCommit(store, name="t", max_batch=0)
+
+
+async def test_mark_published_skips_a_row_a_claim_holds_instead_of_waiting(
+        store: Store) -> None:
+    """A row locked by a claim batch is skipped (the claim consumes it), never waited for."""
+    if not store.is_postgres:
+        pytest.skip("row locks: PostgreSQL only (SQLite has one writer at a time)")
+    async with store.transaction() as conn:
+        for row_id in ("a", "b"):
+            await conn.execute(outbox.insert().values(
+                id=row_id, operation_id=f"op-{row_id}", epoch=1, kind="dispatch", subject="s",
+                payload="{}", status=OUTBOX_PUBLISHING, created_at=NOW, available_at=NOW,
+                lease_until=NOW + timedelta(seconds=30), publish_count=0))
+    holder = await store.engine.connect()
+    try:
+        await holder.begin()
+        await holder.execute(outbox.update().where(outbox.c.id == "a").values(status="consumed"))
+        # Without SKIP LOCKED this waits for `holder` forever; the timeout turns that into a
+        # failure instead of a hung test run.
+        n = await asyncio.wait_for(
+            store.run(mark_published_txn, ["a", "b"], now=NOW, seqs={"a": 7, "b": 8}), 30)
+        await holder.commit()
+    finally:
+        await holder.close()
+    assert n == 1
+    async with store.transaction() as conn:
+        got = {r.id: (r.status, r.stream_seq) for r in
+               (await conn.execute(sa.select(outbox.c.id, outbox.c.status, outbox.c.stream_seq)))}
+    assert got == {"a": ("consumed", None), "b": ("published", 8)}
