@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pgbench-clients", type=_ints, help="e.g. 8,16,32")
     p.add_argument("--no-faults", action="store_true", help="skip the failure-mix scenario")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
+    p.add_argument("--profile", action="store_true",
+                   help="run the py-spy profile even with --quick")
     p.add_argument("--reconciler", action="store_true",
                    help="also run the reconciler service (resolves ambiguous outcomes)")
     p.add_argument("--time-budget", type=float,
@@ -77,6 +79,8 @@ def build_config(args: argparse.Namespace) -> object:
         cfg.faults = False
     if args.no_profile:
         cfg.profile = False
+    elif args.profile:
+        cfg.profile = True
     if args.reconciler:
         cfg.reconciler = True
     if args.no_progress:

@@ -8,7 +8,6 @@ results record which launcher was used.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import sys
@@ -35,7 +34,9 @@ def main(argv: list[str]) -> int:
         print(f"unknown service {service!r}", file=sys.stderr)
         return 2
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    asyncio.run(serve(settings))
+    from effectledger_cli.main import run_loop
+
+    run_loop(serve(settings))  # the same loop as `effectledger <service>`
     return 0
 
 

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Coroutine
 from typing import Any
 
 from effectledger_core.config import Settings
@@ -201,7 +202,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(f"effectledger sandbox: {exc}", file=sys.stderr)
             return 2
         app = sandbox_app(api_key=args.api_key or None, **hooks)
-        asyncio.run(serve_sandbox(args.host, args.port, app=app))
+        run_loop(serve_sandbox(args.host, args.port, app=app))
         return 0
     settings = _settings(args)
     _logging(settings)
@@ -225,8 +226,21 @@ def _dispatch(args: argparse.Namespace) -> int:
         from effectledger_dispatcher.app import serve  # type: ignore[no-redef]
     else:
         from effectledger_reconciler.app import serve  # type: ignore[no-redef]
-    asyncio.run(serve(settings))
+    run_loop(serve(settings))
     return 0
+
+
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Run a service on uvloop when it is installed (EFFECTLEDGER_EVENT_LOOP=asyncio opts out)."""
+    if os.environ.get("EFFECTLEDGER_EVENT_LOOP", "uvloop").strip().lower() != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            uvloop.run(main)
+            return
+    asyncio.run(main)
 
 
 def _redact(url: str) -> str:

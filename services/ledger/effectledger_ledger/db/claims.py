@@ -1,7 +1,14 @@
-"""The claim: the durable start of an attempt, recorded before any provider call."""
+"""The claim: the durable start of an attempt, recorded before any provider call.
+
+Claims are set-based: `claim_many` decides a whole group-committed batch from two reads (the
+operations, locked in id order, and their attempts) and writes the grants with one statement per
+table, so a batch of N claims costs a handful of statements rather than 6 N. A single claim is a
+batch of one: there is one code path.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -9,94 +16,139 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.messages import ClaimAttempt, ClaimReply, ClaimStatus
-from effectledger_core.states import Event, sources
+from effectledger_core.states import Event, State, sources
 
-from .common import append_journal
+from .batch import Calls, batchable
+from .common import insert_journal, journal_row
 from .schema import OUTBOX_CONSUMED, attempts, operations, outbox
 
-
-async def claim_txn(conn: AsyncConnection, claim: ClaimAttempt, *, now: datetime) -> ClaimReply:
-    op = (await conn.execute(
-        sa.select(operations.c.state, operations.c.epoch)
-        .where(operations.c.id == claim.operation_id))).first()
-    base = dict(operation_id=claim.operation_id, epoch=claim.epoch)
-    if op is None:
-        return ClaimReply(status=ClaimStatus.NOT_FOUND, **base)
-
-    held = await _held(conn, claim)
-    if held is not None:
-        return await _held_reply(conn, held, claim, op, now)
-
-    updated = await conn.execute(
-        operations.update()
-        .where(operations.c.id == claim.operation_id, operations.c.epoch == claim.epoch,
-               operations.c.state.in_([s.value for s in sources(Event.CLAIM)]))
-        .values(state="in_flight", updated_at=now))
-    if updated.rowcount != 1:
-        # On PostgreSQL a concurrent claim may have committed while we waited for the row
-        # lock; this statement sees it, so the answer is "already claimed", not "stale".
-        held = await _held(conn, claim)
-        if held is not None:
-            return await _held_reply(conn, held, claim, op, now)
-        await append_journal(conn, operation_id=claim.operation_id, at=now,
-                             kind="claim_rejected", actor=claim.dispatcher_id, epoch=claim.epoch,
-                             detail={"attempt_id": claim.attempt_id, "current_epoch": op.epoch,
-                                     "state": op.state})
-        status = (ClaimStatus.NOT_CLAIMABLE if op.epoch == claim.epoch
-                  else ClaimStatus.STALE_EPOCH)
-        return ClaimReply(status=status, current_epoch=op.epoch, state=op.state, **base)
-    # A unique violation here (a racing claim on SQLite) aborts the transaction; the caller
-    # retries it and then takes the "already claimed" branch above.
-    await conn.execute(attempts.insert().values(
-        id=claim.attempt_id, operation_id=claim.operation_id, epoch=claim.epoch,
-        dispatcher_id=claim.dispatcher_id, status="claimed", claimed_at=now))
-    await conn.execute(
-        outbox.update()
-        .where(outbox.c.operation_id == claim.operation_id, outbox.c.epoch == claim.epoch,
-               outbox.c.kind == "dispatch")
-        .values(status=OUTBOX_CONSUMED))
-    await append_journal(conn, operation_id=claim.operation_id, at=now, kind="attempt_claimed",
-                         actor=claim.dispatcher_id, epoch=claim.epoch, from_state=op.state,
-                         to_state="in_flight", detail={"attempt_id": claim.attempt_id})
-    return ClaimReply(status=ClaimStatus.GRANTED, attempt_id=claim.attempt_id,
-                      current_epoch=claim.epoch, state="in_flight", **base)
+_CLAIMABLE = frozenset(s.value for s in sources(Event.CLAIM))
 
 
-async def _held(conn: AsyncConnection, claim: ClaimAttempt) -> Any | None:
-    return (await conn.execute(
-        sa.select(attempts.c.id, attempts.c.status, attempts.c.claimed_at)
-        .where(attempts.c.operation_id == claim.operation_id, attempts.c.epoch == claim.epoch)
-    )).first()
+@dataclass
+class _Held:
+    attempt_id: str
+    status: str
+    claimed_at: datetime | None
+    granted_here: dict[str, Any] | None = None  # the attempt row this batch is about to insert
 
 
-async def _held_reply(conn: AsyncConnection, held: Any, claim: ClaimAttempt, op: Any,
-                      now: datetime) -> ClaimReply:
-    base = dict(operation_id=claim.operation_id, epoch=claim.epoch, current_epoch=op[1],
-                state=op[0], attempt_id=held[0])
-    if held[0] == claim.attempt_id:
+async def _claims(conn: AsyncConnection, items: list[tuple[ClaimAttempt, datetime]]
+                  ) -> list[ClaimReply]:
+    op_ids = sorted({c.operation_id for c, _ in items})
+    # Locked in id order, so concurrent batches queue behind each other instead of deadlocking;
+    # under the lock nothing else can change these operations or their attempts (every writer
+    # of an attempt's status locks its operation first).
+    ops: dict[str, list[Any]] = {
+        r.id: [r.state, r.epoch] for r in await conn.execute(
+            sa.select(operations.c.id, operations.c.state, operations.c.epoch)
+            .where(operations.c.id.in_(op_ids)).order_by(operations.c.id).with_for_update())}
+    held: dict[tuple[str, int], _Held] = {
+        (r.operation_id, r.epoch): _Held(r.id, r.status, r.claimed_at)
+        for r in await conn.execute(
+            sa.select(attempts.c.id, attempts.c.operation_id, attempts.c.epoch,
+                      attempts.c.status, attempts.c.claimed_at)
+            .where(attempts.c.operation_id.in_([i for i in op_ids if i in ops])))}
+
+    replies: list[ClaimReply] = []
+    grants: list[dict[str, Any]] = []
+    journal: list[dict[str, Any]] = []
+    for claim, now in items:
+        base = dict(operation_id=claim.operation_id, epoch=claim.epoch)
+        op = ops.get(claim.operation_id)
+        if op is None:
+            replies.append(ClaimReply(status=ClaimStatus.NOT_FOUND, **base))
+            continue
+        state, epoch = op
+        h = held.get((claim.operation_id, claim.epoch))
+        if h is not None:
+            replies.append(await _held_reply(conn, h, claim, state, epoch, now, journal))
+            continue
+        if epoch != claim.epoch or state not in _CLAIMABLE:
+            journal.append(journal_row(
+                operation_id=claim.operation_id, at=now, kind="claim_rejected",
+                actor=claim.dispatcher_id, epoch=claim.epoch,
+                detail={"attempt_id": claim.attempt_id, "current_epoch": epoch, "state": state}))
+            status = ClaimStatus.NOT_CLAIMABLE if epoch == claim.epoch else ClaimStatus.STALE_EPOCH
+            replies.append(ClaimReply(status=status, current_epoch=epoch, state=state, **base))
+            continue
+        row = dict(id=claim.attempt_id, operation_id=claim.operation_id, epoch=claim.epoch,
+                   dispatcher_id=claim.dispatcher_id, status="claimed", claimed_at=now)
+        grants.append(dict(b_id=claim.operation_id, b_epoch=claim.epoch, b_from=state,
+                           b_now=now, row=row))
+        held[(claim.operation_id, claim.epoch)] = _Held(claim.attempt_id, "claimed", now, row)
+        op[0] = State.IN_FLIGHT.value
+        journal.append(journal_row(
+            operation_id=claim.operation_id, at=now, kind="attempt_claimed",
+            actor=claim.dispatcher_id, epoch=claim.epoch, from_state=state,
+            to_state=State.IN_FLIGHT.value, detail={"attempt_id": claim.attempt_id}))
+        replies.append(ClaimReply(status=ClaimStatus.GRANTED, attempt_id=claim.attempt_id,
+                                  current_epoch=claim.epoch, state=State.IN_FLIGHT.value,
+                                  **base))
+
+    if grants:
+        # The guard repeats the decision in SQL; under the row locks it cannot fail.
+        await conn.execute(
+            operations.update()
+            .where(operations.c.id == sa.bindparam("b_id"),
+                   operations.c.epoch == sa.bindparam("b_epoch"),
+                   operations.c.state == sa.bindparam("b_from"))
+            .values(state=State.IN_FLIGHT.value, updated_at=sa.bindparam("b_now")),
+            [{k: g[k] for k in ("b_id", "b_epoch", "b_from", "b_now")} for g in grants])
+        # A unique violation here (a claim racing on another connection, which the lock above
+        # rules out on PostgreSQL) aborts the batch; each claim is then retried on its own.
+        await conn.execute(attempts.insert(), [g["row"] for g in grants])
+        await conn.execute(
+            outbox.update()
+            .where(outbox.c.operation_id == sa.bindparam("b_id"),
+                   outbox.c.epoch == sa.bindparam("b_epoch"), outbox.c.kind == "dispatch")
+            .values(status=OUTBOX_CONSUMED),
+            [{"b_id": g["b_id"], "b_epoch": g["b_epoch"]} for g in grants])
+    await insert_journal(conn, journal)
+    return replies
+
+
+async def _held_reply(conn: AsyncConnection, held: _Held, claim: ClaimAttempt, state: str,
+                      epoch: int, now: datetime, journal: list[dict[str, Any]]) -> ClaimReply:
+    base = dict(operation_id=claim.operation_id, epoch=claim.epoch, current_epoch=epoch,
+                state=state, attempt_id=held.attempt_id)
+    if held.attempt_id == claim.attempt_id:
         # The same attempt asking again (its first reply was lost): still its claim while the
         # attempt is open. Its dispatcher may only now start sending, so the attempt starts
         # now: reconciliation counts the provider's processing horizon from claimed_at, and must
-        # not count it from a grant whose reply was lost (found by the chaos harness). Guarded
-        # on the attempt row, which every outcome (and the lost-outcome sweep) updates in the
-        # transaction that moves the operation on.
-        regranted = await conn.execute(
-            attempts.update().where(attempts.c.id == held[0], attempts.c.status == "claimed")
-            .values(claimed_at=now))
-        if regranted.rowcount == 1:
+        # not count it from a grant whose reply was lost (found by the chaos harness).
+        if held.granted_here is not None:
+            held.granted_here["claimed_at"] = now
+            return ClaimReply(status=ClaimStatus.GRANTED, **base)
+        if held.status == "claimed":
+            await conn.execute(
+                attempts.update().where(attempts.c.id == held.attempt_id,
+                                        attempts.c.status == "claimed")
+                .values(claimed_at=now))
+            held.claimed_at = now
             return ClaimReply(status=ClaimStatus.GRANTED, **base)
         # The attempt is over for the ledger (outcome recorded, presumed lost, superseded):
         # re-granting it would start a provider call for an epoch already being reconciled.
-        await append_journal(conn, operation_id=claim.operation_id, at=now,
-                             kind="claim_rejected", actor=claim.dispatcher_id, epoch=claim.epoch,
-                             detail={"attempt_id": claim.attempt_id, "reason": "attempt_closed",
-                                     "attempt_status": held[1], "state": op[0]})
-        status = (ClaimStatus.NOT_CLAIMABLE if op[1] == claim.epoch
-                  else ClaimStatus.STALE_EPOCH)
-        return ClaimReply(status=status, current_epoch=op[1], state=op[0],
+        journal.append(journal_row(
+            operation_id=claim.operation_id, at=now, kind="claim_rejected",
+            actor=claim.dispatcher_id, epoch=claim.epoch,
+            detail={"attempt_id": claim.attempt_id, "reason": "attempt_closed",
+                    "attempt_status": held.status, "state": state}))
+        status = ClaimStatus.NOT_CLAIMABLE if epoch == claim.epoch else ClaimStatus.STALE_EPOCH
+        return ClaimReply(status=status, current_epoch=epoch, state=state,
                           operation_id=claim.operation_id, epoch=claim.epoch)
     # The claim's age lets the asker tell a dispatcher that is still working (a duplicate
     # delivery arrived meanwhile) from one that died; ages are the ledger's own clock.
-    age = max(0.0, (now - held[2]).total_seconds()) if held[2] is not None else None
-    return ClaimReply(status=ClaimStatus.ALREADY_CLAIMED, outcome_recorded=held[1] != "claimed",
-                      claim_age_s=age, **base)
+    age = (max(0.0, (now - held.claimed_at).total_seconds())
+           if held.claimed_at is not None else None)
+    return ClaimReply(status=ClaimStatus.ALREADY_CLAIMED,
+                      outcome_recorded=held.status != "claimed", claim_age_s=age, **base)
+
+
+async def claim_many(conn: AsyncConnection, calls: Calls) -> list[ClaimReply]:
+    return await _claims(conn, [(args[0], kwargs["now"]) for args, kwargs in calls])
+
+
+@batchable(claim_many)
+async def claim_txn(conn: AsyncConnection, claim: ClaimAttempt, *, now: datetime) -> ClaimReply:
+    return (await _claims(conn, [(claim, now)]))[0]

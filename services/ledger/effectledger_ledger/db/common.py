@@ -20,13 +20,27 @@ async def insert_ignore(conn: AsyncConnection, table: sa.Table, values: dict[str
     return bool(result.rowcount == 1)
 
 
+def journal_row(*, operation_id: str | None, at: datetime, kind: str, actor: str,
+                epoch: int | None = None, from_state: str | None = None,
+                to_state: str | None = None, detail: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+    return dict(operation_id=operation_id, at=at, kind=kind, actor=actor[:1024], epoch=epoch,
+                from_state=from_state, to_state=to_state, detail=detail or {})
+
+
 async def append_journal(conn: AsyncConnection, *, operation_id: str | None, at: datetime,
                          kind: str, actor: str, epoch: int | None = None,
                          from_state: str | None = None, to_state: str | None = None,
                          detail: dict[str, Any] | None = None) -> None:
-    await conn.execute(journal.insert().values(
-        operation_id=operation_id, at=at, kind=kind, actor=actor[:1024], epoch=epoch,
-        from_state=from_state, to_state=to_state, detail=detail or {}))
+    await conn.execute(journal.insert().values(**journal_row(
+        operation_id=operation_id, at=at, kind=kind, actor=actor, epoch=epoch,
+        from_state=from_state, to_state=to_state, detail=detail)))
+
+
+async def insert_journal(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
+    """Journal entries made by a set-based transaction: one multi-row INSERT."""
+    if rows:
+        await conn.execute(journal.insert(), rows)
 
 
 NOTIFY_FLAG = "effectledger_notify_outbox"

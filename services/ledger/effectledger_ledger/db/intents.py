@@ -10,14 +10,15 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.catalog import Catalog
-from effectledger_core.errors import IdempotencyConflict
+from effectledger_core.errors import EffectLedgerError, IdempotencyConflict
 from effectledger_core.ids import operation_key as derive_operation_key
 from effectledger_core.intents import reject_nul, validate_arguments
 from effectledger_core.messages import DispatchAttempt, SubmitIntent, encode
 from effectledger_core.states import State
 from effectledger_core.subjects import Subjects
 
-from .common import append_journal, notify_outbox
+from .batch import Calls, batchable
+from .common import insert_journal, journal_row, notify_outbox
 from .schema import OUTBOX_PENDING, operations, outbox
 
 
@@ -39,40 +40,94 @@ def dispatch_row(op: dict[str, Any], *, subjects: Subjects, outbox_id: str,
                 status=OUTBOX_PENDING, created_at=now, available_at=now, publish_count=0)
 
 
+async def _submit(conn: AsyncConnection, items: list[dict[str, Any]]
+                  ) -> list[Submitted | EffectLedgerError]:
+    """Intents, set-based: one read for the caller keys, one INSERT per table for the batch.
+
+    A refused intent (invalid arguments, unknown tool, key reused with other arguments) gets
+    its error instead of a result and writes nothing; intents after it are unaffected.
+    """
+    results: list[Submitted | EffectLedgerError | None] = [None] * len(items)
+    keys: dict[int, str] = {}
+    for i, kw in enumerate(items):
+        intent: SubmitIntent = kw["intent"]
+        try:
+            kw["catalog"].get(intent.tool)
+            validate_arguments(intent.arguments)
+            reject_nul(intent.arguments)
+        except EffectLedgerError as exc:
+            results[i] = exc
+            continue
+        keys[i] = derive_operation_key(tenant=intent.tenant, task_id=intent.task_id,
+                                       caller_key=intent.idempotency_key,
+                                       operation_id=kw["operation_id"])
+    caller_keys = [keys[i] for i in keys if items[i]["intent"].idempotency_key is not None]
+    known: dict[str, dict[str, Any]] = {}
+    if caller_keys:
+        known = {r["operation_key"]: dict(r) for r in (await conn.execute(
+            sa.select(operations).where(operations.c.operation_key.in_(caller_keys))
+        )).mappings()}
+
+    new_ops: list[dict[str, Any]] = []
+    entries: list[dict[str, Any]] = []
+    commands: list[dict[str, Any]] = []
+    for i, op_key in keys.items():
+        kw = items[i]
+        intent = kw["intent"]
+        tool = kw["catalog"].get(intent.tool)
+        _canonical, args_digest = validate_arguments(intent.arguments)
+        existing = known.get(op_key) if intent.idempotency_key is not None else None
+        if existing is not None:
+            if existing["tool"] != tool.name or existing["arguments_digest"] != args_digest:
+                results[i] = IdempotencyConflict(
+                    "idempotency key already used with different arguments or tool",
+                    operation_id=existing["id"])
+            else:
+                results[i] = Submitted(dict(existing), created=False)
+            continue
+        now: datetime = kw["now"]
+        state = State.AWAITING_APPROVAL if tool.commit_policy == "approval" else State.PENDING
+        op = dict(
+            id=kw["operation_id"], tenant=intent.tenant, task_id=intent.task_id,
+            caller_key=intent.idempotency_key, operation_key=op_key, tool=tool.name,
+            arguments=intent.arguments, arguments_digest=args_digest,
+            tool_digest=tool.digest(), contract_revision=tool.contract_revision,
+            effect_class=tool.effect_class.value, commit_policy=tool.commit_policy,
+            state=state.value, epoch=1, created_at=now, updated_at=now)
+        new_ops.append(op)
+        known[op_key] = op  # a second intent with this key in the same batch finds it
+        entries.append(journal_row(
+            operation_id=op["id"], at=now, kind="intent_accepted", actor=kw.get("actor", "agent"),
+            epoch=1, to_state=state.value,
+            detail={"arguments_digest": args_digest, "tool_digest": op["tool_digest"],
+                    "contract_revision": tool.contract_revision, "tenant": intent.tenant,
+                    "task_id": intent.task_id}))
+        if state is State.PENDING:
+            commands.append(dispatch_row(op, subjects=kw["subjects"],
+                                         outbox_id=kw["outbox_id"], now=now))
+        results[i] = Submitted(op, created=True)
+    if new_ops:
+        # A unique violation (the same key committed meanwhile by another transaction) aborts
+        # the batch; the service then retries each intent on its own and finds the winner.
+        await conn.execute(operations.insert(), new_ops)
+        await insert_journal(conn, entries)
+    if commands:
+        await conn.execute(outbox.insert(), commands)
+        await notify_outbox(conn)
+    return [r for r in results if r is not None]
+
+
+async def submit_many(conn: AsyncConnection, calls: Calls) -> list[Submitted | EffectLedgerError]:
+    return await _submit(conn, [kwargs for _, kwargs in calls])
+
+
+@batchable(submit_many)
 async def submit_intent_txn(conn: AsyncConnection, *, catalog: Catalog, intent: SubmitIntent,
                             subjects: Subjects, operation_id: str, outbox_id: str,
                             now: datetime, actor: str = "agent") -> Submitted:
-    tool = catalog.get(intent.tool)
-    _canonical, args_digest = validate_arguments(intent.arguments)
-    reject_nul(intent.arguments)
-    op_key = derive_operation_key(tenant=intent.tenant, task_id=intent.task_id,
-                                  caller_key=intent.idempotency_key, operation_id=operation_id)
-    if intent.idempotency_key is not None:
-        existing = (await conn.execute(
-            sa.select(operations).where(operations.c.operation_key == op_key))).mappings().first()
-        if existing is not None:
-            if existing["tool"] != tool.name or existing["arguments_digest"] != args_digest:
-                raise IdempotencyConflict(
-                    "idempotency key already used with different arguments or tool",
-                    operation_id=existing["id"])
-            return Submitted(dict(existing), created=False)
-
-    state = State.AWAITING_APPROVAL if tool.commit_policy == "approval" else State.PENDING
-    op = dict(
-        id=operation_id, tenant=intent.tenant, task_id=intent.task_id,
-        caller_key=intent.idempotency_key, operation_key=op_key, tool=tool.name,
-        arguments=intent.arguments, arguments_digest=args_digest, tool_digest=tool.digest(),
-        contract_revision=tool.contract_revision, effect_class=tool.effect_class.value,
-        commit_policy=tool.commit_policy, state=state.value, epoch=1, created_at=now,
-        updated_at=now)
-    await conn.execute(operations.insert().values(**op))
-    await append_journal(conn, operation_id=operation_id, at=now, kind="intent_accepted",
-                         actor=actor, epoch=1, to_state=state.value,
-                         detail={"arguments_digest": args_digest, "tool_digest": op["tool_digest"],
-                                 "contract_revision": tool.contract_revision,
-                                 "tenant": intent.tenant, "task_id": intent.task_id})
-    if state is State.PENDING:
-        await conn.execute(outbox.insert().values(
-            **dispatch_row(op, subjects=subjects, outbox_id=outbox_id, now=now)))
-        await notify_outbox(conn)
-    return Submitted(op, created=True)
+    [result] = await _submit(conn, [dict(
+        catalog=catalog, intent=intent, subjects=subjects, operation_id=operation_id,
+        outbox_id=outbox_id, now=now, actor=actor)])
+    if isinstance(result, EffectLedgerError):
+        raise result
+    return result

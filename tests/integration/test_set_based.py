@@ -1,0 +1,207 @@
+"""Set-based batches decide exactly as the same calls one transaction at a time would.
+
+Each scenario runs twice on the same database: once call by call (each its own transaction,
+the pre-batching behaviour) and once as one group-committed batch through the `many` form. The
+replies, the errors and every row written must be the same, including the awkward cases a batch
+makes possible: two calls for the same operation or the same key in one batch, refusals next to
+grants, duplicates, and outcomes that leave the set-based path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from effectledger_core.catalog import Catalog, Tool
+from effectledger_core.config import DEMO_CATALOG
+from effectledger_core.messages import (
+    AttemptSucceeded,
+    ClaimAttempt,
+    OutcomeAmbiguous,
+    SubmitIntent,
+)
+from effectledger_core.subjects import Subjects
+from effectledger_ledger.db.batch import Calls
+from effectledger_ledger.db.claims import claim_many, claim_txn
+from effectledger_ledger.db.intents import submit_intent_txn, submit_many
+from effectledger_ledger.db.outcomes import record_outcome_txn, record_outcomes_many
+from effectledger_ledger.db.schema import journal, metadata
+from effectledger_ledger.db.store import Store
+
+NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
+LATER = NOW + timedelta(seconds=5)
+SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
+CATALOG = Catalog({
+    **Catalog.load(DEMO_CATALOG).tools,
+    "wire_money": Tool.model_validate({
+        "name": "wire_money", "endpoint": "https://bank.example/v1/wires",
+        "contract_revision": "r1", "commit_policy": "approval"}),
+})
+
+
+def normal(result: Any) -> Any:
+    if isinstance(result, BaseException):
+        return ("error", type(result).__name__, str(result))
+    if hasattr(result, "model_dump"):
+        return result.model_dump(mode="json")
+    if hasattr(result, "operation"):  # Submitted
+        return ("submitted", result.operation["id"], result.created)
+    return repr(result)
+
+
+async def snapshot(store: Store) -> dict[str, list[dict[str, Any]]]:
+    out = {}
+    async with store.transaction() as conn:
+        for table in metadata.sorted_tables:
+            cols = [c for c in table.c if not (table is journal and c.name == "id")]
+            # Journal order matters per operation; across operations a batch may interleave
+            # differently from the one-by-one run (both are valid serial orders).
+            order = ([journal.c.operation_id, journal.c.id] if table is journal
+                     else list(table.primary_key.columns))
+            rows = (await conn.execute(sa.select(*cols).order_by(*order))).mappings().all()
+            out[table.name] = [dict(r) for r in rows]
+    return out
+
+
+async def reset(store: Store) -> None:
+    async with store.transaction() as conn:
+        for table in reversed(metadata.sorted_tables):
+            await conn.execute(table.delete())
+
+
+Txn = Callable[..., Awaitable[Any]]
+Many = Callable[[Any, Calls], Awaitable[list[Any]]]
+
+
+async def both_ways(store: Store, setup: Callable[[], Awaitable[None]], fn: Txn, many: Many,
+                    calls: Calls) -> list[Any]:
+    """Run `calls` one by one, then (on a fresh database) as one batch; both must agree."""
+    await setup()
+    alone = []
+    for args, kwargs in calls:
+        try:
+            alone.append(normal(await store.run(fn, *args, **kwargs)))
+        except Exception as exc:
+            alone.append(normal(exc))
+    after_alone = await snapshot(store)
+    await reset(store)
+
+    await setup()
+    async with store.transaction() as conn:
+        together = [normal(r) for r in await many(conn, calls)]
+    assert together == alone
+    assert await snapshot(store) == after_alone
+    return alone
+
+
+def submit_call(intent: SubmitIntent, n: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return ((), dict(catalog=CATALOG, intent=intent, subjects=SUBJECTS, operation_id=f"op{n}",
+                     outbox_id=f"ob{n}", now=NOW))
+
+
+async def submit(store: Store, n: int, tool: str = "create_ticket") -> None:
+    args, kwargs = submit_call(SubmitIntent(tool=tool, arguments={"n": n}), n)
+    await store.run(submit_intent_txn, *args, **kwargs)
+
+
+async def test_intents_in_one_batch_match_intents_one_by_one(store: Store) -> None:
+    async def nothing() -> None:
+        return None
+
+    a, b = {"title": "a"}, {"title": "b"}
+    intents = [
+        SubmitIntent(tool="create_ticket", arguments=a, idempotency_key="k1"),
+        SubmitIntent(tool="create_ticket", arguments=a, idempotency_key="k1"),  # same again
+        SubmitIntent(tool="create_ticket", arguments=b, idempotency_key="k1"),  # conflict
+        SubmitIntent(tool="create_ticket", arguments=b),
+        SubmitIntent(tool="no_such_tool", arguments=a),
+        SubmitIntent(tool="create_ticket", arguments={"t": "nul\x00"}),
+        SubmitIntent(tool="wire_money", arguments=a, idempotency_key="k2"),  # needs approval
+        SubmitIntent(tool="create_ticket", arguments=a, idempotency_key="k1", tenant="other"),
+    ]
+    got = await both_ways(store, nothing, submit_intent_txn, submit_many,
+                          [submit_call(i, n) for n, i in enumerate(intents)])
+    assert [g[0] if isinstance(g, tuple) else g for g in got] == [
+        "submitted", "submitted", "error", "submitted", "error", "error", "submitted",
+        "submitted"]
+    assert got[1] == ("submitted", "op0", False)
+    assert got[2][1] == "IdempotencyConflict"
+
+
+def claim_call(op: str, attempt: str, epoch: int = 1) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return ((ClaimAttempt(operation_id=op, epoch=epoch, attempt_id=attempt,
+                          dispatcher_id="d1"),), dict(now=LATER))
+
+
+async def test_claims_in_one_batch_match_claims_one_by_one(store: Store) -> None:
+    async def setup() -> None:
+        for n in range(5):
+            await submit(store, n, tool="wire_money" if n == 2 else "create_ticket")
+        # op3's attempt is already over: asking again with its id must not re-grant it.
+        args, kwargs = claim_call("op3", "x3")
+        await store.run(claim_txn, *args, **kwargs)
+        await store.run(record_outcome_txn, AttemptSucceeded(
+            operation_id="op3", epoch=1, attempt_id="x3", dispatcher_id="d1", at=NOW,
+            provider_ref="r", response_digest="sha256:00", http_status=200),
+            consumer="c", message_id="m-x3", subjects=SUBJECTS, now=NOW,
+            ambiguous_outbox_id="amb")
+
+    got = await both_ways(store, setup, claim_txn, claim_many, [
+        claim_call("op0", "a1"),
+        claim_call("op0", "a1"),  # the same attempt again (a lost reply): granted again
+        claim_call("op0", "a2"),  # another dispatcher: already claimed
+        claim_call("op1", "b1", epoch=2),  # stale
+        claim_call("op2", "c1"),  # awaiting approval: not claimable
+        claim_call("op9", "z1"),  # unknown
+        claim_call("op3", "x3"),  # closed attempt
+        claim_call("op4", "d1"),
+    ])
+    assert [g["status"] for g in got] == [
+        "granted", "granted", "already_claimed", "stale_epoch", "not_claimable", "not_found",
+        "not_claimable", "granted"]
+
+
+def outcome_call(outcome: Any, message_id: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    return ((outcome,), dict(consumer="c", message_id=message_id, subjects=SUBJECTS, now=LATER,
+                             ambiguous_outbox_id=f"amb-{message_id}"))
+
+
+def success(op: str, attempt: str) -> AttemptSucceeded:
+    return AttemptSucceeded(operation_id=op, epoch=1, attempt_id=attempt, dispatcher_id="d1",
+                            at=LATER, provider_ref=f"ref-{op}", response_digest="sha256:01",
+                            http_status=201)
+
+
+async def test_outcomes_in_one_batch_match_outcomes_one_by_one(store: Store) -> None:
+    async def setup() -> None:
+        for n in range(4):
+            await submit(store, n)
+            args, kwargs = claim_call(f"op{n}", f"a{n}")
+            await store.run(claim_txn, *args, **kwargs)
+
+    lost = OutcomeAmbiguous(operation_id="op2", epoch=1, attempt_id="a2", dispatcher_id="d2",
+                            at=LATER, reason="dispatcher_lost_mid_attempt", message="lost")
+    got = await both_ways(store, setup, record_outcome_txn, record_outcomes_many, [
+        outcome_call(success("op0", "a0"), "m0"),
+        outcome_call(success("op0", "a0"), "m0"),  # redelivered: duplicate
+        outcome_call(success("op1", "zz"), "m1"),  # not the claimed attempt
+        outcome_call(success("op1", "a1"), "m2"),
+        outcome_call(success("op1", "a1"), "m3"),  # a second message: op1 already succeeded
+        outcome_call(lost, "m4"),  # leaves the set-based path: handed to reconciliation
+        outcome_call(success("op9", "a9"), "m5"),  # unknown operation
+        outcome_call(success("op3", "a3"), "m6"),
+    ])
+    assert got == [
+        "Recorded(status='applied', to_state='succeeded', reason=None)",
+        "Recorded(status='duplicate', to_state=None, reason=None)",
+        "Recorded(status='rejected', to_state=None, reason='not_the_claimed_attempt')",
+        "Recorded(status='applied', to_state='succeeded', reason=None)",
+        "Recorded(status='rejected', to_state=None, "
+        "reason='state_succeeded_does_not_accept_outcome_succeeded')",
+        "Recorded(status='applied', to_state='ambiguous', reason=None)",
+        "Recorded(status='rejected', to_state=None, reason='unknown_operation')",
+        "Recorded(status='applied', to_state='succeeded', reason=None)",
+    ]
