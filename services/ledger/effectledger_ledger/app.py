@@ -18,7 +18,7 @@ from .api import create_app
 from .auth import Authenticator
 from .db.outbox import StreamPosition
 from .db.store import Store
-from .messaging import build_broker
+from .messaging import build_broker, serve_requests
 from .migrate import upgrade
 from .relay import Relay, Sweeper, listen_notify, stream_position
 from .service import LedgerService
@@ -40,6 +40,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     await ensure_streams(js, settings)
     broker = build_broker(settings, service)
     await broker.start()
+    requests = await serve_requests(nc, settings, service)
 
     relay = Relay(store, js, service.outbox_wake, batch_size=settings.relay_batch_size,
                   lease_s=settings.relay_lease_s, poll_interval_s=settings.relay_poll_interval_s)
@@ -73,6 +74,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        await requests.close()
         await broker.stop()
         with contextlib.suppress(Exception):
             await nc.drain()

@@ -1,4 +1,4 @@
-"""The ledger's NATS side (FastStream): intent and claim request-reply, and the inbox consumer.
+"""The ledger's NATS side: request-reply for intents and claims (nats-py), the inbox (FastStream).
 
 Every JetStream consumer here is durable with manual acks: FastStream's default would terminate
 (never redeliver) a message whose handler raised. A message is acked only after the ledger
@@ -14,10 +14,12 @@ from typing import Any
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
 from faststream.nats.annotations import NatsMessage
+from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy as JsAckPolicy
 from nats.js.api import ConsumerConfig
 
 from effectledger_bus.connect import connect_options, raw_body
+from effectledger_bus.rpc import RequestServer
 from effectledger_core.config import Settings
 from effectledger_core.errors import (
     EffectLedgerError,
@@ -47,52 +49,68 @@ def _error_reply(exc: EffectLedgerError) -> str:
     return json.dumps({"ok": False, "error": exc.to_dict()})
 
 
-def build_broker(settings: Settings, service: LedgerService) -> NatsBroker:
-    subjects = settings.subjects
-    broker = NatsBroker(**connect_options(settings, "effectledger-ledger"), logger=log,
-                        log_level=logging.DEBUG, decoder=raw_body)
+class Requests:
+    """The ledger's request-reply handlers: payload bytes in, reply bytes out, never raising
+    for bad input (served by effectledger_bus.rpc on plain nats-py subscriptions)."""
 
-    @broker.subscriber(subjects.rpc_intents, queue="ledger", max_workers=16,
-                       title="ledger.intents", description="Submit an intent (request-reply)")
-    async def on_intent(msg: NatsMessage) -> str:
-        raw: bytes = msg.raw_message.data
+    def __init__(self, service: LedgerService) -> None:
+        self.service = service
+
+    async def intent(self, raw: bytes) -> bytes:
         try:
             intent = parse(SubmitIntent, raw)
-            submitted = await service.submit(intent, actor="agent:nats")
+            submitted = await self.service.submit(intent, actor="agent:nats")
         except EffectLedgerError as exc:
-            return _error_reply(exc)
+            return _error_reply(exc).encode()
         op = submitted.operation
         return json.dumps({"ok": True, "created": submitted.created, "operation": {
             "id": op["id"], "state": op["state"], "epoch": op["epoch"],
-            "operation_key": op["operation_key"], "tool": op["tool"]}})
+            "operation_key": op["operation_key"], "tool": op["tool"]}}).encode()
 
-    @broker.subscriber(subjects.rpc_claim, queue="ledger", max_workers=64,
-                       title="ledger.claim", description="Claim an attempt (request-reply)")
-    async def on_claim(msg: NatsMessage) -> str:
+    async def claim(self, raw: bytes) -> bytes:
         try:
-            claim = parse(ClaimAttempt, msg.raw_message.data)
-            return encode(await service.claim(claim)).decode()
+            claim = parse(ClaimAttempt, raw)
+            return encode(await self.service.claim(claim))
         except EffectLedgerError as exc:
             # No reply would leave the dispatcher waiting; an error reply makes it retry later.
-            return _error_reply(exc)
+            return _error_reply(exc).encode()
 
-    @broker.subscriber(subjects.rpc_operation, queue="ledger", max_workers=16,
-                       title="ledger.operation", description="Read an operation's state")
-    async def on_operation(msg: NatsMessage) -> str:
+    async def operation(self, raw: bytes) -> bytes:
         try:
-            query = json.loads(msg.raw_message.data)
+            query = json.loads(raw)
             # .get: an object without the field must get an error reply, not a KeyError.
             op_id = query.get("operation_id") if isinstance(query, dict) else None
             if not isinstance(op_id, str) or not 0 < len(op_id) <= 1024:
                 raise InvalidRequest("expected {\"operation_id\": \"...\"}")
-            op = await service.operation(op_id)
+            op = await self.service.operation(op_id)
         except EffectLedgerError as exc:
-            return _error_reply(exc)
+            return _error_reply(exc).encode()
         except (ValueError, RecursionError):
             # RecursionError: deeply nested JSON; without this the requester gets no reply.
-            return _error_reply(InvalidRequest("payload is not JSON"))
+            return _error_reply(InvalidRequest("payload is not JSON")).encode()
         return json.dumps({"ok": True, "operation": {
-            k: op[k] for k in ("id", "state", "epoch", "operation_key", "tool", "provider_ref")}})
+            k: op[k] for k in ("id", "state", "epoch", "operation_key", "tool",
+                               "provider_ref")}}).encode()
+
+
+async def serve_requests(nc: NatsClient, settings: Settings,
+                         service: LedgerService) -> RequestServer:
+    """Intents, claims and operation reads (request-reply), queue group `ledger`."""
+    subjects, handlers = settings.subjects, Requests(service)
+    server = RequestServer(nc)
+    await server.serve(subjects.rpc_intents, handlers.intent, queue="ledger", concurrency=256)
+    await server.serve(subjects.rpc_claim, handlers.claim, queue="ledger", concurrency=256)
+    await server.serve(subjects.rpc_operation, handlers.operation, queue="ledger",
+                       concurrency=16)
+    return server
+
+
+def build_broker(settings: Settings, service: LedgerService) -> NatsBroker:
+    """The inbox: a durable JetStream pull consumer of outcomes, verdicts, webhooks and dead
+    letters (FastStream)."""
+    subjects = settings.subjects
+    broker = NatsBroker(**connect_options(settings, "effectledger-ledger"), logger=log,
+                        log_level=logging.DEBUG, decoder=raw_body)
 
     max_deliver = settings.max_deliver
 

@@ -1,0 +1,83 @@
+"""Request-reply handlers on plain nats-py core subscriptions.
+
+The ledger's intents and claims are request-reply over core NATS (no JetStream), on every
+operation's critical path. Through FastStream each request went through its middleware,
+dependency-injection and message-wrapper stack, about a quarter of the ledger's CPU in the
+benchmark's profile; here a request is one callback. JetStream consumers (the dispatcher, the
+inbox, the reconciler) stay on FastStream, where its acks and pull-consumer handling pay off.
+
+nats-py runs one subscription's callbacks one after another; each request therefore gets its
+own task, at most `concurrency` at once (beyond that the callback waits, which leaves further
+requests in the subscription's pending buffer: back-pressure instead of unbounded tasks). Every
+request gets a reply, also when the handler fails unexpectedly: a requester left without one
+would wait for its timeout and retry blind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[bytes], Awaitable[bytes]]
+INTERNAL_ERROR = json.dumps({"ok": False, "error": {
+    "code": "internal_error", "message": "the ledger failed to handle this request; retry",
+    "retryable": True}}).encode()
+
+
+class RequestServer:
+    """Serves request-reply subjects with bounded concurrency (see module docstring)."""
+
+    def __init__(self, nc: NatsClient) -> None:
+        self.nc = nc
+        self.subscriptions: list[Subscription] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def serve(self, subject: str, handler: Handler, *, queue: str,
+                    concurrency: int = 64) -> Subscription:
+        slots = asyncio.Semaphore(concurrency)
+
+        async def answer(msg: Msg) -> None:
+            try:
+                reply = await handler(msg.data)
+            except Exception:
+                log.exception("request on %s failed", subject)
+                reply = INTERNAL_ERROR
+            finally:
+                slots.release()
+            if msg.reply:
+                try:
+                    await self.nc.publish(msg.reply, reply)
+                except Exception as exc:  # the requester times out and asks again
+                    log.warning("reply on %s not sent: %s", subject, exc)
+
+        async def on_message(msg: Msg) -> None:
+            await slots.acquire()
+            task = asyncio.create_task(answer(msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+        # The pending limits bound what waits in this process while all slots are busy.
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_message,
+                                      pending_msgs_limit=65536,
+                                      pending_bytes_limit=256 * 1024 * 1024)
+        self.subscriptions.append(sub)
+        return sub
+
+    async def close(self) -> None:
+        """Stop taking requests, then let those in progress finish (and reply)."""
+        for sub in self.subscriptions:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:  # a closed connection has no subscriptions left
+                log.debug("unsubscribe: %s", exc)
+        self.subscriptions = []
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
