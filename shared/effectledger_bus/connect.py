@@ -64,6 +64,19 @@ async def raw_body(message: Any) -> bytes:
     return bytes(message.body)
 
 
+def current_message(broker: Any) -> Any:
+    """The FastStream message being handled (a `NatsMessage`), for handlers that take `body`.
+
+    Declaring a `msg: NatsMessage` parameter instead makes FastDepends resolve that context
+    field in a worker thread for every message: a thread hop per message, about 5 % of a
+    dispatcher's CPU in the benchmark profile.
+    """
+    msg = broker.context.get_local("message")
+    if msg is None:
+        raise RuntimeError("no FastStream message in context: call this inside a handler")
+    return msg
+
+
 async def _log_error(exc: Exception) -> None:
     log.warning("nats: %s", exc)
 

@@ -9,11 +9,10 @@ import signal
 
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
-from faststream.nats.annotations import NatsMessage
 from nats.js.api import AckPolicy as JsAckPolicy
 from nats.js.api import ConsumerConfig
 
-from effectledger_bus.connect import connect, connect_options, raw_body
+from effectledger_bus.connect import connect, connect_options, current_message, raw_body
 from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
@@ -46,7 +45,8 @@ def build_broker(settings: Settings, dispatcher: Dispatcher) -> NatsBroker:
             max_deliver=settings.max_deliver,
             max_ack_pending=max(1024, settings.dispatcher_concurrency * 4)),
         title="dispatcher", description="Dispatch commands from the ledger outbox")
-    async def on_dispatch(msg: NatsMessage) -> None:
+    async def on_dispatch(body: bytes) -> None:
+        msg = current_message(broker)  # not a parameter: see current_message
         await dispatcher.handle(as_delivery(msg))
 
     return broker

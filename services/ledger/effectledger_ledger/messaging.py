@@ -13,12 +13,11 @@ from typing import Any
 
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
-from faststream.nats.annotations import NatsMessage
 from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy as JsAckPolicy
 from nats.js.api import ConsumerConfig
 
-from effectledger_bus.connect import connect_options, raw_body
+from effectledger_bus.connect import connect_options, current_message, raw_body
 from effectledger_bus.rpc import RequestServer
 from effectledger_core.config import Settings
 from effectledger_core.errors import (
@@ -124,7 +123,8 @@ def build_broker(settings: Settings, service: LedgerService) -> NatsBroker:
         config=ConsumerConfig(ack_policy=JsAckPolicy.EXPLICIT, ack_wait=settings.inbox_ack_wait_s,
                               max_deliver=max_deliver, max_ack_pending=4096),
         title="ledger.inbox", description="Attempt outcomes and dead letters")
-    async def on_event(msg: NatsMessage) -> None:
+    async def on_event(body: bytes) -> None:
+        msg = current_message(broker)  # not a parameter: see current_message
         raw = msg.raw_message
         deliveries = raw.metadata.num_delivered if raw.metadata else 1
         try:

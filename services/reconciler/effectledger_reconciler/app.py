@@ -10,12 +10,11 @@ import os
 import uvicorn
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
-from faststream.nats.annotations import NatsMessage
 from nats.js.api import AckPolicy as JsAckPolicy
 from nats.js.api import ConsumerConfig
 from starlette.applications import Starlette
 
-from effectledger_bus.connect import connect, connect_options, raw_body
+from effectledger_bus.connect import connect, connect_options, current_message, raw_body
 from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
@@ -67,7 +66,8 @@ def build_broker(settings: Settings, reconciler: Reconciler) -> NatsBroker:
             max_deliver=-1,
             max_ack_pending=4096),
         title="reconciler", description="Ambiguous and accepted operations to reconcile")
-    async def on_reconcile(msg: NatsMessage) -> None:
+    async def on_reconcile(body: bytes) -> None:
+        msg = current_message(broker)  # not a parameter: see current_message
         await reconciler.handle(as_delivery(msg))
 
     return broker
