@@ -55,6 +55,10 @@ class Settings(BaseSettings):
     relay_batch_size: int = 256
     relay_poll_interval_s: float = 0.5
     relay_lease_s: float = 30.0
+    # A new intent's dispatch command is published by the ledger right after its commit, under
+    # a lease this long written in that same transaction (0: leave it all to the relay). If the
+    # ledger dies before publishing, the relay publishes it once the lease has run out.
+    direct_publish_lease_s: float = Field(default=10.0, ge=0)
     sweep_after_s: float = 60.0
     sweep_interval_s: float = 5.0
     reconcile_sweep_after_s: float = 900.0

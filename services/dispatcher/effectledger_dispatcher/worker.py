@@ -228,7 +228,10 @@ class Dispatcher:
                 stop=stop_after_delay(max(5.0, self.ack_wait_s / 2)),
                 wait=wait_exponential(multiplier=0.2, max=3.0), reraise=True):
                 with attempt:
-                    await d.in_progress()
+                    if attempt.retry_state.attempt_number > 1:
+                        # A slow or failing publish: keep the command ours meanwhile. Not on
+                        # the first try: the call's heartbeat covered us until just now.
+                        await d.in_progress()
                     await js.publish(self.subjects.outcome(outcome.type), encode(outcome),
                                      headers={"Nats-Msg-Id": msg_id}, timeout=5.0)
         except Exception as exc:

@@ -20,7 +20,7 @@ from .db.outbox import StreamPosition
 from .db.store import Store
 from .messaging import build_broker, serve_requests
 from .migrate import upgrade
-from .relay import Relay, Sweeper, listen_notify, stream_position
+from .relay import DirectPublisher, Relay, Sweeper, listen_notify, stream_position
 from .service import LedgerService
 
 log = logging.getLogger("effectledger.ledger")
@@ -38,6 +38,9 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     nc = await connect(settings, "effectledger-ledger-relay")
     js = nc.jetstream()
     await ensure_streams(js, settings)
+    if settings.direct_publish_lease_s > 0:
+        service.publisher = DirectPublisher(js, service.writes, store, service.outbox_wake)
+        service.direct_lease_s = settings.direct_publish_lease_s
     broker = build_broker(settings, service)
     await broker.start()
     requests = await serve_requests(nc, settings, service)

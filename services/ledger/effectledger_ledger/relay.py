@@ -20,6 +20,7 @@ from effectledger_core.crash import crash_point
 from effectledger_core.errors import StoreUnavailable
 from effectledger_core.ids import Clock, utcnow
 
+from .db.batch import GroupCommit
 from .db.outbox import (
     OutboxItem,
     StreamPosition,
@@ -88,6 +89,78 @@ class Relay:
             self.wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), self.poll_interval_s)
+
+
+class DirectPublisher:
+    """Publishes new intents' dispatch commands right after their commit, skipping the relay.
+
+    The intent's transaction wrote the outbox row already leased (`direct_publish_lease_s`),
+    so no relay takes it meanwhile; this saves the relay's lease transaction and its wake-up
+    on every operation. Marks go through the ledger's group commit and share a transaction
+    with the intents and claims of the moment. Whatever cannot be published is released to
+    the relay at once; if the ledger dies first, the lease runs out and the relay publishes it
+    (the same Nats-Msg-Id, so JetStream drops a copy that did get through).
+    """
+
+    def __init__(self, js: JetStreamContext, writes: GroupCommit, store: Store, wake: asyncio.Event,
+                 *, publish_timeout_s: float = 5.0, max_batch: int = 256,
+                 clock: Clock = utcnow) -> None:
+        self.js, self.writes, self.store, self.wake = js, writes, store, wake
+        self.publish_timeout_s, self.max_batch, self.clock = publish_timeout_s, max_batch, clock
+        self.published = 0
+        self._queue: asyncio.Queue[OutboxItem] = asyncio.Queue()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._worker: asyncio.Task[None] | None = None
+
+    def submit(self, item: OutboxItem) -> None:
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._work(), name="direct-publisher")
+        self._queue.put_nowait(item)
+
+    async def _work(self) -> None:
+        while True:
+            items = [await self._queue.get()]
+            while len(items) < self.max_batch and not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            results = await asyncio.gather(*(self._publish(i) for i in items),
+                                           return_exceptions=True)
+            crash_point("ledger.relay.after_publish")
+            # Marking must not hold up the next round of publishes.
+            task = asyncio.create_task(self._settle(items, results))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _publish(self, item: OutboxItem) -> int:
+        ack = await self.js.publish(item.subject, item.payload, timeout=self.publish_timeout_s,
+                                    headers={"Nats-Msg-Id": item.message_id})
+        return int(ack.seq)
+
+    async def _settle(self, items: list[OutboxItem], results: list[Any]) -> None:
+        seqs = {i.id: r for i, r in zip(items, results, strict=True) if isinstance(r, int)}
+        failed = [i.id for i, r in zip(items, results, strict=True)
+                  if isinstance(r, BaseException)]
+        try:
+            if seqs:
+                await self.writes.run(mark_published_txn, list(seqs), now=self.clock(),
+                                      seqs=seqs)
+                self.published += len(seqs)
+            if failed:
+                log.warning("direct publish: %d failed (%r); handed to the relay", len(failed),
+                            next(r for r in results if isinstance(r, BaseException)))
+                await self.store.run(release_txn, failed, now=self.clock(),
+                                     error="direct publish failed", retry_after_s=0.0)
+                self.wake.set()
+        except Exception:
+            # Unmarked rows keep their lease; the relay takes them over when it runs out.
+            log.exception("direct publish: could not record %d publishes", len(items))
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._worker, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
 
 
 class Sweeper:

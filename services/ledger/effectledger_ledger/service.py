@@ -7,7 +7,8 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import IntegrityError
 
@@ -38,6 +39,9 @@ from .db.outcomes import record_dead_letter_txn, record_outcome_txn
 from .db.resolution import Recorded, record_verdict_txn, record_webhook_txn
 from .db.store import Store
 
+if TYPE_CHECKING:
+    from .relay import DirectPublisher
+
 log = logging.getLogger(__name__)
 
 
@@ -56,6 +60,10 @@ class LedgerService:
     batch_max: int = 64
     batch_workers: int | None = None  # default: 2 on PostgreSQL, 1 on SQLite (one writer)
     writes: GroupCommit = field(init=False)
+    # Publishes new intents' commands right after their commit (relay.DirectPublisher); set by
+    # the app once NATS is connected. Without it every command goes through the relay.
+    publisher: DirectPublisher | None = None
+    direct_lease_s: float = 10.0
 
     def __post_init__(self) -> None:
         workers = self.batch_workers or (2 if self.store.is_postgres else 1)
@@ -63,6 +71,8 @@ class LedgerService:
                                   workers=workers)
 
     async def close(self) -> None:
+        if self.publisher is not None:
+            await self.publisher.close()
         await self.writes.close()
 
     def decide_retry(self, op: dict[str, Any], failure: Failure) -> RetryDecision:
@@ -84,19 +94,25 @@ class LedgerService:
 
     async def submit(self, intent: SubmitIntent, *, actor: str = "agent") -> Submitted:
         self.catalog.get(intent.tool)  # unknown tool: a clear error before any transaction
+        direct = self.publisher is not None and self.direct_lease_s > 0
         for _ in range(3):
+            now = self.clock()
             try:
                 result = await self.writes.run(
                     submit_intent_txn, catalog=self.catalog, intent=intent,
                     subjects=self.subjects, operation_id=self.ids(), outbox_id=self.ids(),
-                    now=self.clock(), actor=actor)
+                    now=now, actor=actor,
+                    lease_until=now + timedelta(seconds=self.direct_lease_s) if direct else None)
             except IntegrityError:
                 # Two submissions with the same key raced; the loser retries and finds the
                 # winner's operation (same arguments) or a conflict (different arguments).
                 continue
             if result.created:
                 crash_point("ledger.after_intent_commit")
-                self.outbox_wake.set()
+                if result.command is not None and self.publisher is not None:
+                    self.publisher.submit(result.command)
+                else:
+                    self.outbox_wake.set()
             return result
         raise RuntimeError("intent submission kept conflicting")
 

@@ -19,7 +19,7 @@ from effectledger_core.messages import ClaimAttempt, ClaimReply, ClaimStatus
 from effectledger_core.states import Event, State, sources
 
 from .batch import Calls, batchable
-from .common import insert_journal, journal_row
+from .common import insert_journal, journal_row, lock_with_attempts
 from .schema import OUTBOX_CONSUMED, attempts, operations, outbox
 
 _CLAIMABLE = frozenset(s.value for s in sources(Event.CLAIM))
@@ -36,31 +36,22 @@ class _Held:
 async def _claims(conn: AsyncConnection, items: list[tuple[ClaimAttempt, datetime]]
                   ) -> list[ClaimReply]:
     op_ids = sorted({c.operation_id for c, _ in items})
-    # Locked in id order, so concurrent batches queue behind each other instead of deadlocking;
-    # under the lock nothing else can change these operations or their attempts (every writer
-    # of an attempt's status locks its operation first).
-    ops: dict[str, list[Any]] = {
-        r.id: [r.state, r.epoch] for r in await conn.execute(
-            sa.select(operations.c.id, operations.c.state, operations.c.epoch)
-            .where(operations.c.id.in_(op_ids)).order_by(operations.c.id).with_for_update())}
-    held: dict[tuple[str, int], _Held] = {
-        (r.operation_id, r.epoch): _Held(r.id, r.status, r.claimed_at)
-        for r in await conn.execute(
-            sa.select(attempts.c.id, attempts.c.operation_id, attempts.c.epoch,
-                      attempts.c.status, attempts.c.claimed_at)
-            .where(attempts.c.operation_id.in_([i for i in op_ids if i in ops])))}
+    ops, held = await lock_with_attempts(conn, op_ids)
+    ops_state: dict[str, list[Any]] = {k: [v.state, v.epoch] for k, v in ops.items()}
+    claims_held: dict[tuple[str, int], _Held] = {
+        k: _Held(a.id, a.status, a.claimed_at) for k, a in held.items()}
 
     replies: list[ClaimReply] = []
     grants: list[dict[str, Any]] = []
     journal: list[dict[str, Any]] = []
     for claim, now in items:
         base = dict(operation_id=claim.operation_id, epoch=claim.epoch)
-        op = ops.get(claim.operation_id)
+        op = ops_state.get(claim.operation_id)
         if op is None:
             replies.append(ClaimReply(status=ClaimStatus.NOT_FOUND, **base))
             continue
         state, epoch = op
-        h = held.get((claim.operation_id, claim.epoch))
+        h = claims_held.get((claim.operation_id, claim.epoch))
         if h is not None:
             replies.append(await _held_reply(conn, h, claim, state, epoch, now, journal))
             continue
@@ -76,7 +67,8 @@ async def _claims(conn: AsyncConnection, items: list[tuple[ClaimAttempt, datetim
                    dispatcher_id=claim.dispatcher_id, status="claimed", claimed_at=now)
         grants.append(dict(b_id=claim.operation_id, b_epoch=claim.epoch, b_from=state,
                            b_now=now, row=row))
-        held[(claim.operation_id, claim.epoch)] = _Held(claim.attempt_id, "claimed", now, row)
+        claims_held[(claim.operation_id, claim.epoch)] = _Held(claim.attempt_id, "claimed", now,
+                                                               row)
         op[0] = State.IN_FLIGHT.value
         journal.append(journal_row(
             operation_id=claim.operation_id, at=now, kind="attempt_claimed",

@@ -54,3 +54,38 @@ async def notify_outbox(conn: AsyncConnection) -> None:
     """
     if conn.dialect.name == "postgresql":
         conn.info[NOTIFY_FLAG] = True
+
+
+async def lock_with_attempts(conn: AsyncConnection, op_ids: list[str]
+                             ) -> tuple[dict[str, Any], dict[tuple[str, int], Any]]:
+    """Lock operations (in id order) and read their attempts, in one statement.
+
+    Returns the operations by id (id, state, epoch) and their attempts by (operation, epoch)
+    (id, status, claimed_at). The lock is on the operation rows only; every writer of an
+    attempt locks its operation first, so the attempts cannot change under us either. Locking
+    in id order makes concurrent batches queue instead of deadlocking.
+    """
+    from .schema import attempts, operations
+
+    rows = (await conn.execute(
+        sa.select(operations.c.id, operations.c.state, operations.c.epoch,
+                  attempts.c.id.label("attempt_id"), attempts.c.epoch.label("attempt_epoch"),
+                  attempts.c.status.label("attempt_status"), attempts.c.claimed_at)
+        .select_from(operations.outerjoin(attempts, attempts.c.operation_id == operations.c.id))
+        .where(operations.c.id.in_(op_ids)).order_by(operations.c.id)
+        .with_for_update(of=operations))).all()
+    ops: dict[str, Any] = {}
+    held: dict[tuple[str, int], Any] = {}
+    for r in rows:
+        ops[r.id] = r
+        if r.attempt_id is not None:
+            held[(r.id, r.attempt_epoch)] = _Attempt(r.attempt_id, r.attempt_status,
+                                                     r.claimed_at)
+    return ops, held
+
+
+class _Attempt:
+    __slots__ = ("claimed_at", "id", "status")
+
+    def __init__(self, id: str, status: str, claimed_at: datetime | None) -> None:
+        self.id, self.status, self.claimed_at = id, status, claimed_at

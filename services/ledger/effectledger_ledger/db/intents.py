@@ -19,13 +19,17 @@ from effectledger_core.subjects import Subjects
 
 from .batch import Calls, batchable
 from .common import insert_journal, journal_row, notify_outbox
-from .schema import OUTBOX_PENDING, operations, outbox
+from .outbox import OutboxItem
+from .schema import OUTBOX_PENDING, OUTBOX_PUBLISHING, operations, outbox
 
 
 @dataclass(frozen=True)
 class Submitted:
     operation: dict[str, Any]
     created: bool
+    # The dispatch command, leased to this ledger for publishing right after the commit
+    # (only when the caller asked for a lease, see `lease_until`).
+    command: OutboxItem | None = None
 
 
 def dispatch_row(op: dict[str, Any], *, subjects: Subjects, outbox_id: str,
@@ -68,6 +72,7 @@ async def _submit(conn: AsyncConnection, items: list[dict[str, Any]]
             sa.select(operations).where(operations.c.operation_key.in_(caller_keys))
         )).mappings()}
 
+    relay = False  # whether any command is left to the relays (then wake them)
     new_ops: list[dict[str, Any]] = []
     entries: list[dict[str, Any]] = []
     commands: list[dict[str, Any]] = []
@@ -102,10 +107,19 @@ async def _submit(conn: AsyncConnection, items: list[dict[str, Any]]
             detail={"arguments_digest": args_digest, "tool_digest": op["tool_digest"],
                     "contract_revision": tool.contract_revision, "tenant": intent.tenant,
                     "task_id": intent.task_id}))
+        command = None
         if state is State.PENDING:
-            commands.append(dispatch_row(op, subjects=kw["subjects"],
-                                         outbox_id=kw["outbox_id"], now=now))
-        results[i] = Submitted(op, created=True)
+            row = dispatch_row(op, subjects=kw["subjects"], outbox_id=kw["outbox_id"], now=now)
+            lease_until = kw.get("lease_until")
+            if lease_until is not None:
+                # Written as already leased, so no relay takes it while we publish it.
+                row.update(status=OUTBOX_PUBLISHING, lease_until=lease_until)
+                command = OutboxItem(row["id"], row["subject"], row["payload"].encode(), 0,
+                                     "dispatch")
+            else:
+                relay = True
+            commands.append(row)
+        results[i] = Submitted(op, created=True, command=command)
     if new_ops:
         # A unique violation (the same key committed meanwhile by another transaction) aborts
         # the batch; the service then retries each intent on its own and finds the winner.
@@ -113,6 +127,7 @@ async def _submit(conn: AsyncConnection, items: list[dict[str, Any]]
         await insert_journal(conn, entries)
     if commands:
         await conn.execute(outbox.insert(), commands)
+    if relay:
         await notify_outbox(conn)
     return [r for r in results if r is not None]
 
@@ -124,10 +139,11 @@ async def submit_many(conn: AsyncConnection, calls: Calls) -> list[Submitted | E
 @batchable(submit_many)
 async def submit_intent_txn(conn: AsyncConnection, *, catalog: Catalog, intent: SubmitIntent,
                             subjects: Subjects, operation_id: str, outbox_id: str,
-                            now: datetime, actor: str = "agent") -> Submitted:
+                            now: datetime, actor: str = "agent",
+                            lease_until: datetime | None = None) -> Submitted:
     [result] = await _submit(conn, [dict(
         catalog=catalog, intent=intent, subjects=subjects, operation_id=operation_id,
-        outbox_id=outbox_id, now=now, actor=actor)])
+        outbox_id=outbox_id, now=now, actor=actor, lease_until=lease_until)])
     if isinstance(result, EffectLedgerError):
         raise result
     return result

@@ -15,6 +15,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from .batch import Calls, batchable
 from .common import append_journal
 from .schema import (
     OUTBOX_OBSOLETE,
@@ -64,6 +65,18 @@ async def lease_batch_txn(conn: AsyncConnection, *, now: datetime, limit: int,
             for r in rows]
 
 
+async def mark_published_many(conn: AsyncConnection, calls: Calls) -> list[int]:
+    """Several publishers' marks in one statement (each call gets the total)."""
+    ids: list[str] = []
+    seqs: dict[str, int] = {}
+    for args, kwargs in calls:
+        ids.extend(args[0])
+        seqs.update(kwargs.get("seqs") or {})
+    n = await mark_published_txn(conn, ids, now=max(kw["now"] for _, kw in calls), seqs=seqs)
+    return [n] * len(calls)
+
+
+@batchable(mark_published_many)
 async def mark_published_txn(conn: AsyncConnection, ids: list[str], *, now: datetime,
                              seqs: dict[str, int] | None = None) -> int:
     """Mark rows published (with their stream sequence) in one statement.

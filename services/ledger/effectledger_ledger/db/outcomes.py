@@ -24,7 +24,13 @@ from effectledger_core.states import Event, State, sources, transition
 from effectledger_core.subjects import Subjects
 
 from .batch import Calls, batchable
-from .common import append_journal, insert_ignore, insert_journal, journal_row
+from .common import (
+    append_journal,
+    insert_ignore,
+    insert_journal,
+    journal_row,
+    lock_with_attempts,
+)
 from .resolution import (
     Recorded,
     RetryDecider,
@@ -124,12 +130,9 @@ async def _record_successes(conn: AsyncConnection,
         return [r for r in results if r is not None]
 
     op_ids = sorted({items[i][0].operation_id for i in live})
-    ops = {r.id: _Op(r.state, r.epoch) for r in await conn.execute(
-        sa.select(operations.c.id, operations.c.state, operations.c.epoch)
-        .where(operations.c.id.in_(op_ids)).order_by(operations.c.id).with_for_update())}
-    held = {(r.operation_id, r.epoch): r.id for r in await conn.execute(
-        sa.select(attempts.c.id, attempts.c.operation_id, attempts.c.epoch)
-        .where(attempts.c.operation_id.in_(op_ids)))}
+    locked, attempts_by_epoch = await lock_with_attempts(conn, op_ids)
+    ops = {k: _Op(r.state, r.epoch) for k, r in locked.items()}
+    held = {k: a.id for k, a in attempts_by_epoch.items()}
     op_rows: list[dict[str, Any]] = []
     attempt_rows: list[dict[str, Any]] = []
     entries: list[dict[str, Any]] = []
