@@ -111,11 +111,20 @@ class DirectPublisher:
         self._queue: asyncio.Queue[OutboxItem] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
         self._worker: asyncio.Task[None] | None = None
+        self._outstanding = 0  # submitted, not yet marked or handed back
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def submit(self, item: OutboxItem) -> None:
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._work(), name="direct-publisher")
+        self._outstanding += 1
+        self._idle.clear()
         self._queue.put_nowait(item)
+
+    async def drain(self) -> None:
+        """Wait until everything submitted so far is published and marked (or handed back)."""
+        await self._idle.wait()
 
     async def _work(self) -> None:
         while True:
@@ -153,8 +162,15 @@ class DirectPublisher:
         except Exception:
             # Unmarked rows keep their lease; the relay takes them over when it runs out.
             log.exception("direct publish: could not record %d publishes", len(items))
+        finally:
+            self._outstanding -= len(items)
+            if self._outstanding == 0:
+                self._idle.set()
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float = 5.0) -> None:
+        # Finish what is in hand; anything left keeps its lease and goes to the relay later.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.drain(), grace_s)
         tasks = [t for t in (self._worker, *self._tasks) if t is not None]
         for t in tasks:
             t.cancel()

@@ -1,0 +1,103 @@
+"""Direct publish of new intents' commands: leased at commit, published, marked or handed back."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+
+from effectledger_core.catalog import Catalog
+from effectledger_core.config import DEMO_CATALOG
+from effectledger_core.messages import SubmitIntent
+from effectledger_core.subjects import Subjects
+from effectledger_ledger.db.outbox import lease_batch_txn
+from effectledger_ledger.db.schema import outbox
+from effectledger_ledger.db.store import Store
+from effectledger_ledger.relay import DirectPublisher
+from effectledger_ledger.service import LedgerService
+
+NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
+SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
+CATALOG = Catalog.load(DEMO_CATALOG)
+
+
+class FakeAck:
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+
+
+class FakeJetStream:
+    """Records publishes; `fail` makes every publish raise, as a broker outage would."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.published: list[tuple[str, dict[str, str]]] = []
+
+    async def publish(self, subject: str, payload: bytes, timeout: float,  # noqa: ASYNC109
+                      headers: dict[str, str]) -> FakeAck:
+        if self.fail:
+            raise TimeoutError("no publish ack")
+        self.published.append((subject, headers))
+        return FakeAck(len(self.published))
+
+
+async def outbox_rows(store: Store) -> list[dict[str, Any]]:
+    async with store.transaction() as conn:
+        return [dict(r) for r in (await conn.execute(sa.select(outbox))).mappings()]
+
+
+def service(store: Store, js: FakeJetStream) -> LedgerService:
+    svc = LedgerService(store=store, catalog=CATALOG, subjects=SUBJECTS, clock=lambda: NOW)
+    svc.publisher = DirectPublisher(js, svc.writes, store, svc.outbox_wake,  # type: ignore[arg-type]
+                                    clock=lambda: NOW)
+    return svc
+
+
+async def test_a_new_intent_is_published_at_once_and_marked(store: Store) -> None:
+    js = FakeJetStream()
+    svc = service(store, js)
+    try:
+        sub = await svc.submit(SubmitIntent(tool="create_ticket", arguments={"t": 1}))
+        assert svc.publisher is not None
+        await svc.publisher.drain()
+    finally:
+        await svc.close()
+    [(subject, headers)] = js.published
+    [row] = await outbox_rows(store)
+    assert subject == SUBJECTS.dispatch("create_ticket")
+    assert headers["Nats-Msg-Id"] == row["id"]
+    assert (row["operation_id"], row["status"], row["stream_seq"]) == (
+        sub.operation["id"], "published", 1)
+    assert not svc.outbox_wake.is_set()  # the relay had nothing to do
+
+
+async def test_while_leased_no_relay_takes_the_row(store: Store) -> None:
+    js = FakeJetStream()
+    svc = service(store, js)
+    svc.publisher.submit = lambda item: None  # type: ignore[method-assign, union-attr]
+    try:
+        await svc.submit(SubmitIntent(tool="create_ticket", arguments={"t": 2}))
+    finally:
+        await svc.close()
+    assert await store.run(lease_batch_txn, now=NOW, limit=10, lease_s=30) == []
+    # Once the lease has run out (the ledger died before publishing), the relay takes it.
+    later = NOW + timedelta(seconds=svc.direct_lease_s + 1)
+    [item] = await store.run(lease_batch_txn, now=later, limit=10, lease_s=30)
+    assert item.publish_count == 0  # the same Nats-Msg-Id as the direct attempt
+
+
+async def test_a_failed_publish_is_handed_to_the_relay_at_once(store: Store) -> None:
+    js = FakeJetStream(fail=True)
+    svc = service(store, js)
+    try:
+        await svc.submit(SubmitIntent(tool="create_ticket", arguments={"t": 3}))
+        assert svc.publisher is not None
+        await svc.publisher.drain()
+    finally:
+        await svc.close()
+    [row] = await outbox_rows(store)
+    assert (row["status"], row["last_error"]) == ("pending", "direct publish failed")
+    assert svc.outbox_wake.is_set()
+    [item] = await store.run(lease_batch_txn, now=NOW, limit=10, lease_s=30)
+    assert item.id == row["id"]
