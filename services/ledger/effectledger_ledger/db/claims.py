@@ -19,10 +19,22 @@ from effectledger_core.messages import ClaimAttempt, ClaimReply, ClaimStatus
 from effectledger_core.states import Event, State, sources
 
 from .batch import Calls, batchable
-from .common import insert_journal, journal_row, lock_with_attempts
+from .common import execute_rows, insert_journal, journal_row, lock_with_attempts
 from .schema import OUTBOX_CONSUMED, attempts, operations, outbox
 
 _CLAIMABLE = frozenset(s.value for s in sources(Event.CLAIM))
+# Built once (see common._LOCK_WITH_ATTEMPTS).
+_GRANT = (operations.update()
+          .where(operations.c.id == sa.bindparam("b_id"),
+                 operations.c.epoch == sa.bindparam("b_epoch"),
+                 operations.c.state == sa.bindparam("b_from"))
+          .values(state=State.IN_FLIGHT.value, updated_at=sa.bindparam("b_now")))
+_INSERT_ATTEMPT = attempts.insert()
+_CONSUME_DISPATCH = (outbox.update()
+                     .where(outbox.c.operation_id == sa.bindparam("b_id"),
+                            outbox.c.epoch == sa.bindparam("b_epoch"),
+                            outbox.c.kind == "dispatch")
+                     .values(status=OUTBOX_CONSUMED))
 
 
 @dataclass
@@ -80,22 +92,13 @@ async def _claims(conn: AsyncConnection, items: list[tuple[ClaimAttempt, datetim
 
     if grants:
         # The guard repeats the decision in SQL; under the row locks it cannot fail.
-        await conn.execute(
-            operations.update()
-            .where(operations.c.id == sa.bindparam("b_id"),
-                   operations.c.epoch == sa.bindparam("b_epoch"),
-                   operations.c.state == sa.bindparam("b_from"))
-            .values(state=State.IN_FLIGHT.value, updated_at=sa.bindparam("b_now")),
-            [{k: g[k] for k in ("b_id", "b_epoch", "b_from", "b_now")} for g in grants])
+        await execute_rows(conn, _GRANT, [
+            {k: g[k] for k in ("b_id", "b_epoch", "b_from", "b_now")} for g in grants])
         # A unique violation here (a claim racing on another connection, which the lock above
         # rules out on PostgreSQL) aborts the batch; each claim is then retried on its own.
-        await conn.execute(attempts.insert(), [g["row"] for g in grants])
-        await conn.execute(
-            outbox.update()
-            .where(outbox.c.operation_id == sa.bindparam("b_id"),
-                   outbox.c.epoch == sa.bindparam("b_epoch"), outbox.c.kind == "dispatch")
-            .values(status=OUTBOX_CONSUMED),
-            [{"b_id": g["b_id"], "b_epoch": g["b_epoch"]} for g in grants])
+        await execute_rows(conn, _INSERT_ATTEMPT, [g["row"] for g in grants])
+        await execute_rows(conn, _CONSUME_DISPATCH, [
+            {"b_id": g["b_id"], "b_epoch": g["b_epoch"]} for g in grants])
     await insert_journal(conn, journal)
     return replies
 

@@ -18,7 +18,7 @@ from effectledger_core.states import State
 from effectledger_core.subjects import Subjects
 
 from .batch import Calls, batchable
-from .common import insert_journal, journal_row, notify_outbox
+from .common import execute_rows, insert_journal, journal_row, notify_outbox
 from .outbox import OutboxItem
 from .schema import OUTBOX_PENDING, OUTBOX_PUBLISHING, operations, outbox
 
@@ -42,6 +42,13 @@ def dispatch_row(op: dict[str, Any], *, subjects: Subjects, outbox_id: str,
     return dict(id=outbox_id, operation_id=op["id"], epoch=op["epoch"], kind="dispatch",
                 subject=subjects.dispatch(op["tool"]), payload=encode(cmd).decode(),
                 status=OUTBOX_PENDING, created_at=now, available_at=now, publish_count=0)
+
+
+# Built once (see common._LOCK_WITH_ATTEMPTS).
+_BY_KEYS = sa.select(operations).where(
+    operations.c.operation_key.in_(sa.bindparam("keys", expanding=True)))
+_INSERT_OPERATION = operations.insert()
+_INSERT_OUTBOX = outbox.insert()
 
 
 async def _submit(conn: AsyncConnection, items: list[dict[str, Any]]
@@ -69,8 +76,7 @@ async def _submit(conn: AsyncConnection, items: list[dict[str, Any]]
     known: dict[str, dict[str, Any]] = {}
     if caller_keys:
         known = {r["operation_key"]: dict(r) for r in (await conn.execute(
-            sa.select(operations).where(operations.c.operation_key.in_(caller_keys))
-        )).mappings()}
+            _BY_KEYS, {"keys": caller_keys})).mappings()}
 
     relay = False  # whether any command is left to the relays (then wake them)
     new_ops: list[dict[str, Any]] = []
@@ -123,10 +129,10 @@ async def _submit(conn: AsyncConnection, items: list[dict[str, Any]]
     if new_ops:
         # A unique violation (the same key committed meanwhile by another transaction) aborts
         # the batch; the service then retries each intent on its own and finds the winner.
-        await conn.execute(operations.insert(), new_ops)
+        await execute_rows(conn, _INSERT_OPERATION, new_ops)
         await insert_journal(conn, entries)
     if commands:
-        await conn.execute(outbox.insert(), commands)
+        await execute_rows(conn, _INSERT_OUTBOX, commands)
     if relay:
         await notify_outbox(conn)
     return [r for r in results if r is not None]

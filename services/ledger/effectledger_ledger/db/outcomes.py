@@ -26,6 +26,7 @@ from effectledger_core.subjects import Subjects
 from .batch import Calls, batchable
 from .common import (
     append_journal,
+    execute_rows,
     insert_ignore,
     insert_journal,
     journal_row,
@@ -92,6 +93,21 @@ def _rejection(outcome: Outcome, op: Any, held: str | None, event: Event) -> str
     if State(op.state) not in sources(event):
         return f"state_{op.state}_does_not_accept_{event.value}"
     return None
+
+
+# Built once (see common._LOCK_WITH_ATTEMPTS).
+_SUCCEED = (operations.update()
+            .where(operations.c.id == sa.bindparam("b_id"),
+                   operations.c.epoch == sa.bindparam("b_epoch"),
+                   operations.c.state == sa.bindparam("b_from"))
+            .values(state=sa.bindparam("b_state"), updated_at=sa.bindparam("b_now"),
+                    last_outcome=sa.bindparam("b_detail"), provider_ref=sa.bindparam("b_ref"),
+                    response_digest=sa.bindparam("b_digest")))
+_FINISH_ATTEMPT = (attempts.update().where(attempts.c.id == sa.bindparam("b_id"))
+                   .values(status=sa.bindparam("b_status"), finished_at=sa.bindparam("b_now"),
+                           http_status=sa.bindparam("b_http"), provider_ref=sa.bindparam("b_ref"),
+                           response_digest=sa.bindparam("b_digest"),
+                           outcome=sa.bindparam("b_detail")))
 
 
 @dataclass
@@ -167,20 +183,8 @@ async def _record_successes(conn: AsyncConnection,
         results[i] = Recorded("applied", to_state=step.to.value)
     if op_rows:
         # The guard repeats the checks in SQL; under the row locks it cannot fail.
-        await conn.execute(
-            operations.update()
-            .where(operations.c.id == sa.bindparam("b_id"),
-                   operations.c.epoch == sa.bindparam("b_epoch"),
-                   operations.c.state == sa.bindparam("b_from"))
-            .values(state=sa.bindparam("b_state"), updated_at=sa.bindparam("b_now"),
-                    last_outcome=sa.bindparam("b_detail"), provider_ref=sa.bindparam("b_ref"),
-                    response_digest=sa.bindparam("b_digest")), op_rows)
-        await conn.execute(
-            attempts.update().where(attempts.c.id == sa.bindparam("b_id"))
-            .values(status=sa.bindparam("b_status"), finished_at=sa.bindparam("b_now"),
-                    http_status=sa.bindparam("b_http"), provider_ref=sa.bindparam("b_ref"),
-                    response_digest=sa.bindparam("b_digest"), outcome=sa.bindparam("b_detail")),
-            attempt_rows)
+        await execute_rows(conn, _SUCCEED, op_rows)
+        await execute_rows(conn, _FINISH_ATTEMPT, attempt_rows)
     await insert_journal(conn, entries)
     return [r for r in results if r is not None]
 
