@@ -18,7 +18,7 @@ from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
 
 from .adapters import load_adapter
-from .provider import make_client
+from .provider import make_clients
 from .worker import CONSUMER, Dispatcher, as_delivery
 
 log = logging.getLogger("effectledger.dispatcher")
@@ -58,8 +58,10 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         load_adapter(tool)  # a bad adapter path fails the deployment, not each operation
     nc = await connect(settings, f"effectledger-dispatcher-{settings.dispatcher_id}")
     await ensure_streams(nc.jetstream(), settings)
-    http = make_client(max_connections=max(16, settings.dispatcher_concurrency * 2))
-    dispatcher = Dispatcher(nc=nc, http=http, catalog=catalog, subjects=settings.subjects,
+    pool = make_clients(max(16, settings.dispatcher_concurrency * 2))
+    http = pool[0]
+    dispatcher = Dispatcher(nc=nc, http=http, http_pool=pool, catalog=catalog,
+                            subjects=settings.subjects,
                             dispatcher_id=settings.dispatcher_id,
                             claim_timeout_s=settings.claim_timeout_s,
                             ack_wait_s=settings.ack_wait_s, max_deliver=settings.max_deliver)
@@ -77,6 +79,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         await stop.wait()
     finally:
         await broker.stop()
-        await http.aclose()
+        for client in pool:
+            await client.aclose()
         with contextlib.suppress(Exception):
             await nc.drain()

@@ -93,6 +93,15 @@ class Dispatcher:
     # the claim was recorded and its reply lost. A fresh id would find its own lost claim
     # "already claimed" and needlessly declare an untouched operation ambiguous.
     unanswered_claims: dict[tuple[str, int], str] = field(default_factory=dict)
+    # More clients to spread provider calls over, round robin (provider.make_clients).
+    http_pool: list[httpx.AsyncClient] = field(default_factory=list)
+    _next_client: int = 0
+
+    def _client(self) -> httpx.AsyncClient:
+        if not self.http_pool:
+            return self.http
+        self._next_client = (self._next_client + 1) % len(self.http_pool)
+        return self.http_pool[self._next_client]
 
     def __post_init__(self) -> None:
         if unsafe_skip_claim(self.env):
@@ -177,7 +186,8 @@ class Dispatcher:
         heartbeat = asyncio.create_task(self._heartbeat(d))
         try:
             outcome = await call_provider(
-                self.http, tool, cmd, attempt_id=attempt_id, dispatcher_id=self.dispatcher_id,
+                self._client(), tool, cmd, attempt_id=attempt_id,
+                dispatcher_id=self.dispatcher_id,
                 env=self.env, clock=self.clock,
                 on_sent=lambda: crash_point("dispatcher.before_call"))
         finally:
