@@ -289,6 +289,7 @@ async def test_missing_or_unknown_token_is_unauthenticated(client: httpx.AsyncCl
                               ("get", "/v1/tools", None)]:
         resp = await client.request(method, url, headers=headers, json=body)
         assert_error(resp, 401, "unauthenticated")
+        assert resp.headers["WWW-Authenticate"] == 'Bearer realm="effectledger"'
 
 
 async def test_health_and_readiness_need_no_token(client: httpx.AsyncClient) -> None:

@@ -113,7 +113,11 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
 
     @app.exception_handler(EffectLedgerError)
     async def _own(_: Request, exc: EffectLedgerError) -> JSONResponse:
-        return _error(exc.http_status, exc.code, exc.message, exc.details)
+        response = _error(exc.http_status, exc.code, exc.message, exc.details)
+        if exc.http_status == 401:
+            # RFC 9110: a 401 names the scheme the client must use.
+            response.headers["WWW-Authenticate"] = 'Bearer realm="effectledger"'
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
