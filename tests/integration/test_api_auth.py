@@ -342,3 +342,14 @@ async def test_agent_submission_goes_through_the_same_service(
     assert direct.operation["id"] != op["id"]
     assert (await svc.operation(op["id"]))["arguments_digest"] == direct.operation[
         "arguments_digest"]
+
+
+async def test_stats_show_an_agent_only_its_tenants_counts(client: httpx.AsyncClient) -> None:
+    """Counts are a read like any other: an agent must not learn other tenants' volumes."""
+    await submit(client, AGENT_A)
+    await submit(client, AGENT_B)
+    await submit(client, AGENT_B)
+    mine = (await client.get("/v1/stats", headers=auth(AGENT_A))).json()
+    assert mine == {"operations": {"pending": 1}}
+    everyone = (await client.get("/v1/stats", headers=auth(OPERATOR))).json()
+    assert everyone["operations"] == {"pending": 3} and "outbox" in everyone

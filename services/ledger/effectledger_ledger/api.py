@@ -230,7 +230,8 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
 
     @app.get("/v1/stats")
     async def stats(p: Who) -> dict[str, Any]:
-        return await service.stats()
+        # Agents see their own tenant's counts only, like every other read.
+        return await service.stats(tenant=p.tenant if p.role == "agent" else None)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, bool]:

@@ -185,10 +185,14 @@ class LedgerService:
             return await reads.list_operations(conn, state=state, limit=limit, cursor=cursor,
                                                tenant=tenant)
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self, tenant: str | None = None) -> dict[str, Any]:
+        """Counts by state; for one tenant only its operations (the outbox is not per tenant,
+        so it is left out)."""
         from .db.outbox import backlog_txn
 
         async with self.store.transaction() as conn:
+            if tenant is not None:
+                return {"operations": await reads.count_by_state(conn, tenant)}
             return {"operations": await reads.count_by_state(conn),
                     "outbox": await backlog_txn(conn)}
 

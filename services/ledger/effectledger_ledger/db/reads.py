@@ -97,9 +97,12 @@ async def list_operations(conn: AsyncConnection, *, state: str | None, limit: in
     return {"items": items, "next_cursor": next_cursor}
 
 
-async def count_by_state(conn: AsyncConnection) -> dict[str, int]:
-    rows = (await conn.execute(
-        sa.select(operations.c.state, sa.func.count()).group_by(operations.c.state))).all()
+async def count_by_state(conn: AsyncConnection, tenant: str | None = None) -> dict[str, int]:
+    """Operations per state; only `tenant`'s when given."""
+    stmt = sa.select(operations.c.state, sa.func.count()).group_by(operations.c.state)
+    if tenant is not None:
+        stmt = stmt.where(operations.c.tenant == tenant)
+    rows = (await conn.execute(stmt)).all()
     return {r[0]: int(r[1]) for r in rows}
 
 
