@@ -24,6 +24,8 @@ class Settings(BaseSettings):
     # storage
     database_url: str = "sqlite+aiosqlite:///effectledger-data/ledger.db"
     auto_migrate: bool = True
+    # How long a starting ledger waits for an unreachable database before giving up.
+    db_startup_wait_s: float = Field(default=300.0, ge=0)
     db_pool_size: int = 10
     # Group commit: at most this many intents/claims/outcomes share one transaction (1: off).
     db_batch_max: int = Field(default=64, ge=1, le=1024)

@@ -19,7 +19,7 @@ from .auth import Authenticator
 from .db.outbox import StreamPosition
 from .db.store import Store
 from .messaging import build_broker, serve_requests
-from .migrate import upgrade
+from .migrate import upgrade_when_reachable
 from .relay import DirectPublisher, Relay, Sweeper, listen_notify, stream_position
 from .service import LedgerService
 
@@ -30,7 +30,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     catalog = Catalog.load(settings.catalog_path)  # invalid catalogs fail before anything runs
     store = Store(settings.database_url, pool_size=settings.db_pool_size)
     if settings.auto_migrate:
-        await upgrade(store)
+        await upgrade_when_reachable(store, wait_s=settings.db_startup_wait_s)
     service = LedgerService(store=store, catalog=catalog, subjects=settings.subjects,
                             batch_max=settings.db_batch_max,
                             batch_workers=settings.db_batch_workers)

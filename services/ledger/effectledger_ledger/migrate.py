@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +11,17 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception,
+    stop_after_delay,
+    wait_exponential_jitter,
+)
 
-from .db.store import Store
+from .db.store import Store, is_retryable
+
+log = logging.getLogger(__name__)
 
 SCRIPT_LOCATION = str(Path(__file__).with_name("migrations"))
 
@@ -45,3 +56,30 @@ async def current_revision(store: Store) -> str | None:
     async with store.engine.connect() as conn:
         return await conn.run_sync(
             lambda c: MigrationContext.configure(c).get_current_revision())
+
+
+async def upgrade_when_reachable(store: Store, *, wait_s: float = 300.0,
+                                 sleep: Callable[[float], Awaitable[None]] | None = None
+                                 ) -> str | None:
+    """`upgrade`, waiting up to `wait_s` for a database that is not reachable yet.
+
+    A ledger (re)started while PostgreSQL restarts ("the database system is not yet accepting
+    connections", connection refused) used to exit at once, which under an orchestrator is a
+    crash loop (found by the proving ground). Errors that are not about reachability (bad
+    credentials, a broken migration) still fail at once.
+    """
+    def note(state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        log.warning("database not reachable yet (%s); waiting (%.0f s so far)",
+                    f"{type(exc).__name__}: {exc}".splitlines()[0][:300],
+                    state.seconds_since_start or 0.0)
+
+    extra: dict[str, Any] = {"sleep": sleep} if sleep is not None else {}
+    retrying = AsyncRetrying(
+        retry=retry_if_exception(is_retryable), stop=stop_after_delay(wait_s),
+        wait=wait_exponential_jitter(multiplier=0.2, max=5.0), before_sleep=note, reraise=True,
+        **extra)
+    async for attempt in retrying:
+        with attempt:
+            return await upgrade(store)
+    raise AssertionError("unreachable")  # pragma: no cover
