@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from effectledger_cli.embedded import free_port
+from effectledger_cli.embedded import as_postgres, free_port, pg_bindir
 
 DURABLE_SETTINGS = {
     "fsync": "on",
@@ -31,34 +31,11 @@ DURABLE_SETTINGS = {
 }
 
 
-def pg_bindir() -> Path | None:
-    """The folder with initdb/pg_ctl/pgbench: `pg_config --bindir`, else initdb on PATH."""
-    pg_config = shutil.which("pg_config")
-    if pg_config:
-        out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True)
-        folder = Path(out.stdout.strip())
-        if (folder / "initdb").exists():
-            return folder
-    initdb = shutil.which("initdb")
-    if initdb:
-        return Path(initdb).parent
-    for candidate in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
-        if (candidate / "initdb").exists():
-            return candidate
-    return None
-
-
 def _run(cmd: list[str]) -> None:
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): "
                            f"{(out.stderr or out.stdout).strip()[-2000:]}")
-
-
-def _as_postgres(cmd: list[str]) -> list[str]:
-    if os.geteuid() != 0:
-        return cmd
-    return ["runuser", "-u", "postgres", "--", *cmd]
 
 
 @dataclass
@@ -89,17 +66,17 @@ class PrivatePostgres:
             shutil.chown(self.root, "postgres", "postgres")
             shutil.chown(self.sock, "postgres", "postgres")
             os.chmod(self.root, 0o755)
-        _run(_as_postgres([self.bin("initdb"), "-D", str(self.data), "-U", "postgres",
+        _run(as_postgres([self.bin("initdb"), "-D", str(self.data), "-U", "postgres",
                            "--auth=trust", "-E", "UTF8", "--no-sync"]))
         opts = " ".join(f"-c {k}={v}" for k, v in DURABLE_SETTINGS.items())
         opts += f" -p {self.port} -k {self.sock}"
-        _run(_as_postgres([self.bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log),
+        _run(as_postgres([self.bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log),
                            "-o", opts, "-w", "-t", "60", "start"]))
 
     def stop(self) -> None:
         if not (self.data / "postmaster.pid").exists():
             return
-        subprocess.run(_as_postgres([self.bin("pg_ctl"), "-D", str(self.data), "-m", "fast",
+        subprocess.run(as_postgres([self.bin("pg_ctl"), "-D", str(self.data), "-m", "fast",
                                      "-w", "-t", "60", "stop"]), capture_output=True)
 
     def url(self, db: str) -> str:

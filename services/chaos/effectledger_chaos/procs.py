@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from effectledger_cli.embedded import free_port, nats_server_binary
+from effectledger_cli.embedded import as_postgres, free_port, nats_server_binary, pg_bindir
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -235,22 +235,6 @@ async def wait_port(port: int, timeout_s: float, service: Service | None = None)
 
 # -- PostgreSQL -------------------------------------------------------------------------------
 
-def pg_bindir() -> Path | None:
-    pg_config = shutil.which("pg_config")
-    if pg_config:
-        out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True)
-        folder = Path(out.stdout.strip())
-        if (folder / "initdb").exists():
-            return folder
-    initdb = shutil.which("initdb")
-    if initdb:
-        return Path(initdb).parent
-    for candidate in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
-        if (candidate / "initdb").exists():
-            return candidate
-    return None
-
-
 def database_choice() -> str:
     """`postgres` when a private cluster can be started here, else `sqlite`.
 
@@ -293,8 +277,7 @@ class PrivatePostgres:
         self.port = free_port()
 
     def _cmd(self, *argv: str) -> list[str]:
-        cmd = [str(self.bindir / argv[0]), *argv[1:]]
-        return ["runuser", "-u", "postgres", "--", *cmd] if os.geteuid() == 0 else cmd
+        return as_postgres([str(self.bindir / argv[0]), *argv[1:]])
 
     def _run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
         out = subprocess.run(self._cmd(*argv), capture_output=True, text=True)

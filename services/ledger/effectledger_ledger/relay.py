@@ -34,6 +34,13 @@ from .db.store import Store
 log = logging.getLogger(__name__)
 
 
+async def publish_item(js: JetStreamContext, item: OutboxItem, timeout_s: float) -> int:
+    """Publish one outbox row under its Nats-Msg-Id; returns the stream sequence of the ack."""
+    ack = await js.publish(item.subject, item.payload, timeout=timeout_s,
+                           headers={"Nats-Msg-Id": item.message_id})
+    return int(ack.seq)
+
+
 class Relay:
     def __init__(self, store: Store, js: JetStreamContext, wake: asyncio.Event, *,
                  batch_size: int = 256, lease_s: float = 30.0, poll_interval_s: float = 0.5,
@@ -68,9 +75,7 @@ class Relay:
         return len(items)
 
     async def _publish(self, item: OutboxItem) -> int:
-        ack = await self.js.publish(item.subject, item.payload, timeout=self.publish_timeout_s,
-                                    headers={"Nats-Msg-Id": item.message_id})
-        return int(ack.seq)
+        return await publish_item(self.js, item, self.publish_timeout_s)
 
     async def run(self) -> None:
         while True:
@@ -140,9 +145,7 @@ class DirectPublisher:
             task.add_done_callback(self._tasks.discard)
 
     async def _publish(self, item: OutboxItem) -> int:
-        ack = await self.js.publish(item.subject, item.payload, timeout=self.publish_timeout_s,
-                                    headers={"Nats-Msg-Id": item.message_id})
-        return int(ack.seq)
+        return await publish_item(self.js, item, self.publish_timeout_s)
 
     async def _settle(self, items: list[OutboxItem], results: list[Any]) -> None:
         seqs = {i.id: r for i, r in zip(items, results, strict=True) if isinstance(r, int)}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -101,8 +101,7 @@ _LOCK_WITH_ATTEMPTS = (
     .with_for_update(of=operations))
 
 
-class _Attempt:
-    __slots__ = ("claimed_at", "id", "status")
-
-    def __init__(self, id: str, status: str, claimed_at: datetime | None) -> None:
-        self.id, self.status, self.claimed_at = id, status, claimed_at
+class _Attempt(NamedTuple):
+    id: str
+    status: str
+    claimed_at: datetime | None

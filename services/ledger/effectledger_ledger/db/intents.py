@@ -9,7 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from effectledger_core.catalog import Catalog
+from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.errors import EffectLedgerError, IdempotencyConflict
 from effectledger_core.ids import operation_key as derive_operation_key
 from effectledger_core.intents import reject_nul, validate_arguments
@@ -60,15 +60,17 @@ async def _submit(conn: AsyncConnection, items: list[dict[str, Any]]
     """
     results: list[Submitted | EffectLedgerError | None] = [None] * len(items)
     keys: dict[int, str] = {}
+    valid: dict[int, tuple[Tool, str]] = {}  # the tool and the arguments digest, by position
     for i, kw in enumerate(items):
         intent: SubmitIntent = kw["intent"]
         try:
-            kw["catalog"].get(intent.tool)
-            validate_arguments(intent.arguments)
+            tool = kw["catalog"].get(intent.tool)
+            _canonical, args_digest = validate_arguments(intent.arguments)
             reject_nul(intent.arguments)
         except EffectLedgerError as exc:
             results[i] = exc
             continue
+        valid[i] = (tool, args_digest)
         keys[i] = derive_operation_key(tenant=intent.tenant, task_id=intent.task_id,
                                        caller_key=intent.idempotency_key,
                                        operation_id=kw["operation_id"])
@@ -85,8 +87,7 @@ async def _submit(conn: AsyncConnection, items: list[dict[str, Any]]
     for i, op_key in keys.items():
         kw = items[i]
         intent = kw["intent"]
-        tool = kw["catalog"].get(intent.tool)
-        _canonical, args_digest = validate_arguments(intent.arguments)
+        tool, args_digest = valid[i]
         existing = known.get(op_key) if intent.idempotency_key is not None else None
         if existing is not None:
             if existing["tool"] != tool.name or existing["arguments_digest"] != args_digest:
