@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 from sqlalchemy.exc import DBAPIError
 
+from effectledger_cli.embedded import free_port
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.migrate import head_revision, upgrade_when_reachable
 
 
 def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # closed again when the block ends: connection refused
+    return free_port()  # free, below the ephemeral range, so nothing else takes it: refused
 
 
 async def test_an_unreachable_database_is_waited_for_then_reported() -> None:

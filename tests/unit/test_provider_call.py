@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -25,6 +24,7 @@ import httpx
 import pytest
 
 import effectledger_core
+from effectledger_cli.embedded import free_port
 from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.crash import CrashPointHit
 from effectledger_core.errors import CatalogError
@@ -543,9 +543,7 @@ async def test_connection_closed_after_request_read_is_connection_lost_without_r
 
 
 async def test_refused_connection_is_transient_connect_failed_known_not_sent() -> None:
-    with socket.socket() as sock:  # a port that was free a moment ago and is now closed
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # free, and below the ephemeral range, so no client socket takes it
     outcome = await real_call(make_tool(endpoint=f"http://127.0.0.1:{port}/v1/things"))
     assert isinstance(outcome, AttemptFailed)
     assert outcome.failure_class is FailureClass.TRANSIENT

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -49,10 +50,52 @@ def as_postgres(cmd: list[str]) -> list[str]:
     return ["runuser", "-u", "postgres", "--", *cmd]
 
 
+_LOW_PORT = 10000  # well above the registered services most machines run
+_handed_out: set[int] = set()
+
+
+def ephemeral_port_range() -> tuple[int, int]:
+    """The range the kernel picks the local end of outgoing connections from."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 65535  # Linux's default start; macOS/BSD use 49152-65535
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback port that is free now and that no outgoing connection will take later.
+
+    A port from bind(0) lies in the ephemeral range, the same range the kernel draws the local
+    end of every outgoing connection from. Between our pick and the service's own bind, a busy
+    test run can hand it to a client socket (CI once saw "reconciler could not listen on
+    127.0.0.1:60361"), and a service restarted on its old port meets the same race. So we pick
+    below the ephemeral range, where the kernel never assigns ports on its own, and never hand
+    out the same port twice in one process.
+    """
+    lo, _ = ephemeral_port_range()
+    rng = random.SystemRandom()
+    if lo - _LOW_PORT >= 1000:
+        for _ in range(500):
+            port = rng.randrange(_LOW_PORT, lo)
+            if port in _handed_out or not _bindable(port):
+                continue
+            _handed_out.add(port)
+            return port
+    with socket.socket() as s:  # no room below the ephemeral range: take the kernel's pick
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    _handed_out.add(port)
+    return port
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen[bytes] | None
