@@ -29,6 +29,46 @@ GROUP BY o.id
 """
 
 
+# Where an operation's time goes, from the ledger's own timestamps (epoch 1 only):
+# accepted (journal, before the intent's transaction) -> claimed (the claim's transaction)
+# -> outcome (the dispatcher's clock right after the provider answered) -> recorded (journal,
+# the inbox's transaction). All clocks are this machine's.
+STAGES_SQL = """
+SELECT min(j.at) FILTER (WHERE j.kind = 'intent_accepted') AS accepted,
+       min(a.claimed_at) AS claimed,
+       min((a.outcome->>'at')::timestamptz) AS outcome,
+       min(j.at) FILTER (WHERE j.kind = 'outcome_recorded' AND j.to_state = 'succeeded')
+           AS recorded
+FROM operations o
+JOIN journal j ON j.operation_id = o.id
+JOIN attempts a ON a.operation_id = o.id AND a.epoch = 1
+WHERE o.task_id = ANY($1::text[]) AND o.state = 'succeeded'
+GROUP BY o.id
+"""
+STAGES = (("accepted_to_claimed", "accepted", "claimed"),
+          ("claimed_to_outcome", "claimed", "outcome"),
+          ("outcome_to_recorded", "outcome", "recorded"))
+
+
+async def stage_latencies(dsn: str, tags: Sequence[str]) -> dict[str, dict[str, float | None]]:
+    """p50/p99 (ms) of each stage of the operations of `tags` that succeeded in epoch 1."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(STAGES_SQL, list(tags))
+    finally:
+        await conn.close()
+    out: dict[str, dict[str, float | None]] = {}
+    for name, start, end in STAGES:
+        values = [(r[end] - r[start]).total_seconds() * 1000 for r in rows
+                  if r[start] is not None and r[end] is not None]
+        out[name] = {"p50": _round(percentile(values, 50)), "p99": _round(percentile(values, 99))}
+    return out
+
+
+def _round(v: float | None) -> float | None:
+    return round(v, 2) if v is not None else None
+
+
 def percentile(values: Sequence[float], p: float) -> float | None:
     """Nearest-rank percentile (the smallest value with at least p % of values at or below it).
 

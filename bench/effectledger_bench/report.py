@@ -60,6 +60,14 @@ METRICS: list[tuple[str, str, int]] = [
     ("p99 ms", "latency_ms.p99", 1),
     ("p99.9 ms", "latency_ms.p99_9", 1),
 ]
+STAGES: list[tuple[str, str, int]] = [
+    ("accepted → claimed p50 ms", "stages_ms.accepted_to_claimed.p50", 1),
+    ("p99", "stages_ms.accepted_to_claimed.p99", 1),
+    ("claimed → outcome p50", "stages_ms.claimed_to_outcome.p50", 1),
+    ("p99", "stages_ms.claimed_to_outcome.p99", 1),
+    ("outcome → recorded p50", "stages_ms.outcome_to_recorded.p50", 1),
+    ("p99", "stages_ms.outcome_to_recorded.p99", 1),
+]
 COST: list[tuple[str, str, int]] = [
     ("system CPU ms/op", "system_cpu_ms_per_op", 2),
     ("ledger", "cpu_ms_per_op.ledger", 2),
@@ -280,6 +288,14 @@ def render(results: dict[str, Any], out_dir: Path) -> str:
         "",
     ]
     parts += [multi_table(phases, ("max", "half", "failure_mix"), METRICS), ""]
+    if any("stages_ms" in p for p in phases):
+        parts += ["Where an operation's time goes, from the ledger's own timestamps "
+                  "(operations that succeeded in epoch 1): *accepted → claimed* is the intent's "
+                  "transaction, the publish of its command, the dispatcher's pull and the claim's "
+                  "transaction; *claimed → outcome* is the claim's reply and the provider call; "
+                  "*outcome → recorded* is the outcome's publish, the inbox's pull and its "
+                  "transaction.", "", multi_table(phases, ("max", "half", "failure_mix"), STAGES),
+                  ""]
     parts += ["## Cost per operation", "",
               "CPU milliseconds per operation by process (all processes of a kind summed; "
               "`system` = ledger + dispatchers + PostgreSQL + NATS); WAL commit records and "

@@ -22,7 +22,14 @@ import httpx
 from . import peers
 from . import profile as prof
 from .load import LoadGenerator, LoadResult, Progress
-from .measure import all_ops, check_effects, count_moving, fetch_ops, latency_stats
+from .measure import (
+    all_ops,
+    check_effects,
+    count_moving,
+    fetch_ops,
+    latency_stats,
+    stage_latencies,
+)
 from .pg import PgCounters, read_counters, wal_commit_records
 from .procs import CpuSample, self_cpu
 from .sqlcapture import extract, pgbench_script
@@ -170,6 +177,7 @@ class Runner:
             self.submitted_ids.extend(ld.op_ids)
         rows = await fetch_ops(self.dsn, tags)
         stats = latency_stats(rows)
+        stages = await stage_latencies(self.dsn, tags)
         n = max(1, stats["operations"])
         cpu: dict[str, float] = {}
         kernel: dict[str, float] = {}
@@ -192,7 +200,7 @@ class Runner:
                   "wal_bytes_per_op": round(d["wal_bytes"] / n)}
         result = {
             "scenario": scenario, "params": params, "rep": rep, "tags": tags,
-            "wall_s": round(t1 - t0, 2), "still_moving": moving, **stats,
+            "wall_s": round(t1 - t0, 2), "still_moving": moving, **stats, "stages_ms": stages,
             "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
             "cpu_ms_per_op": {k: round(1000 * v / n, 3) for k, v in sorted(cpu.items())},
             "system_cpu_ms_per_op": round(1000 * system / n, 3),

@@ -3,8 +3,8 @@
 The ledger's intents and claims are request-reply over core NATS (no JetStream), on every
 operation's critical path. Through FastStream each request went through its middleware,
 dependency-injection and message-wrapper stack, about a quarter of the ledger's CPU in the
-benchmark's profile; here a request is one callback. JetStream consumers (the dispatcher, the
-inbox, the reconciler) stay on FastStream, where its acks and pull-consumer handling pay off.
+benchmark's profile; here a request is one callback. The dispatcher's and the inbox's JetStream
+consumers are plain nats-py too (effectledger_bus.pull); the reconciler stays on FastStream.
 
 nats-py runs one subscription's callbacks one after another; each request therefore gets its
 own task, at most `concurrency` at once (beyond that the callback waits, which leaves further

@@ -7,11 +7,48 @@ dispatch stream is the transport of committed intents, so it should survive a br
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import TypeVar
+
+import nats.errors
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError
+from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
 from effectledger_core.config import Settings
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def _transient(exc: BaseException) -> bool:
+    """Worth waiting out at start-up: the server is unreachable, restarting or electing. A
+    refused configuration (400) is our mistake and must fail the start at once."""
+    if isinstance(exc, BadRequestError):
+        return False
+    return isinstance(exc, nats.errors.Error | TimeoutError | OSError)
+
+
+def _log_wait(state: RetryCallState) -> None:
+    exc = state.outcome.exception() if state.outcome is not None else None
+    wait = state.next_action.sleep if state.next_action is not None else 0.0
+    log.warning("JetStream not ready at start-up (%s: %s); trying again in %.1fs",
+                type(exc).__name__, exc, wait)
+
+
+async def at_startup(call: Callable[[], Awaitable[T]]) -> T:
+    """Run a start-up JetStream call, waiting (without bound, logging each try) while the server
+    cannot answer: a service started during a broker restart must wait for it, not exit and
+    crash-loop. Readiness probes report the service not ready meanwhile."""
+    async for attempt in AsyncRetrying(retry=retry_if_exception(_transient),
+                                       wait=wait_exponential(multiplier=0.2, max=5.0),
+                                       before_sleep=_log_wait, reraise=True):
+        with attempt:
+            return await call()
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def stream_configs(settings: Settings) -> list[StreamConfig]:
@@ -37,12 +74,16 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
 
 async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:
     for cfg in stream_configs(settings):
-        try:
-            await js.stream_info(cfg.name)  # type: ignore[arg-type]
-        except NotFoundError:
-            await js.add_stream(cfg)
-        else:
-            await js.update_stream(cfg)
+        await at_startup(partial(_ensure_stream, js, cfg))
+
+
+async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    try:
+        await js.stream_info(cfg.name)  # type: ignore[arg-type]
+    except NotFoundError:
+        await js.add_stream(cfg)
+    else:
+        await js.update_stream(cfg)
 
 
 async def delete_streams(js: JetStreamContext, settings: Settings) -> None:

@@ -47,3 +47,10 @@ def test_bench_quick_check_finds_no_lost_or_duplicated_effect(tmp_path: Path) ->
     assert effects["ok"] is True and effects["lost"] == 0 and effects["duplicated"] == 0
     assert results["phases"], "no scenario was measured"
     assert (out / "report.md").exists()
+    # Every phase says where its operations' time went, stage by stage (numbers, not speed).
+    for phase in results["phases"]:
+        if phase["succeeded"]:
+            stages = phase["stages_ms"]
+            assert all(isinstance(stages[s]["p50"], float) for s in
+                       ("accepted_to_claimed", "claimed_to_outcome", "outcome_to_recorded")), phase
+    assert "accepted → claimed" in (out / "report.md").read_text()

@@ -1,4 +1,4 @@
-"""Composition root of the dispatcher: NATS client, FastStream consumer, HTTP client."""
+"""Composition root of the dispatcher: NATS client, JetStream pull consumer, HTTP clients."""
 
 from __future__ import annotations
 
@@ -7,49 +7,43 @@ import contextlib
 import logging
 import signal
 
-from faststream import AckPolicy
-from faststream.nats import JStream, NatsBroker, PullSub
-from nats.js.api import AckPolicy as JsAckPolicy
-from nats.js.api import ConsumerConfig
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig
 
-from effectledger_bus.connect import connect, connect_options, current_message, raw_body
+from effectledger_bus.connect import connect
+from effectledger_bus.pull import PullConsumer
 from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
 
 from .adapters import load_adapter
 from .provider import make_clients
-from .worker import CONSUMER, Dispatcher, as_delivery
+from .worker import CONSUMER, Dispatcher, JsDelivery
 
 log = logging.getLogger("effectledger.dispatcher")
 
 
-def build_broker(settings: Settings, dispatcher: Dispatcher) -> NatsBroker:
+def build_consumer(nc: NatsClient, settings: Settings, dispatcher: Dispatcher) -> PullConsumer:
+    """The durable `dispatcher` pull consumer of the dispatch stream (plain nats-py; see
+    effectledger_bus.pull for why not FastStream here)."""
     subjects = settings.subjects
-    broker = NatsBroker(**connect_options(settings, f"effectledger-dispatcher-"
-                                                    f"{settings.dispatcher_id}"),
-                        logger=log, log_level=logging.DEBUG, decoder=raw_body)
 
-    @broker.subscriber(
-        subjects.dispatch_all,
-        stream=JStream(subjects.dispatch_stream, declare=False),
-        durable=CONSUMER,
-        pull_sub=PullSub(batch_size=min(256, settings.dispatcher_concurrency), timeout=1.0),
-        max_workers=settings.dispatcher_concurrency,
-        ack_policy=AckPolicy.MANUAL,
+    async def on_dispatch(msg: Msg) -> None:
+        await dispatcher.handle(JsDelivery(msg))
+
+    return PullConsumer(
+        nc, subject=subjects.dispatch_all, stream=subjects.dispatch_stream,
+        durable=CONSUMER, handler=on_dispatch, name="dispatcher",
+        concurrency=settings.dispatcher_concurrency,
+        batch=min(256, settings.dispatcher_concurrency),
         config=ConsumerConfig(
-            ack_policy=JsAckPolicy.EXPLICIT,
+            ack_policy=AckPolicy.EXPLICIT,
             # ack_wait bounds how long a silently dead dispatcher holds a command; live ones
             # send in_progress heartbeats during provider calls.
             ack_wait=settings.ack_wait_s,
             max_deliver=settings.max_deliver,
-            max_ack_pending=max(1024, settings.dispatcher_concurrency * 4)),
-        title="dispatcher", description="Dispatch commands from the ledger outbox")
-    async def on_dispatch(body: bytes) -> None:
-        msg = current_message(broker)  # not a parameter: see current_message
-        await dispatcher.handle(as_delivery(msg))
-
-    return broker
+            max_ack_pending=max(1024, settings.dispatcher_concurrency * 4)))
 
 
 async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> None:
@@ -65,8 +59,8 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
                             dispatcher_id=settings.dispatcher_id,
                             claim_timeout_s=settings.claim_timeout_s,
                             ack_wait_s=settings.ack_wait_s, max_deliver=settings.max_deliver)
-    broker = build_broker(settings, dispatcher)
-    await broker.start()
+    consumer = build_consumer(nc, settings, dispatcher)
+    await consumer.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -78,7 +72,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     try:
         await stop.wait()
     finally:
-        await broker.stop()
+        await consumer.stop()
         for client in pool:
             await client.aclose()
         with contextlib.suppress(Exception):

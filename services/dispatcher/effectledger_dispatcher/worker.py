@@ -17,10 +17,10 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
@@ -58,7 +58,7 @@ def unsafe_skip_claim(env: Mapping[str, str]) -> bool:
 
 
 class Delivery:
-    """What the worker needs of a JetStream delivery (FastStream's message, or a fake)."""
+    """What the worker needs of a JetStream delivery (a nats-py message, or a fake)."""
 
     subject: str
     data: bytes
@@ -258,23 +258,23 @@ class Dispatcher:
         await self.nc.jetstream().publish(self.subjects.deadletter, encode(letter), timeout=5.0)
 
 
-def as_delivery(msg: Any) -> Delivery:
-    """Adapt FastStream's NatsMessage to `Delivery`."""
-    raw = msg.raw_message
+class JsDelivery(Delivery):
+    """`Delivery` over a nats-py JetStream message."""
 
-    class _D(Delivery):
-        subject = raw.subject
-        data = raw.data
-        headers = raw.headers or {}
-        deliveries = raw.metadata.num_delivered if raw.metadata else 1
+    __slots__ = ("data", "deliveries", "headers", "msg", "subject")
 
-        async def ack(self) -> None:
-            await msg.ack()
+    def __init__(self, msg: Msg) -> None:
+        self.msg = msg
+        self.subject = msg.subject
+        self.data = msg.data
+        self.headers = msg.headers or {}
+        self.deliveries = msg.metadata.num_delivered if msg.reply else 1
 
-        async def nak(self, delay: float) -> None:
-            await msg.nack(delay=delay)
+    async def ack(self) -> None:
+        await self.msg.ack()
 
-        async def in_progress(self) -> None:
-            await msg.in_progress()
+    async def nak(self, delay: float) -> None:
+        await self.msg.nak(delay=delay)
 
-    return _D()
+    async def in_progress(self) -> None:
+        await self.msg.in_progress()

@@ -1,4 +1,4 @@
-"""Composition root of the ledger service: store, catalog, broker, relay, sweeper, HTTP API."""
+"""Composition root of the ledger service: store, catalog, inbox, relay, sweeper, HTTP API."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .api import create_app
 from .auth import Authenticator
 from .db.outbox import StreamPosition
 from .db.store import Store
-from .messaging import build_broker, serve_requests
+from .messaging import build_inbox, serve_requests
 from .migrate import upgrade_when_reachable
 from .relay import DirectPublisher, Relay, Sweeper, listen_notify, stream_position
 from .service import LedgerService
@@ -41,8 +41,8 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     if settings.direct_publish_lease_s > 0:
         service.publisher = DirectPublisher(js, service.writes, store, service.outbox_wake)
         service.direct_lease_s = settings.direct_publish_lease_s
-    broker = build_broker(settings, service)
-    await broker.start()
+    inbox = build_inbox(nc, settings, service)
+    await inbox.start()
     requests = await serve_requests(nc, settings, service)
 
     relay = Relay(store, js, service.outbox_wake, batch_size=settings.relay_batch_size,
@@ -78,7 +78,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         await requests.close()
-        await broker.stop()
+        await inbox.stop()
         with contextlib.suppress(Exception):
             await nc.drain()
         await service.close()

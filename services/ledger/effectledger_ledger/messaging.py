@@ -1,8 +1,7 @@
-"""The ledger's NATS side: request-reply for intents and claims (nats-py), the inbox (FastStream).
+"""The ledger's NATS side on nats-py: request-reply for intents and claims, and the inbox.
 
-Every JetStream consumer here is durable with manual acks: FastStream's default would terminate
-(never redeliver) a message whose handler raised. A message is acked only after the ledger
-transaction that it caused has committed; poison messages are recorded and then acked.
+The inbox is a durable JetStream consumer with explicit acks. A message is acked only after the
+ledger transaction that it caused has committed; poison messages are recorded and then acked.
 """
 
 from __future__ import annotations
@@ -11,13 +10,11 @@ import json
 import logging
 from typing import Any
 
-from faststream import AckPolicy
-from faststream.nats import JStream, NatsBroker, PullSub
 from nats.aio.client import Client as NatsClient
-from nats.js.api import AckPolicy as JsAckPolicy
-from nats.js.api import ConsumerConfig
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig
 
-from effectledger_bus.connect import connect_options, current_message, raw_body
+from effectledger_bus.pull import PullConsumer
 from effectledger_bus.rpc import RequestServer
 from effectledger_core.config import Settings
 from effectledger_core.errors import (
@@ -104,48 +101,39 @@ async def serve_requests(nc: NatsClient, settings: Settings,
     return server
 
 
-def build_broker(settings: Settings, service: LedgerService) -> NatsBroker:
+def build_inbox(nc: NatsClient, settings: Settings, service: LedgerService) -> PullConsumer:
     """The inbox: a durable JetStream pull consumer of outcomes, verdicts, webhooks and dead
-    letters (FastStream)."""
+    letters (plain nats-py; see effectledger_bus.pull for why not FastStream here)."""
     subjects = settings.subjects
-    broker = NatsBroker(**connect_options(settings, "effectledger-ledger"), logger=log,
-                        log_level=logging.DEBUG, decoder=raw_body)
-
     max_deliver = settings.max_deliver
 
-    @broker.subscriber(
-        subjects.ledger_all,
-        stream=JStream(subjects.events_stream, declare=False),
-        durable=INBOX_CONSUMER,
-        pull_sub=PullSub(batch_size=64, timeout=1.0),
-        max_workers=settings.inbox_concurrency,
-        ack_policy=AckPolicy.MANUAL,
-        config=ConsumerConfig(ack_policy=JsAckPolicy.EXPLICIT, ack_wait=settings.inbox_ack_wait_s,
-                              max_deliver=max_deliver, max_ack_pending=4096),
-        title="ledger.inbox", description="Attempt outcomes and dead letters")
-    async def on_event(body: bytes) -> None:
-        msg = current_message(broker)  # not a parameter: see current_message
-        raw = msg.raw_message
-        deliveries = raw.metadata.num_delivered if raw.metadata else 1
+    async def on_event(msg: Msg) -> None:
+        headers = msg.headers or {}
+        deliveries = msg.metadata.num_delivered
         try:
-            await _handle_event(service, subjects.deadletter, raw.subject, raw.data,
-                                raw.headers or {}, deliveries)
+            await _handle_event(service, subjects.deadletter, msg.subject, msg.data, headers,
+                                deliveries)
         except EffectLedgerError as exc:
             if exc.retryable and deliveries < max_deliver:
-                await msg.nack(delay=min(30.0, 0.5 * 2 ** deliveries))
+                await msg.nak(delay=min(30.0, 0.5 * 2 ** deliveries))
                 return
-            await _dead_letter(service, raw.subject, raw.data, raw.headers or {}, deliveries,
+            await _dead_letter(service, msg.subject, msg.data, headers, deliveries,
                                exc.message)
         except Exception as exc:
-            log.exception("inbox: unexpected error on %s", raw.subject)
+            log.exception("inbox: unexpected error on %s", msg.subject)
             if deliveries < max_deliver:
-                await msg.nack(delay=min(30.0, 0.5 * 2 ** deliveries))
+                await msg.nak(delay=min(30.0, 0.5 * 2 ** deliveries))
                 return
-            await _dead_letter(service, raw.subject, raw.data, raw.headers or {}, deliveries,
+            await _dead_letter(service, msg.subject, msg.data, headers, deliveries,
                                f"{type(exc).__name__}: {exc}")
         await msg.ack()
 
-    return broker
+    return PullConsumer(
+        nc, subject=subjects.ledger_all, stream=subjects.events_stream,
+        durable=INBOX_CONSUMER, handler=on_event, name="ledger.inbox",
+        concurrency=settings.inbox_concurrency, batch=64,
+        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=settings.inbox_ack_wait_s,
+                              max_deliver=max_deliver, max_ack_pending=4096))
 
 
 async def _handle_event(service: LedgerService, deadletter_subject: str, subject: str,

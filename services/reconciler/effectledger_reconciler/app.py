@@ -20,7 +20,7 @@ from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
 from effectledger_dispatcher.adapters import load_adapter
 from effectledger_dispatcher.provider import make_client
-from effectledger_dispatcher.worker import as_delivery
+from effectledger_dispatcher.worker import JsDelivery
 
 from .ledger_client import NatsLedgerClient
 from .publisher import JetStreamPublisher
@@ -68,7 +68,7 @@ def build_broker(settings: Settings, reconciler: Reconciler) -> NatsBroker:
         title="reconciler", description="Ambiguous and accepted operations to reconcile")
     async def on_reconcile(body: bytes) -> None:
         msg = current_message(broker)  # not a parameter: see current_message
-        await reconciler.handle(as_delivery(msg))
+        await reconciler.handle(JsDelivery(msg.raw_message))  # acks go to nats-py directly
 
     return broker
 

@@ -49,7 +49,7 @@ ReadbackFn = Callable[[Tool, ReconcileOperation], Awaitable[ReadbackAnswer]]
 
 
 class Delivery(Protocol):
-    """What the worker needs of a JetStream delivery (the dispatcher's `as_delivery`, a fake)."""
+    """What the worker needs of a JetStream delivery (the dispatcher's `JsDelivery`, a fake)."""
 
     subject: str
     data: bytes
