@@ -29,7 +29,10 @@ class Settings(BaseSettings):
     db_pool_size: int = 10
     # Group commit: at most this many intents/claims/outcomes share one transaction (1: off).
     db_batch_max: int = Field(default=64, ge=1, le=1024)
-    # Transactions in flight at once for group commit (default: 2 on PostgreSQL, 1 on SQLite).
+    # Group-commit transactions in flight at once. One writer makes the largest batches, so
+    # the least CPU per operation; on the 2-core benchmark machine it cut the p99 at 150 ops/s
+    # from 180-195 ms (2 writers) to 108-143 ms, at the same saturated throughput. More may
+    # help when PostgreSQL is remote and each round trip is slow. (None: the default, 1.)
     db_batch_workers: int | None = Field(default=None, ge=1, le=64)
 
     # broker

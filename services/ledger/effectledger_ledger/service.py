@@ -58,7 +58,7 @@ class LedgerService:
     budget: RetryBudget = field(default_factory=lambda: RetryBudget(now=time.monotonic()))
     # Intents, claims and outcomes arriving together share a transaction (db/batch.py).
     batch_max: int = 64
-    batch_workers: int | None = None  # default: 2 on PostgreSQL, 1 on SQLite (one writer)
+    batch_workers: int | None = None  # default 1: see Settings.db_batch_workers
     writes: GroupCommit = field(init=False)
     # Publishes new intents' commands right after their commit (relay.DirectPublisher); set by
     # the app once NATS is connected. Without it every command goes through the relay.
@@ -66,7 +66,7 @@ class LedgerService:
     direct_lease_s: float = 10.0
 
     def __post_init__(self) -> None:
-        workers = self.batch_workers or (2 if self.store.is_postgres else 1)
+        workers = self.batch_workers or 1
         self.writes = GroupCommit(self.store, name="ledger", max_batch=self.batch_max,
                                   workers=workers)
 
