@@ -269,7 +269,8 @@ def render(results: dict[str, Any], out_dir: Path) -> str:
             "product_code_modified_in_worktree") else ""),
         f"- durability: PostgreSQL {results.get('postgres', {}).get('version', '')} "
         f"{results.get('postgres', {}).get('settings', '')}; JetStream file storage",
-        f"- load: intents over NATS request-reply; closed loop window {cfg.get('window')} "
+        "- load: intents over NATS request-reply; closed loop window "
+        f"{results.get('window_probe', {}).get('chosen') or cfg.get('window')} "
         f"(probe: {results.get('window_probe', {}).get('outcomes_per_s', 'fixed')}), "
         f"{cfg.get('duration_s')} s per phase; dispatchers {cfg.get('dispatchers')} x "
         f"concurrency {cfg.get('dispatcher_concurrency')}; repetitions {cfg.get('reps')}",
