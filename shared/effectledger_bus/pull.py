@@ -53,8 +53,8 @@ MessageHandler = Callable[[Msg], Awaitable[None]]
 # How long past its `expires` a pull request that got no answer at all (lost in a reconnect)
 # is still waited for before the next one is sent.
 LOST_REQUEST_GRACE_S = 1.0
-# After a refused pull (409: too many waiting requests, consumer deleted, ...) or a failed
-# publish, wait this long before pulling again, doubling up to the cap.
+# After a refused pull (409: too many waiting requests, consumer deleted, ...; any 4xx) or a
+# failed publish, wait this long before pulling again, doubling up to the cap.
 RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 5.0
 
@@ -148,7 +148,9 @@ class PullConsumer:
                 log.warning("%s: pull request not sent (%s); retrying in %.1fs", self.name,
                             exc, retry_s)
                 request.status = "unsent"
-            if request.status.startswith(("409", "unsent")):
+            # Any end but "filled", "expired" (408) or "lost" is a refusal: back off, so that a
+            # server answering every pull with an error is not asked again in a tight loop.
+            if request.status and not request.status.startswith("408"):
                 if "Consumer Deleted" in request.status:
                     log.error("%s: the consumer was deleted; creating it again", self.name)
                     with contextlib.suppress(Exception):
