@@ -117,7 +117,7 @@ def latency_stats(rows: Sequence[OpRow]) -> dict[str, Any]:
         span = (last - first).total_seconds()  # type: ignore[operator]
         out["span_s"] = round(span, 3)
         out["ops_per_s"] = round(len(ok) / span, 1) if span > 0 else None
-        out["latency_ms"] = {name: round(v, 2) if v is not None else None for name, v in (
+        out["latency_ms"] = {name: _round(v) for name, v in (
             ("p50", percentile(lat, 50)), ("p95", percentile(lat, 95)),
             ("p99", percentile(lat, 99)), ("p99_9", percentile(lat, 99.9)),
             ("max", max(lat)), ("mean", sum(lat) / len(lat)))}

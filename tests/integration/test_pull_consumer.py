@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import nats
 import pytest
@@ -13,7 +15,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
-from effectledger_bus.pull import PullConsumer
+from effectledger_bus.pull import MessageHandler, PullConsumer
 
 
 @dataclass
@@ -22,17 +24,26 @@ class Stream:
     name: str
     subject: str  # the consumer's filter, "<prefix>.>"
 
-    def consumer(self, handler: object, **kw: object) -> PullConsumer:
-        return PullConsumer(self.nc, subject=self.subject, stream=self.name,
-                            durable="workers", handler=handler,  # type: ignore[arg-type]
+    def consumer(self, handler: MessageHandler, *, concurrency: int, ack_wait: float = 30.0,
+                 **kw: Any) -> PullConsumer:
+        return PullConsumer(self.nc, subject=self.subject, stream=self.name, durable="workers",
+                            handler=handler, concurrency=concurrency,
                             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
-                                                  ack_wait=kw.pop("ack_wait", 30.0)),  # type: ignore[arg-type]
-                            **kw)  # type: ignore[arg-type]
+                                                  ack_wait=ack_wait), **kw)
 
     async def publish(self, n: int) -> None:
         js = self.nc.jetstream()
         for i in range(n):
             await js.publish(f"{self.subject[:-2]}.m", str(i).encode())
+
+
+@asynccontextmanager
+async def consuming(consumer: PullConsumer) -> AsyncIterator[PullConsumer]:
+    await consumer.start()
+    try:
+        yield consumer
+    finally:
+        await consumer.stop()
 
 
 @pytest.fixture
@@ -66,12 +77,8 @@ async def test_every_message_is_handled_with_bounded_concurrency(stream: Stream)
         if len(seen) == 40:
             all_in.set()
 
-    consumer = stream.consumer(handler, concurrency=3, batch=10)
-    await consumer.start()
-    try:
+    async with consuming(stream.consumer(handler, concurrency=3, batch=10)):
         await asyncio.wait_for(all_in.wait(), 30)
-    finally:
-        await consumer.stop()
     assert sorted(seen, key=int) == [str(i).encode() for i in range(40)]
     assert 1 <= peak <= 3
 
@@ -88,12 +95,8 @@ async def test_a_failing_handler_leaves_its_message_for_redelivery(stream: Strea
         await msg.ack()
         redelivered.set()
 
-    consumer = stream.consumer(handler, concurrency=2, ack_wait=1.0)
-    await consumer.start()
-    try:
+    async with consuming(stream.consumer(handler, concurrency=2, ack_wait=1.0)):
         await asyncio.wait_for(redelivered.wait(), 30)
-    finally:
-        await consumer.stop()
     assert deliveries == [1, 2]
 
 
@@ -160,15 +163,12 @@ async def test_a_message_into_an_open_pull_request_is_handled_at_once(stream: St
         await msg.ack()
         handled.set()
 
-    consumer = stream.consumer(handler, concurrency=32, batch=32, expires_s=30.0)
     pulled = await _pull_seen(stream)
-    await consumer.start()
-    try:
+    async with consuming(stream.consumer(handler, concurrency=32, batch=32,
+                                       expires_s=30.0)) as consumer:
         await asyncio.wait_for(pulled.wait(), 10)
         await stream.publish(1)
         await asyncio.wait_for(handled.wait(), 10)
-    finally:
-        await consumer.stop()
     assert consumer.pull_requests == 1  # the same open request delivered it
 
 
@@ -179,16 +179,12 @@ async def test_a_deleted_consumer_is_created_again(stream: Stream) -> None:
         await msg.ack()
         handled.set()
 
-    consumer = stream.consumer(handler, concurrency=4, expires_s=30.0)
     pulled = await _pull_seen(stream)
-    await consumer.start()
-    try:
+    async with consuming(stream.consumer(handler, concurrency=4, expires_s=30.0)):
         await asyncio.wait_for(pulled.wait(), 10)
         await stream.nc.jetstream().delete_consumer(stream.name, "workers")
         await stream.publish(1)
         await asyncio.wait_for(handled.wait(), 30)
-    finally:
-        await consumer.stop()
 
 
 async def _pull_seen(stream: Stream) -> asyncio.Event:
