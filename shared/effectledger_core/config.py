@@ -101,7 +101,13 @@ class Settings(BaseSettings):
     webhook_max_body_bytes: int = Field(default=256 * 1024, gt=0)
     webhook_tolerance_s: float = Field(default=300.0, gt=0)
 
+    # dispatcher health port: /metrics, /healthz, /readyz (None: no port; 0: any free port)
+    dispatcher_health_host: str = "127.0.0.1"
+    dispatcher_health_port: int | None = Field(default=None, ge=0, le=65535)
+
+    # logging: text for a terminal, json (one object per line) for collectors
     log_level: str = "INFO"
+    log_format: str = Field(default="text", pattern="^(text|json)$")
 
     @property
     def subjects(self) -> Subjects:

@@ -1,0 +1,140 @@
+"""Serving metrics and health over HTTP.
+
+- `metrics_response()`: the Prometheus exposition of this process, for a `/metrics` route in an
+  existing app (the ledger's API, the reconciler's webhook endpoint).
+- `HttpObservability`: ASGI middleware counting requests by route template (never the raw path,
+  which carries operation ids) and, when tracing is on, a server span per request that joins
+  the caller's `traceparent`.
+- `HealthServer`: a small HTTP port with `/metrics`, `/healthz` and `/readyz` for services that
+  have no HTTP server of their own (the dispatcher).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from . import metrics, tracing
+
+log = logging.getLogger(__name__)
+
+Ready = Callable[[], Awaitable[Mapping[str, Any]]]
+ASGIApp = Callable[[dict[str, Any], Callable[..., Awaitable[Any]],
+                    Callable[..., Awaitable[None]]], Awaitable[None]]
+
+
+def metrics_response() -> Response:
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+async def metrics_endpoint(_: Request) -> Response:
+    # Scrape-time collectors may query a database: keep that off the event loop's hot path
+    # only where they say so; the default registry's own collectors are cheap.
+    return metrics_response()
+
+
+class HttpObservability:
+    """Pure ASGI middleware: request counts, durations and (when on) a span per request."""
+
+    def __init__(self, app: ASGIApp, *, skip: frozenset[str] = frozenset({"/metrics"})) -> None:
+        self.app, self.skip = app, skip
+
+    async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]],
+                       send: Callable[..., Awaitable[None]]) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.skip:
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        started = time.perf_counter()
+
+        async def send_status(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+            await send(message)
+
+        method = scope.get("method", "GET")
+        parent = None
+        if tracing.ENABLED:
+            headers = {k.decode("latin-1"): v.decode("latin-1")
+                       for k, v in scope.get("headers", ())
+                       if k in (b"traceparent", b"tracestate")}
+            parent = tracing.extract(headers)
+        with tracing.span(f"{method} http", kind=tracing.SpanKind.SERVER,
+                          context=parent) as sp:
+            try:
+                await self.app(scope, receive, send_status)
+            finally:
+                route = _route(scope)
+                if sp is not None:
+                    sp.update_name(f"{method} {route}")
+                    sp.set_attribute("http.route", route)
+                    sp.set_attribute("http.response.status_code", status)
+                metrics.HTTP_REQUESTS.labels(route, method, str(status)).inc()
+                metrics.HTTP_DURATION.labels(route, method).observe(
+                    time.perf_counter() - started)
+
+
+def _route(scope: dict[str, Any]) -> str:
+    route = scope.get("route")
+    path = getattr(route, "path", None)
+    return str(path) if path else "unmatched"
+
+
+def health_app(ready: Ready) -> Starlette:
+    """`/metrics`, `/healthz` (the process answers) and `/readyz` (`ready()` all true)."""
+
+    async def healthz(_: Request) -> Response:
+        return JSONResponse({"ok": True})
+
+    async def readyz(_: Request) -> Response:
+        try:
+            checks = dict(await ready())
+        except Exception as exc:  # a probe must answer, not raise
+            return JSONResponse({"ok": False, "error": type(exc).__name__}, status_code=503)
+        ok = all(v for v in checks.values() if isinstance(v, bool))
+        return JSONResponse({"ok": ok, "checks": checks}, status_code=200 if ok else 503)
+
+    return Starlette(routes=[Route("/metrics", metrics_endpoint),
+                             Route("/healthz", healthz), Route("/readyz", readyz)])
+
+
+class HealthServer:
+    """Runs `health_app` on `host:port` in the current event loop (port 0: any free port)."""
+
+    def __init__(self, ready: Ready, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        config = uvicorn.Config(health_app(ready), host=host, port=port, log_level="warning",
+                                access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._task: asyncio.Task[None] | None = None
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        """Start serving; returns the bound port once the socket listens."""
+        self._task = asyncio.create_task(self._server.serve(), name="health-server")
+        while not self._server.started:  # uvicorn exposes a flag, not an event
+            if self._task.done():
+                self._task.result()  # the bind failed: raise its error here
+                raise RuntimeError("health server stopped before it started")
+            await asyncio.sleep(0.01)  # polling uvicorn's flag; it offers no event to wait on
+        sockets = self._server.servers[0].sockets
+        self.port = int(sockets[0].getsockname()[1])
+        return self.port
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
