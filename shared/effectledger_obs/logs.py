@@ -12,6 +12,7 @@ their arguments there, and arguments may be personal data. They are held at WARN
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import sys
 from collections.abc import Iterator
@@ -26,6 +27,8 @@ CONTEXT_FIELDS = ("operation_id", "epoch", "attempt_id", "tool", "tenant")
 FORMATS = ("text", "json")
 # Loggers that would write request URLs (query strings with arguments) or bodies.
 QUIET_LOGGERS = ("httpx", "httpcore", "hpack")
+
+_format = "text"  # as configured: announce() writes in the same format
 
 _context: ContextVar[dict[str, Any] | None] = ContextVar("effectledger_log_context",
                                                          default=None)
@@ -94,7 +97,9 @@ def configure_logging(level: str = "INFO", fmt: str = "text", *,
     """Replace the root logger's handlers with one writing `fmt` lines at `level`."""
     if fmt not in FORMATS:
         raise ValueError(f"EFFECTLEDGER_LOG_FORMAT: unknown format {fmt!r} (use text or json)")
+    global _format
     numeric = parse_level(level)
+    _format = fmt
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(json_formatter() if fmt == "json" else TextFormatter())
     handler.addFilter(ContextFilter())
@@ -105,3 +110,11 @@ def configure_logging(level: str = "INFO", fmt: str = "text", *,
     root.setLevel(numeric)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(max(numeric, logging.WARNING))
+
+
+def announce(message: str) -> None:
+    """A line on stdout that supervisors and tests wait for ("ledger ready: ..."), written
+    whatever the level, as plain text or, in JSON mode, as a JSON object like the logs."""
+    if _format == "json":
+        message = json.dumps({"level": "INFO", "logger": "effectledger", "message": message})
+    print(message, flush=True)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import sys
 from collections.abc import Coroutine
@@ -31,9 +30,21 @@ def _settings(args: argparse.Namespace) -> Settings:
     return Settings(**overrides)
 
 
-def _logging(settings: Settings) -> None:
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _logging(settings: Settings, service: str) -> None:
+    """Logs as EFFECTLEDGER_LOG_LEVEL / _LOG_FORMAT say; traces if OTEL_* ask for them."""
+    from effectledger_obs.logs import configure_logging
+    from effectledger_obs.tracing import configure_tracing
+
+    configure_logging(settings.log_level, settings.log_format)
+    configure_tracing(f"effectledger-{service}")
+
+
+def _logging_or_exit(settings: Settings, service: str) -> None:
+    try:
+        _logging(settings, service)
+    except ValueError as exc:  # a bad level or format: one line naming the setting
+        print(f"effectledger {service}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _common(p: argparse.ArgumentParser, *, db: bool = False, nats: bool = False) -> None:
@@ -195,7 +206,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from effectledger_sandbox.server import serve as serve_sandbox
         from effectledger_sandbox.server import webhook_options
 
-        logging.basicConfig(level="INFO")
+        sandbox_settings = Settings()
+        _logging_or_exit(sandbox_settings, "sandbox")
         try:
             hooks = webhook_options(args)
         except ValueError as exc:
@@ -205,7 +217,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         run_loop(serve_sandbox(args.host, args.port, app=app))
         return 0
     settings = _settings(args)
-    _logging(settings)
+    _logging_or_exit(settings, cmd)
     if cmd == "migrate":
         from effectledger_ledger.db.store import Store
         from effectledger_ledger.migrate import upgrade

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,6 +26,7 @@ from effectledger_core.errors import (
 from effectledger_core.limits import MAX_HTTP_BODY_BYTES, MAX_IDENTIFIER_BYTES
 from effectledger_core.messages import SubmitIntent, parse
 from effectledger_core.recovery import Conclusion, Review
+from effectledger_obs.http import HttpObservability, metrics_response
 
 from .auth import Authenticator, Forbidden, Principal, check_tenant, operator_name
 from .service import LedgerService
@@ -97,8 +98,11 @@ def _json(v: Any) -> Any:
 
 
 def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str, Any]]],
-               auth: Authenticator | None = None) -> FastAPI:
+               auth: Authenticator | None = None,
+               before_scrape: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
     app = FastAPI(title="effectledger ledger", version="1")
+    # Request counts by route template and, when tracing is on, a span per request.
+    app.add_middleware(HttpObservability)
     authenticator = auth or Authenticator({}, {})
 
     async def principal(request: Request) -> Principal:
@@ -232,6 +236,14 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
     async def stats(p: Who) -> dict[str, Any]:
         # Agents see their own tenant's counts only, like every other read.
         return await service.stats(tenant=p.tenant if p.role == "agent" else None)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        # Unauthenticated like /healthz: scrapers carry no token, and the figures hold no
+        # operation ids, tenants or arguments (bounded labels only).
+        if before_scrape is not None:
+            await before_scrape()  # the gauges read from the database (gauges.py)
+        return metrics_response()
 
     @app.get("/healthz")
     async def healthz() -> dict[str, bool]:

@@ -13,11 +13,13 @@ from effectledger_bus.connect import connect
 from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
+from effectledger_obs.logs import announce
 
 from .api import create_app
 from .auth import Authenticator
 from .db.outbox import StreamPosition
 from .db.store import Store
+from .gauges import DbGauges
 from .messaging import build_inbox, serve_requests
 from .migrate import upgrade_when_reachable
 from .relay import DirectPublisher, Relay, Sweeper, listen_notify, stream_position
@@ -62,8 +64,10 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         return {"database": await store.ping(), "nats": nc.is_connected,
                 "relay": not any(t.done() for t in tasks[:3])}
 
+    gauges = DbGauges(store, reconcile_deadline_s=settings.reconcile_deadline_s)
     app = create_app(service, ready=ready,
-                     auth=Authenticator(settings.agent_tokens, settings.operator_tokens))
+                     auth=Authenticator(settings.agent_tokens, settings.operator_tokens),
+                     before_scrape=gauges.refresh)
     server = uvicorn.Server(uvicorn.Config(
         app, host=settings.ledger_host, port=settings.ledger_port, log_level="warning",
         access_log=False, lifespan="off"))
@@ -90,7 +94,7 @@ async def _announce(server: uvicorn.Server, settings: Settings,
     while not server.started:  # noqa: ASYNC110 - uvicorn exposes a flag, not an event
         await asyncio.sleep(0.02)  # polling uvicorn's flag; it offers no event to wait on
     log.info("ledger listening on http://%s:%d", settings.ledger_host, settings.ledger_port)
-    print(f"ledger ready: http://{settings.ledger_host}:{settings.ledger_port}", flush=True)
+    announce(f"ledger ready: http://{settings.ledger_host}:{settings.ledger_port}")
     if started is not None:
         started.set()
 

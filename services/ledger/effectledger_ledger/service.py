@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 
 from effectledger_core.catalog import Catalog
 from effectledger_core.crash import crash_point
-from effectledger_core.errors import UnknownTool
+from effectledger_core.errors import EffectLedgerError, UnknownTool
 from effectledger_core.failures import Failure
 from effectledger_core.ids import Clock, IdFactory, new_id, utcnow
 from effectledger_core.messages import (
@@ -29,6 +29,7 @@ from effectledger_core.messages import (
 from effectledger_core.recovery import Assessment, Review, inspect_recovery, prepare_retry
 from effectledger_core.retry_policy import RetryBudget, RetryContext, RetryDecision, decide_retry
 from effectledger_core.subjects import Subjects
+from effectledger_obs import metrics, tracing
 
 from .db import reads
 from .db import recovery as rec
@@ -38,11 +39,14 @@ from .db.intents import Submitted, submit_intent_txn
 from .db.outcomes import record_dead_letter_txn, record_outcome_txn
 from .db.resolution import Recorded, record_verdict_txn, record_webhook_txn
 from .db.store import Store
+from .observe import Observer
 
 if TYPE_CHECKING:
     from .relay import DirectPublisher
 
 log = logging.getLogger(__name__)
+# The consumers that record dead letters (a label must not take a message's free text).
+DEAD_LETTER_CONSUMERS = frozenset({"ledger-inbox", "dispatcher", "reconciler"})
 
 
 @dataclass
@@ -64,11 +68,15 @@ class LedgerService:
     # the app once NATS is connected. Without it every command goes through the relay.
     publisher: DirectPublisher | None = None
     direct_lease_s: float = 10.0
+    # Counts, times and logs committed transitions (observe.py), fed by the store.
+    observer: Observer = field(default_factory=Observer)
 
     def __post_init__(self) -> None:
         workers = self.batch_workers or 1
         self.writes = GroupCommit(self.store, name="ledger", max_batch=self.batch_max,
                                   workers=workers)
+        self.store.on_commit = self.observer.committed
+        metrics.RETRY_BUDGET_TOKENS.set_function(lambda: self.budget.tokens)
 
     async def close(self) -> None:
         if self.publisher is not None:
@@ -93,7 +101,21 @@ class LedgerService:
         return decision
 
     async def submit(self, intent: SubmitIntent, *, actor: str = "agent") -> Submitted:
+        try:
+            result = await self._submit(intent, actor=actor)
+        except EffectLedgerError as exc:
+            metrics.INTENTS_REFUSED.labels(exc.code).inc()
+            raise
+        op = result.operation
+        metrics.INTENTS.labels(op["tool"], "created" if result.created else "existing").inc()
+        if result.created:
+            self.observer.accepted(op)
+        return result
+
+    async def _submit(self, intent: SubmitIntent, *, actor: str) -> Submitted:
         self.catalog.get(intent.tool)  # unknown tool: a clear error before any transaction
+        # The request's trace context, kept in the outbox row for whoever publishes it.
+        traceparent = tracing.current_traceparent()
         direct = self.publisher is not None and self.direct_lease_s > 0
         for _ in range(3):
             now = self.clock()
@@ -101,7 +123,7 @@ class LedgerService:
                 result = await self.writes.run(
                     submit_intent_txn, catalog=self.catalog, intent=intent,
                     subjects=self.subjects, operation_id=self.ids(), outbox_id=self.ids(),
-                    now=now, actor=actor,
+                    now=now, actor=actor, traceparent=traceparent,
                     lease_until=now + timedelta(seconds=self.direct_lease_s) if direct else None)
             except IntegrityError:
                 # Two submissions with the same key raced; the loser retries and finds the
@@ -119,7 +141,9 @@ class LedgerService:
     async def claim(self, claim: ClaimAttempt) -> ClaimReply:
         for _ in range(3):
             try:
-                return await self.writes.run(claim_txn, claim, now=self.clock())
+                reply = await self.writes.run(claim_txn, claim, now=self.clock())
+                metrics.CLAIMS.labels(reply.status.value).inc()
+                return reply
             except IntegrityError:
                 continue  # a concurrent claim for this epoch won; re-read answers "already"
         raise RuntimeError("claim kept conflicting")
@@ -131,6 +155,12 @@ class LedgerService:
             subjects=self.subjects, now=self.clock(), ambiguous_outbox_id=self.ids(),
             decide_retry=self.decide_retry)
         crash_point("ledger.inbox.after_commit")
+        metrics.OUTCOMES.labels(outcome.type, result.status).inc()
+        if result.status == "duplicate":
+            metrics.INBOX_DUPLICATES.labels("outcome").inc()
+        else:
+            self.observer.outcome_reported(operation_id=outcome.operation_id, at=outcome.at,
+                                           now=self.clock())
         if result.to_state in ("ambiguous", "pending"):
             self.outbox_wake.set()
         if result.status == "rejected":
@@ -143,6 +173,9 @@ class LedgerService:
             record_verdict_txn, verdict, consumer=consumer, message_id=message_id,
             subjects=self.subjects, now=self.clock(), outbox_id=self.ids(),
             decide_retry=self.decide_retry)
+        metrics.VERDICTS.labels(verdict.verdict, result.status).inc()
+        if result.status == "duplicate":
+            metrics.INBOX_DUPLICATES.labels("verdict").inc()
         if result.to_state == "pending":
             self.outbox_wake.set()
         return result
@@ -151,6 +184,9 @@ class LedgerService:
         result = await self.store.run(
             record_webhook_txn, hook, now=self.clock(), subjects=self.subjects,
             outbox_id=self.ids(), decide_retry=self.decide_retry)
+        metrics.WEBHOOKS_RECORDED.labels(result.status).inc()
+        if result.status == "duplicate":
+            metrics.INBOX_DUPLICATES.labels("webhook").inc()
         if result.to_state == "pending":
             self.outbox_wake.set()
         return result
@@ -159,12 +195,15 @@ class LedgerService:
         """In-flight attempts with no outcome for `older_than_s`: ambiguous (db/lost.py)."""
         from .db.lost import sweep_lost_outcomes_txn
 
-        return await self.store.run(sweep_lost_outcomes_txn, now=self.clock(),
-                                    older_than_s=older_than_s, subjects=self.subjects,
-                                    new_id=self.ids, decide_retry=self.decide_retry)
+        lost: int = await self.store.run(
+            sweep_lost_outcomes_txn, now=self.clock(), older_than_s=older_than_s,
+            subjects=self.subjects, new_id=self.ids, decide_retry=self.decide_retry)
+        metrics.LOST_OUTCOMES.inc(lost)
+        return lost
 
     async def record_dead_letter(self, letter: DeadLetter) -> None:
         await self.store.run(record_dead_letter_txn, letter, now=self.clock())
+        metrics.DEAD_LETTERS.labels(metrics.bounded(letter.consumer, DEAD_LETTER_CONSUMERS)).inc()
         log.warning("dead-lettered %s from %s: %s", letter.message_id, letter.consumer,
                     letter.error)
 

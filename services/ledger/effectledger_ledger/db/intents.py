@@ -117,12 +117,13 @@ async def _submit(conn: AsyncConnection, items: list[dict[str, Any]]
         command = None
         if state is State.PENDING:
             row = dispatch_row(op, subjects=kw["subjects"], outbox_id=kw["outbox_id"], now=now)
+            row["traceparent"] = kw.get("traceparent")
             lease_until = kw.get("lease_until")
             if lease_until is not None:
                 # Written as already leased, so no relay takes it while we publish it.
                 row.update(status=OUTBOX_PUBLISHING, lease_until=lease_until)
                 command = OutboxItem(row["id"], row["subject"], row["payload"].encode(), 0,
-                                     "dispatch")
+                                     "dispatch", row["traceparent"])
             else:
                 relay = True
             commands.append(row)
@@ -147,10 +148,12 @@ async def submit_many(conn: AsyncConnection, calls: Calls) -> list[Submitted | E
 async def submit_intent_txn(conn: AsyncConnection, *, catalog: Catalog, intent: SubmitIntent,
                             subjects: Subjects, operation_id: str, outbox_id: str,
                             now: datetime, actor: str = "agent",
-                            lease_until: datetime | None = None) -> Submitted:
+                            lease_until: datetime | None = None,
+                            traceparent: str | None = None) -> Submitted:
     [result] = await _submit(conn, [dict(
         catalog=catalog, intent=intent, subjects=subjects, operation_id=operation_id,
-        outbox_id=outbox_id, now=now, actor=actor, lease_until=lease_until)])
+        outbox_id=outbox_id, now=now, actor=actor, lease_until=lease_until,
+        traceparent=traceparent)])
     if isinstance(result, EffectLedgerError):
         raise result
     return result

@@ -130,6 +130,9 @@ outbox = sa.Table(
     # "lost" instead of guessing from age alone (a long backlog is not a loss).
     sa.Column("stream_seq", sa.BigInteger),
     sa.Column("last_error", sa.String(1024)),
+    # W3C traceparent of the request that wrote the row (null when tracing is off): a publish
+    # long after the request, or by another replica after a restart, still joins its trace.
+    sa.Column("traceparent", sa.String(64)),
     sa.Index("ix_outbox_unpublished", "available_at",
              postgresql_where=sa.text("status IN ('pending', 'publishing')"),
              sqlite_where=sa.text("status IN ('pending', 'publishing')")),
