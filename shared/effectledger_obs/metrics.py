@@ -166,6 +166,13 @@ WEBHOOKS_REFUSED = Counter(
     "Webhooks refused, by provider and reason (bad_signature, expired, too_large, invalid, "
     "unknown_provider, ...).", ["provider", "reason"])
 
+# ---- provider ground truth ------------------------------------------------------------------
+
+DUPLICATES_DETECTED = Counter(
+    "effectledger_duplicates_detected_total",
+    "Effects a provider applied more than once for one operation, as found by a readback "
+    "count or a webhook, by tool. Should stay at zero: each one needs a human.", ["tool"])
+
 # ---- messaging (every service) --------------------------------------------------------------
 
 NATS_RECONNECTS = Counter(
