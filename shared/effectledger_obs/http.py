@@ -81,8 +81,8 @@ class HttpObservability:
                     sp.update_name(f"{method} {route}")
                     sp.set_attribute("http.route", route)
                     sp.set_attribute("http.response.status_code", status)
-                metrics.HTTP_REQUESTS.labels(route, method, str(status)).inc()
-                metrics.HTTP_DURATION.labels(route, method).observe(
+                metrics.child(metrics.HTTP_REQUESTS, route, method, str(status)).inc()
+                metrics.child(metrics.HTTP_DURATION, route, method).observe(
                     time.perf_counter() - started)
 
 
@@ -115,8 +115,9 @@ class HealthServer:
 
     def __init__(self, ready: Ready, *, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host = host
+        # log_config=None: uvicorn's own handlers would write text lines into JSON logs.
         config = uvicorn.Config(health_app(ready), host=host, port=port, log_level="warning",
-                                access_log=False, lifespan="off")
+                                access_log=False, lifespan="off", log_config=None)
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
         self.port: int | None = None

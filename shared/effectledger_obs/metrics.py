@@ -13,6 +13,7 @@ registered by the ledger only, so they are not defined here.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
@@ -27,6 +28,27 @@ PROVIDER_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 OTHER = "other"
+
+# `metric.labels(...)` costs ~2 us (argument checks, a lock); the hot paths (several metrics
+# per operation) look each labelled child up once. Label sets are bounded, so is this table.
+_children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+
+def child(metric: Counter | Gauge | Histogram, *labels: str) -> Any:
+    """`metric.labels(*labels)`, cached."""
+    key = (id(metric), labels)
+    found = _children.get(key)
+    if found is None:
+        found = _children[key] = metric.labels(*labels)
+    return found
+
+
+def inc(metric: Counter, *labels: str, amount: float = 1.0) -> None:
+    child(metric, *labels).inc(amount)
+
+
+def observe(metric: Histogram, value: float, *labels: str) -> None:
+    child(metric, *labels).observe(value)
 
 
 def bounded(value: str | None, allowed: Iterable[str]) -> str:

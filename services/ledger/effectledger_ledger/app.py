@@ -70,7 +70,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
                      before_scrape=gauges.refresh)
     server = uvicorn.Server(uvicorn.Config(
         app, host=settings.ledger_host, port=settings.ledger_port, log_level="warning",
-        access_log=False, lifespan="off"))
+        access_log=False, lifespan="off", log_config=None))  # our handlers, our format
     watcher = asyncio.create_task(_announce(server, settings, started))
     try:
         await server.serve()

@@ -54,7 +54,7 @@ class Observer:
         for row in rows:
             to_state = row["to_state"]
             from_state = row.get("from_state") or NEW
-            metrics.TRANSITIONS.labels(from_state, to_state).inc()
+            metrics.child(metrics.TRANSITIONS, from_state, to_state).inc()
             self._time(row, from_state, to_state)
             detail = row.get("detail") or {}
             log.info("%s: %s -> %s", row["kind"], from_state, to_state,
@@ -63,11 +63,11 @@ class Observer:
 
     def outcome_reported(self, *, operation_id: str, at: datetime, now: datetime) -> None:
         """An outcome message from a dispatcher, stamped `at` (its clock), recorded `now`."""
-        metrics.STAGE_DURATION.labels("outcome_to_recorded").observe(
+        metrics.child(metrics.STAGE_DURATION, "outcome_to_recorded").observe(
             max(0.0, (now - at).total_seconds()))
         tracked = self._ops.get(operation_id)
         if tracked is not None and tracked.claimed_at is not None:
-            metrics.STAGE_DURATION.labels("claimed_to_outcome").observe(
+            metrics.child(metrics.STAGE_DURATION, "claimed_to_outcome").observe(
                 max(0.0, (at - tracked.claimed_at).total_seconds()))
 
     def _time(self, row: Mapping[str, Any], from_state: str, to_state: str) -> None:
@@ -77,12 +77,12 @@ class Observer:
             if tracked is not None:
                 tracked.claimed_at = row["at"]
                 if row.get("epoch") == 1:  # a retry's claim is not the intent's first wait
-                    metrics.STAGE_DURATION.labels("accepted_to_claimed").observe(
+                    metrics.child(metrics.STAGE_DURATION, "accepted_to_claimed").observe(
                         max(0.0, (row["at"] - tracked.accepted_at).total_seconds()))
         elif to_state in _AT_REST and from_state != to_state:
             tracked = self._ops.pop(op_id, None)
             if tracked is None:
                 metrics.LATENCY_UNTRACKED.inc()
                 return
-            metrics.OPERATION_DURATION.labels(tracked.tool, to_state).observe(
+            metrics.child(metrics.OPERATION_DURATION, tracked.tool, to_state).observe(
                 max(0.0, (row["at"] - tracked.accepted_at).total_seconds()))

@@ -58,7 +58,7 @@ async def publish_item(js: JetStreamContext, item: OutboxItem, timeout_s: float)
 def _count_published(items: list[OutboxItem], published: set[str], via: str) -> None:
     for item in items:
         if item.id in published:
-            metrics.RELAY_PUBLISHED.labels(item.kind, via).inc()
+            metrics.child(metrics.RELAY_PUBLISHED, item.kind, via).inc()
 
 
 class Relay:
@@ -89,7 +89,7 @@ class Relay:
             self.published += len(ok)
             _count_published(items, set(ok), "relay")
         if failed:
-            metrics.RELAY_PUBLISH_FAILURES.labels("relay").inc(len(failed))
+            metrics.child(metrics.RELAY_PUBLISH_FAILURES, "relay").inc(len(failed))
             err = repr(failed[0][1])
             log.warning("relay: %d publishes failed (%s); retrying later", len(failed), err)
             await self.store.run(release_txn, [i.id for i, _ in failed], now=self.clock(),
@@ -180,7 +180,7 @@ class DirectPublisher:
                 self.published += len(seqs)
                 _count_published(items, set(seqs), "direct")
             if failed:
-                metrics.RELAY_PUBLISH_FAILURES.labels("direct").inc(len(failed))
+                metrics.child(metrics.RELAY_PUBLISH_FAILURES, "direct").inc(len(failed))
                 log.warning("direct publish: %d failed (%r); handed to the relay", len(failed),
                             next(r for r in results if isinstance(r, BaseException)))
                 await self.store.run(release_txn, failed, now=self.clock(),
@@ -236,8 +236,8 @@ class Sweeper:
         reconcile = await self.store.run(sweep_unclaimed_txn, now=self.clock(),
                                          older_than_s=self.reconcile_after_s, kind="reconcile",
                                          position=pos.get("reconcile"))
-        metrics.SWEEPER_REPUBLISHED.labels("dispatch").inc(dispatch)
-        metrics.SWEEPER_REPUBLISHED.labels("reconcile").inc(reconcile)
+        metrics.child(metrics.SWEEPER_REPUBLISHED, "dispatch").inc(dispatch)
+        metrics.child(metrics.SWEEPER_REPUBLISHED, "reconcile").inc(reconcile)
         n = dispatch + reconcile
         if n:
             log.warning("sweeper: republishing %d unclaimed dispatch commands", n)

@@ -104,10 +104,10 @@ class LedgerService:
         try:
             result = await self._submit(intent, actor=actor)
         except EffectLedgerError as exc:
-            metrics.INTENTS_REFUSED.labels(exc.code).inc()
+            metrics.child(metrics.INTENTS_REFUSED, exc.code).inc()
             raise
         op = result.operation
-        metrics.INTENTS.labels(op["tool"], "created" if result.created else "existing").inc()
+        metrics.inc(metrics.INTENTS, op["tool"], "created" if result.created else "existing")
         if result.created:
             self.observer.accepted(op)
         return result
@@ -142,7 +142,7 @@ class LedgerService:
         for _ in range(3):
             try:
                 reply = await self.writes.run(claim_txn, claim, now=self.clock())
-                metrics.CLAIMS.labels(reply.status.value).inc()
+                metrics.child(metrics.CLAIMS, reply.status.value).inc()
                 return reply
             except IntegrityError:
                 continue  # a concurrent claim for this epoch won; re-read answers "already"
@@ -155,9 +155,9 @@ class LedgerService:
             subjects=self.subjects, now=self.clock(), ambiguous_outbox_id=self.ids(),
             decide_retry=self.decide_retry)
         crash_point("ledger.inbox.after_commit")
-        metrics.OUTCOMES.labels(outcome.type, result.status).inc()
+        metrics.child(metrics.OUTCOMES, outcome.type, result.status).inc()
         if result.status == "duplicate":
-            metrics.INBOX_DUPLICATES.labels("outcome").inc()
+            metrics.child(metrics.INBOX_DUPLICATES, "outcome").inc()
         else:
             self.observer.outcome_reported(operation_id=outcome.operation_id, at=outcome.at,
                                            now=self.clock())
@@ -173,9 +173,9 @@ class LedgerService:
             record_verdict_txn, verdict, consumer=consumer, message_id=message_id,
             subjects=self.subjects, now=self.clock(), outbox_id=self.ids(),
             decide_retry=self.decide_retry)
-        metrics.VERDICTS.labels(verdict.verdict, result.status).inc()
+        metrics.child(metrics.VERDICTS, verdict.verdict, result.status).inc()
         if result.status == "duplicate":
-            metrics.INBOX_DUPLICATES.labels("verdict").inc()
+            metrics.child(metrics.INBOX_DUPLICATES, "verdict").inc()
         if result.to_state == "pending":
             self.outbox_wake.set()
         return result
@@ -184,9 +184,9 @@ class LedgerService:
         result = await self.store.run(
             record_webhook_txn, hook, now=self.clock(), subjects=self.subjects,
             outbox_id=self.ids(), decide_retry=self.decide_retry)
-        metrics.WEBHOOKS_RECORDED.labels(result.status).inc()
+        metrics.child(metrics.WEBHOOKS_RECORDED, result.status).inc()
         if result.status == "duplicate":
-            metrics.INBOX_DUPLICATES.labels("webhook").inc()
+            metrics.child(metrics.INBOX_DUPLICATES, "webhook").inc()
         if result.to_state == "pending":
             self.outbox_wake.set()
         return result
@@ -203,7 +203,7 @@ class LedgerService:
 
     async def record_dead_letter(self, letter: DeadLetter) -> None:
         await self.store.run(record_dead_letter_txn, letter, now=self.clock())
-        metrics.DEAD_LETTERS.labels(metrics.bounded(letter.consumer, DEAD_LETTER_CONSUMERS)).inc()
+        metrics.inc(metrics.DEAD_LETTERS, metrics.bounded(letter.consumer, DEAD_LETTER_CONSUMERS))
         log.warning("dead-lettered %s from %s: %s", letter.message_id, letter.consumer,
                     letter.error)
 
