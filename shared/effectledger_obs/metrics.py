@@ -185,8 +185,9 @@ WEBHOOKS_VERIFIED = Counter(
     "Webhooks whose signature verified, by provider.", ["provider"])
 WEBHOOKS_REFUSED = Counter(
     "effectledger_webhooks_refused_total",
-    "Webhooks refused, by provider and reason (bad_signature, expired, too_large, invalid, "
-    "unknown_provider, ...).", ["provider", "reason"])
+    "Webhooks refused, by provider and stable reason code (invalid_signature, "
+    "missing_signature, timestamp_too_old, payload_too_large, unknown_provider, ...).",
+    ["provider", "reason"])
 
 # ---- provider ground truth ------------------------------------------------------------------
 

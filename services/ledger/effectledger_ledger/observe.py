@@ -56,10 +56,13 @@ class Observer:
             from_state = row.get("from_state") or NEW
             metrics.child(metrics.TRANSITIONS, from_state, to_state).inc()
             self._time(row, from_state, to_state)
-            detail = row.get("detail") or {}
-            log.info("%s: %s -> %s", row["kind"], from_state, to_state,
-                     extra={"operation_id": row["operation_id"], "epoch": row.get("epoch"),
-                            "attempt_id": detail.get("attempt_id"), "actor": row.get("actor")})
+            if log.isEnabledFor(logging.INFO):
+                detail = row.get("detail") or {}
+                extra = {"operation_id": row["operation_id"], "epoch": row.get("epoch"),
+                         "actor": row.get("actor")}
+                if detail.get("attempt_id"):
+                    extra["attempt_id"] = detail["attempt_id"]
+                log.info("%s: %s -> %s", row["kind"], from_state, to_state, extra=extra)
 
     def outcome_reported(self, *, operation_id: str, at: datetime, now: datetime) -> None:
         """An outcome message from a dispatcher, stamped `at` (its clock), recorded `now`."""
