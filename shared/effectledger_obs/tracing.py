@@ -7,8 +7,8 @@ Tracing is on when one of these is set:
 - `OTEL_EXPORTER_OTLP_ENDPOINT` or `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` (OTLP over HTTP;
   `OTEL_TRACES_EXPORTER` may be left unset or say `otlp`);
 - `OTEL_TRACES_EXPORTER=console`: spans as JSON lines on stderr;
-- `EFFECTLEDGER_TRACES_FILE=PATH`: spans as JSON lines appended to PATH (tests, and a quick look
-  without a collector).
+- `EFFECTLEDGER_TRACES_FILE=PATH`: spans as JSON lines appended to PATH as each one ends
+  (tests, and a quick look without a collector).
 
 `OTEL_SDK_DISABLED=true` or `OTEL_TRACES_EXPORTER=none` keep it off. Sampling follows
 `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` (the SDK reads them; default: parent-based,
@@ -85,6 +85,10 @@ def configure_tracing(service_name: str, *, env: Mapping[str, str] | None = None
     provider = TracerProvider(resource=Resource.create(attrs))
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
+    elif env.get("EFFECTLEDGER_TRACES_FILE"):
+        # Each span written as it ends: a local append is cheap, and a process that is killed
+        # (or stops on a re-raised SIGTERM, as uvicorn does) loses no batch.
+        provider.add_span_processor(SimpleSpanProcessor(_exporter_from(env)))
     else:
         provider.add_span_processor(BatchSpanProcessor(_exporter_from(env)))
     _provider = provider

@@ -170,7 +170,7 @@ def test_trace_file_exporter_writes_one_json_span_per_line(tmp_path: object) -> 
         with tracing.span("one"), tracing.span("two"):
             pass
     finally:
-        tracing.shutdown_tracing()  # flushes the batch processor
+        tracing.shutdown_tracing()
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["name"] for r in rows] == ["two", "one"]
     assert rows[0]["resource"]["attributes"]["service.name"] == "svc"
