@@ -21,8 +21,12 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy.ext.asyncio import AsyncConnection
+
 from effectledger_core.states import AT_REST
 from effectledger_obs import metrics
+
+from .db.schema import OUTBOX_PENDING, outbox
 
 log = logging.getLogger("effectledger.ledger.transitions")
 
@@ -89,3 +93,11 @@ class Observer:
                 return
             metrics.child(metrics.OPERATION_DURATION, tracked.tool, to_state).observe(
                 max(0.0, (row["at"] - tracked.accepted_at).total_seconds()))
+
+
+async def keep_trace_txn(conn: AsyncConnection, outbox_id: str, traceparent: str) -> None:
+    """Store a trace context on an outbox row that has none and is not yet published."""
+    await conn.execute(outbox.update().where(outbox.c.id == outbox_id,
+                                             outbox.c.status == OUTBOX_PENDING,
+                                             outbox.c.traceparent.is_(None))
+                       .values(traceparent=traceparent))

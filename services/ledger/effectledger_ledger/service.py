@@ -39,7 +39,7 @@ from .db.intents import Submitted, submit_intent_txn
 from .db.outcomes import record_dead_letter_txn, record_outcome_txn
 from .db.resolution import Recorded, record_verdict_txn, record_webhook_txn
 from .db.store import Store
-from .observe import Observer
+from .observe import Observer, keep_trace_txn
 
 if TYPE_CHECKING:
     from .relay import DirectPublisher
@@ -150,9 +150,10 @@ class LedgerService:
 
     async def record_outcome(self, outcome: Outcome, *, consumer: str,
                              message_id: str) -> Recorded:
+        follow_up = self.ids()  # the reconcile or retry command's outbox row, if one is due
         result = await self.writes.run(
             record_outcome_txn, outcome, consumer=consumer, message_id=message_id,
-            subjects=self.subjects, now=self.clock(), ambiguous_outbox_id=self.ids(),
+            subjects=self.subjects, now=self.clock(), ambiguous_outbox_id=follow_up,
             decide_retry=self.decide_retry)
         crash_point("ledger.inbox.after_commit")
         metrics.child(metrics.OUTCOMES, outcome.type, result.status).inc()
@@ -162,6 +163,7 @@ class LedgerService:
             self.observer.outcome_reported(operation_id=outcome.operation_id, at=outcome.at,
                                            now=self.clock())
         if result.to_state in ("ambiguous", "pending"):
+            await self._keep_trace(follow_up)
             self.outbox_wake.set()
         if result.status == "rejected":
             log.info("outcome rejected: op=%s reason=%s", outcome.operation_id, result.reason)
@@ -169,27 +171,44 @@ class LedgerService:
 
     async def record_verdict(self, verdict: VerdictReached, *, consumer: str,
                              message_id: str) -> Recorded:
+        follow_up = self.ids()
         result = await self.store.run(
             record_verdict_txn, verdict, consumer=consumer, message_id=message_id,
-            subjects=self.subjects, now=self.clock(), outbox_id=self.ids(),
+            subjects=self.subjects, now=self.clock(), outbox_id=follow_up,
             decide_retry=self.decide_retry)
         metrics.child(metrics.VERDICTS, verdict.verdict, result.status).inc()
         if result.status == "duplicate":
             metrics.child(metrics.INBOX_DUPLICATES, "verdict").inc()
         if result.to_state == "pending":
+            await self._keep_trace(follow_up)
             self.outbox_wake.set()
         return result
 
     async def record_webhook(self, hook: WebhookReceived) -> Recorded:
+        follow_up = self.ids()
         result = await self.store.run(
             record_webhook_txn, hook, now=self.clock(), subjects=self.subjects,
-            outbox_id=self.ids(), decide_retry=self.decide_retry)
+            outbox_id=follow_up, decide_retry=self.decide_retry)
         metrics.child(metrics.WEBHOOKS_RECORDED, result.status).inc()
         if result.status == "duplicate":
             metrics.child(metrics.INBOX_DUPLICATES, "webhook").inc()
         if result.to_state == "pending":
+            await self._keep_trace(follow_up)
             self.outbox_wake.set()
         return result
+
+    async def _keep_trace(self, outbox_id: str) -> None:
+        """Keep the current trace context in a follow-up command's outbox row, so that the
+        reconciler's or the retry's work joins the operation's trace. Written after the
+        commit, not in it: the group-committed transaction runs in another task, which does
+        not carry this message's context. Best effort: the relay may publish first."""
+        traceparent = tracing.current_traceparent()
+        if traceparent is None:
+            return
+        try:
+            await self.store.run(keep_trace_txn, outbox_id, traceparent)
+        except Exception as exc:  # a trace is never worth failing a recorded outcome
+            log.debug("trace context not kept for %s: %s", outbox_id, exc)
 
     async def repair_lost_outcomes(self, older_than_s: float) -> int:
         """In-flight attempts with no outcome for `older_than_s`: ambiguous (db/lost.py)."""
