@@ -45,7 +45,7 @@ _provider: TracerProvider | None = None
 _files: list[IO[str]] = []
 _PROPAGATOR = TraceContextTextMapPropagator()
 
-__all__ = ["ENABLED", "SpanKind", "configure_tracing", "context_from_traceparent",
+__all__ = ["ENABLED", "SpanKind", "annotate", "configure_tracing", "context_from_traceparent",
            "current_ids", "current_traceparent", "extract", "inject", "shutdown_tracing",
            "span"]
 
@@ -178,6 +178,16 @@ def context_from_traceparent(traceparent: str | None) -> Context | None:
     if not ENABLED or not traceparent:
         return None
     return _PROPAGATOR.extract({"traceparent": traceparent})
+
+
+def annotate(**attributes: str | int | float | bool | None) -> None:
+    """Add attributes (those not None) to the current span, e.g. the operation id."""
+    if not ENABLED:
+        return
+    current = trace.get_current_span()
+    for key, value in attributes.items():
+        if value is not None:
+            current.set_attribute(f"effectledger.{key}", value)
 
 
 def current_ids() -> tuple[str, str] | None:

@@ -56,6 +56,9 @@ async def test_the_dispatch_and_reconcile_rows_keep_their_trace_context(
     finally:
         await svc.close()
     kept = await traceparents(store)
+    [finished] = [s for s in spans.get_finished_spans() if s.name == "POST /v1/intents"]
+    assert finished.attributes is not None
+    assert finished.attributes["effectledger.operation_id"] == op["id"]
     for kind, span in (("dispatch", request), ("reconcile", inbox)):
         ctx = span.get_span_context()
         stored = kept[kind]

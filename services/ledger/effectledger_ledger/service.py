@@ -108,6 +108,7 @@ class LedgerService:
             raise
         op = result.operation
         metrics.inc(metrics.INTENTS, op["tool"], "created" if result.created else "existing")
+        tracing.annotate(operation_id=op["id"], tool=op["tool"], epoch=op["epoch"])
         if result.created:
             self.observer.accepted(op)
         return result
