@@ -47,8 +47,11 @@ async def metrics_endpoint(_: Request) -> Response:
 class HttpObservability:
     """Pure ASGI middleware: request counts, durations and (when on) a span per request."""
 
-    def __init__(self, app: ASGIApp, *, skip: frozenset[str] = frozenset({"/metrics"})) -> None:
-        self.app, self.skip = app, skip
+    def __init__(self, app: ASGIApp, *, skip: frozenset[str] = frozenset({"/metrics"}),
+                 untraced: frozenset[str] = frozenset({"/healthz", "/readyz"})) -> None:
+        # `skip`: neither counted nor traced (scrapes); `untraced`: counted, no span (probes
+        # every few seconds would fill the trace store with nothing about operations).
+        self.app, self.skip, self.untraced = app, skip, untraced
 
     async def __call__(self, scope: dict[str, Any], receive: Callable[..., Awaitable[Any]],
                        send: Callable[..., Awaitable[None]]) -> None:
@@ -65,25 +68,32 @@ class HttpObservability:
             await send(message)
 
         method = scope.get("method", "GET")
-        parent = None
-        if tracing.ENABLED:
-            headers = {k.decode("latin-1"): v.decode("latin-1")
-                       for k, v in scope.get("headers", ())
-                       if k in (b"traceparent", b"tracestate")}
-            parent = tracing.extract(headers)
+        if not tracing.ENABLED or scope.get("path") in self.untraced:
+            try:
+                await self.app(scope, receive, send_status)
+            finally:
+                _count(scope, method, status, started)
+            return
+        headers = {k.decode("latin-1"): v.decode("latin-1")
+                   for k, v in scope.get("headers", ()) if k in (b"traceparent", b"tracestate")}
+        parent = tracing.extract(headers)
         with tracing.span(f"{method} http", kind=tracing.SpanKind.SERVER,
                           context=parent) as sp:
             try:
                 await self.app(scope, receive, send_status)
             finally:
-                route = _route(scope)
+                route = _count(scope, method, status, started)
                 if sp is not None:
                     sp.update_name(f"{method} {route}")
                     sp.set_attribute("http.route", route)
                     sp.set_attribute("http.response.status_code", status)
-                metrics.child(metrics.HTTP_REQUESTS, route, method, str(status)).inc()
-                metrics.child(metrics.HTTP_DURATION, route, method).observe(
-                    time.perf_counter() - started)
+
+
+def _count(scope: dict[str, Any], method: str, status: int, started: float) -> str:
+    route = _route(scope)
+    metrics.child(metrics.HTTP_REQUESTS, route, method, str(status)).inc()
+    metrics.child(metrics.HTTP_DURATION, route, method).observe(time.perf_counter() - started)
+    return route
 
 
 def _route(scope: dict[str, Any]) -> str:

@@ -228,3 +228,25 @@ async def test_http_metrics_use_the_route_template_not_the_path() -> None:
     exposition = generate_latest(REGISTRY).decode()
     assert "op-secret-id" not in exposition
     assert 'route="unmatched"' in exposition
+
+
+async def test_http_requests_join_the_callers_trace_and_probes_make_no_spans(
+        spans: InMemorySpanExporter) -> None:
+    async def get_op(request: Request) -> JSONResponse:
+        return JSONResponse({"id": request.path_params["op"]})
+
+    async def healthz(_: Request) -> JSONResponse:
+        return JSONResponse({"ok": True})
+
+    app = HttpObservability(Starlette(routes=[Route("/v1/operations/{op}", get_op),
+                                              Route("/healthz", healthz)]))
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://t") as client:
+        await client.get("/v1/operations/op-1",
+                         headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+        await client.get("/healthz")
+    [span] = spans.get_finished_spans()
+    assert span.name == "GET /v1/operations/{op}"
+    assert format(span.context.trace_id, "032x") == trace_id
+    assert span.parent is not None and format(span.parent.span_id, "016x") == parent
