@@ -14,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import uvicorn
@@ -120,28 +121,54 @@ def health_app(ready: Ready) -> Starlette:
                              Route("/healthz", healthz), Route("/readyz", readyz)])
 
 
+class _Embedded(uvicorn.Server):
+    """A uvicorn server inside a service that owns the process's signals: uvicorn would
+    otherwise take SIGTERM for itself, stop only this port, and then re-raise it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class HealthPortError(RuntimeError):
+    """The health port could not be opened (in use, not permitted)."""
+
+
 class HealthServer:
     """Runs `health_app` on `host:port` in the current event loop (port 0: any free port)."""
 
-    def __init__(self, ready: Ready, *, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.host = host
+    def __init__(self, ready: Ready, *, host: str = "127.0.0.1", port: int = 0,
+                 setting: str = "health port") -> None:
+        self.host, self.setting, self.wanted_port = host, setting, port
         # log_config=None: uvicorn's own handlers would write text lines into JSON logs.
         config = uvicorn.Config(health_app(ready), host=host, port=port, log_level="warning",
                                 access_log=False, lifespan="off", log_config=None)
-        self._server = uvicorn.Server(config)
+        self._server = _Embedded(config)
         self._task: asyncio.Task[None] | None = None
         self.port: int | None = None
 
     async def start(self) -> int:
         """Start serving; returns the bound port once the socket listens."""
-        self._task = asyncio.create_task(self._server.serve(), name="health-server")
+        # The socket is bound here, not by uvicorn: uvicorn answers a failed bind with
+        # sys.exit, which would end the whole service from inside a task.
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.wanted_port))
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise HealthPortError(f"{self.setting}: cannot listen on {self.host}:"
+                                  f"{self.wanted_port} ({exc.strerror or exc})") from None
+        sock.setblocking(False)
+        self.port = int(sock.getsockname()[1])
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]),
+                                         name="health-server")
         while not self._server.started:  # uvicorn exposes a flag, not an event
             if self._task.done():
-                self._task.result()  # the bind failed: raise its error here
-                raise RuntimeError("health server stopped before it started")
+                self._task.result()
+                raise HealthPortError(f"{self.setting}: the health server stopped at start")
             await asyncio.sleep(0.01)  # polling uvicorn's flag; it offers no event to wait on
-        sockets = self._server.servers[0].sockets
-        self.port = int(sockets[0].getsockname()[1])
         return self.port
 
     async def stop(self) -> None:

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from effectledger_obs import logs, metrics, tracing
-from effectledger_obs.http import HealthServer, HttpObservability
+from effectledger_obs.http import HealthPortError, HealthServer, HttpObservability
 
 FORBIDDEN_LABELS = {"operation_id", "tenant", "operation_key", "attempt_id", "key", "id",
                     "arguments", "path", "url"}
@@ -250,3 +250,17 @@ async def test_http_requests_join_the_callers_trace_and_probes_make_no_spans(
     assert span.name == "GET /v1/operations/{op}"
     assert format(span.context.trace_id, "032x") == trace_id
     assert span.parent is not None and format(span.parent.span_id, "016x") == parent
+
+
+async def test_a_health_port_in_use_fails_with_the_setting_named() -> None:
+    async def check() -> dict[str, bool]:
+        return {}
+
+    first = HealthServer(check, port=0)
+    port = await first.start()
+    try:
+        second = HealthServer(check, port=port, setting="EFFECTLEDGER_DISPATCHER_HEALTH_PORT")
+        with pytest.raises(HealthPortError, match="EFFECTLEDGER_DISPATCHER_HEALTH_PORT"):
+            await second.start()
+    finally:
+        await first.stop()
