@@ -22,6 +22,7 @@ from effectledger_core.ids import Clock, utcnow
 
 from .db.batch import GroupCommit
 from .db.outbox import (
+    MarkPublished,
     OutboxItem,
     StreamPosition,
     lease_batch_txn,
@@ -153,8 +154,7 @@ class DirectPublisher:
                   if isinstance(r, BaseException)]
         try:
             if seqs:
-                await self.writes.run(mark_published_txn, list(seqs), now=self.clock(),
-                                      seqs=seqs)
+                await self.writes.call(MarkPublished(list(seqs), now=self.clock(), seqs=seqs))
                 self.published += len(seqs)
             if failed:
                 log.warning("direct publish: %d failed (%r); handed to the relay", len(failed),

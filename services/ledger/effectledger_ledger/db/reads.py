@@ -110,8 +110,10 @@ def _recovery(op: dict[str, Any]) -> dict[str, str]:
     from effectledger_core.recovery import inspect_recovery
 
     from .recovery import facts
+    from .rows import OperationRow
 
-    a = inspect_recovery(facts(op))
+    # The view has timestamps as text already; facts() reads none of them.
+    a = inspect_recovery(facts(OperationRow.of(op)))
     return {"fact": a.fact.value, "decision": a.decision.value, "reason": a.reason}
 
 
