@@ -28,6 +28,7 @@ from effectledger_core.messages import (
 )
 from effectledger_core.recovery import Assessment, Review, inspect_recovery, prepare_retry
 from effectledger_core.retry_policy import RetryBudget, RetryContext, RetryDecision, decide_retry
+from effectledger_core.states import State
 from effectledger_core.subjects import Subjects
 
 from .db import reads
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from .relay import DirectPublisher
 
 log = logging.getLogger(__name__)
+# States an outcome leaves with a new outbox command (reconcile, or a retry's dispatch).
+_NEW_COMMAND = frozenset({State.AMBIGUOUS.value, State.PENDING.value})
 
 
 @dataclass
@@ -130,7 +133,7 @@ class LedgerService:
             outcome, consumer=consumer, message_id=message_id, subjects=self.subjects,
             now=self.clock(), ambiguous_outbox_id=self.ids(), decide_retry=self.decide_retry))
         crash_point("ledger.inbox.after_commit")
-        if result.to_state in ("ambiguous", "pending"):
+        if result.to_state in _NEW_COMMAND:
             self.outbox_wake.set()
         if result.status == "rejected":
             log.info("outcome rejected: op=%s reason=%s", outcome.operation_id, result.reason)
@@ -142,7 +145,7 @@ class LedgerService:
             record_verdict_txn, verdict, consumer=consumer, message_id=message_id,
             subjects=self.subjects, now=self.clock(), outbox_id=self.ids(),
             decide_retry=self.decide_retry)
-        if result.to_state == "pending":
+        if result.to_state == State.PENDING:
             self.outbox_wake.set()
         return result
 
@@ -150,7 +153,7 @@ class LedgerService:
         result = await self.store.run(
             record_webhook_txn, hook, now=self.clock(), subjects=self.subjects,
             outbox_id=self.ids(), decide_retry=self.decide_retry)
-        if result.to_state == "pending":
+        if result.to_state == State.PENDING:
             self.outbox_wake.set()
         return result
 
