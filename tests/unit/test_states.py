@@ -1,4 +1,4 @@
-"""The operation state machine (DESIGN.md section 4): the table, exhaustively, and properties."""
+"""The operation state machine: the table, exhaustively, and properties."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ EXPECTED: dict[tuple[State, Event], Step] = {
     (S.NEEDS_REVIEW, E.REVIEW_NOT_EXECUTED_RETRY): Step(S.PENDING, new_epoch=True),
     (S.NEEDS_REVIEW, E.REVIEW_NOT_EXECUTED_FINAL): Step(S.FAILED),
     (S.NEEDS_REVIEW, E.REVIEW_UNCERTAIN): Step(S.NEEDS_REVIEW),
-    # An operator's admitted single-use retry plan (DESIGN.md section 5, recovery decisions).
+    # An operator's admitted single-use retry plan.
     (S.AMBIGUOUS, E.PLAN_ADMITTED): Step(S.PENDING, new_epoch=True),
     (S.NEEDS_REVIEW, E.PLAN_ADMITTED): Step(S.PENDING, new_epoch=True),
     (S.FAILED, E.PLAN_ADMITTED): Step(S.PENDING, new_epoch=True),

@@ -131,7 +131,7 @@ def _guidance(last: dict[str, Any]) -> str | None:
 
 
 def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
-    """DESIGN.md section 7. A receipt is evidence, not success: it lists what is still open."""
+    """The receipt: evidence, not success; it lists what is still open."""
     last = op["attempts"][-1] if op["attempts"] else None
     state = State(op["state"])
     open_items = []
