@@ -21,29 +21,29 @@ from effectledger_core.subjects import Subjects
 from .batch import BatchCall
 from .common import execute_rows, insert_journal, journal_row, notify_outbox
 from .outbox import OutboxItem
-from .rows import JournalRow
+from .rows import JournalRow, OperationRow
 from .schema import OUTBOX_PENDING, OUTBOX_PUBLISHING, operations, outbox
 
 
 @dataclass(frozen=True)
 class Submitted:
-    operation: dict[str, Any]
+    operation: dict[str, Any]  # the operation's columns (OperationRow.as_dict())
     created: bool
     # The dispatch command, leased to this ledger for publishing right after the commit
     # (only when the caller asked for a lease, see `lease_until`).
     command: OutboxItem | None = None
 
 
-def dispatch_row(op: dict[str, Any], *, subjects: Subjects, outbox_id: str,
+def dispatch_row(op: OperationRow, *, subjects: Subjects, outbox_id: str,
                  now: datetime) -> dict[str, Any]:
     """The outbox row carrying the DispatchAttempt command for `op` at its current epoch."""
     cmd = DispatchAttempt(
-        operation_id=op["id"], operation_key=op["operation_key"], epoch=op["epoch"],
-        tool=op["tool"], arguments=op["arguments"], arguments_digest=op["arguments_digest"],
-        catalog_digest=op["tool_digest"], contract_revision=op["contract_revision"])
-    return dict(id=outbox_id, operation_id=op["id"], epoch=op["epoch"],
+        operation_id=op.id, operation_key=op.operation_key, epoch=op.epoch,
+        tool=op.tool, arguments=op.arguments, arguments_digest=op.arguments_digest,
+        catalog_digest=op.tool_digest, contract_revision=op.contract_revision)
+    return dict(id=outbox_id, operation_id=op.id, epoch=op.epoch,
                 kind=OutboxKind.DISPATCH.value,
-                subject=subjects.dispatch(op["tool"]), payload=encode(cmd).decode(),
+                subject=subjects.dispatch(op.tool), payload=encode(cmd).decode(),
                 status=OUTBOX_PENDING, created_at=now, available_at=now, publish_count=0)
 
 
@@ -78,9 +78,9 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
                                        caller_key=intent.idempotency_key,
                                        operation_id=kw.operation_id)
     caller_keys = [keys[i] for i in keys if items[i].intent.idempotency_key is not None]
-    known: dict[str, dict[str, Any]] = {}
+    known: dict[str, OperationRow] = {}
     if caller_keys:
-        known = {r["operation_key"]: dict(r) for r in (await conn.execute(
+        known = {r["operation_key"]: OperationRow.of(r) for r in (await conn.execute(
             _BY_KEYS, {"keys": caller_keys})).mappings()}
 
     relay = False  # whether any command is left to the relays (then wake them)
@@ -93,28 +93,29 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
         tool, args_digest = valid[i]
         existing = known.get(op_key) if intent.idempotency_key is not None else None
         if existing is not None:
-            if existing["tool"] != tool.name or existing["arguments_digest"] != args_digest:
+            if existing.tool != tool.name or existing.arguments_digest != args_digest:
                 results[i] = IdempotencyConflict(
                     "idempotency key already used with different arguments or tool",
-                    operation_id=existing["id"])
+                    operation_id=existing.id)
             else:
-                results[i] = Submitted(dict(existing), created=False)
+                results[i] = Submitted(existing.as_dict(), created=False)
             continue
         now = kw.now
         state = State.AWAITING_APPROVAL if tool.commit_policy == "approval" else State.PENDING
-        op = dict(
+        op = OperationRow(
             id=kw.operation_id, tenant=intent.tenant, task_id=intent.task_id,
             caller_key=intent.idempotency_key, operation_key=op_key, tool=tool.name,
             arguments=intent.arguments, arguments_digest=args_digest,
             tool_digest=tool.digest(), contract_revision=tool.contract_revision,
             effect_class=tool.effect_class.value, commit_policy=tool.commit_policy,
-            state=state.value, epoch=1, created_at=now, updated_at=now)
-        new_ops.append(op)
+            state=state, epoch=1, created_at=now, updated_at=now)
+        columns = op.as_dict()
+        new_ops.append(columns)
         known[op_key] = op  # a second intent with this key in the same batch finds it
         entries.append(journal_row(
             operation_id=kw.operation_id, at=now, kind=JournalKind.INTENT_ACCEPTED, actor=kw.actor,
             epoch=1, to_state=state.value,
-            detail={"arguments_digest": args_digest, "tool_digest": op["tool_digest"],
+            detail={"arguments_digest": args_digest, "tool_digest": op.tool_digest,
                     "contract_revision": tool.contract_revision, "tenant": intent.tenant,
                     "task_id": intent.task_id}))
         command = None
@@ -129,7 +130,7 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
             else:
                 relay = True
             commands.append(row)
-        results[i] = Submitted(op, created=True, command=command)
+        results[i] = Submitted(columns, created=True, command=command)
     if new_ops:
         # A unique violation (the same key committed meanwhile by another transaction) aborts
         # the batch; the service then retries each intent on its own and finds the winner.

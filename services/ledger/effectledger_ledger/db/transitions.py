@@ -335,7 +335,7 @@ _CONSUME_DISPATCH = (outbox.update()
 
 async def _dispatch(conn: AsyncConnection, row: OperationRow, d: Dispatch, now: datetime
                     ) -> None:
-    command = dispatch_row(row.as_dict(), subjects=d.subjects, outbox_id=d.outbox_id, now=now)
+    command = dispatch_row(row, subjects=d.subjects, outbox_id=d.outbox_id, now=now)
     if d.available_at is not None:
         command["available_at"] = d.available_at  # the relay publishes it once it is due
     await conn.execute(_INSERT_OUTBOX, command)
