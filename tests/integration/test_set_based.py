@@ -18,17 +18,23 @@ import sqlalchemy as sa
 
 from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.config import DEMO_CATALOG
+from effectledger_core.failures import Failure
 from effectledger_core.messages import (
+    AttemptAccepted,
+    AttemptFailed,
     AttemptSucceeded,
     ClaimAttempt,
+    FailureClass,
     OutcomeAmbiguous,
     SubmitIntent,
 )
+from effectledger_core.retry_policy import RetryDecision
 from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.batch import BatchCall
 from effectledger_ledger.db.claims import ClaimCall
 from effectledger_ledger.db.intents import SubmitCall
 from effectledger_ledger.db.outcomes import OutcomeCall, record_outcome_txn
+from effectledger_ledger.db.rows import OperationRow
 from effectledger_ledger.db.schema import journal, metadata
 from effectledger_ledger.db.store import Store
 
@@ -197,4 +203,59 @@ async def test_outcomes_in_one_batch_match_outcomes_one_by_one(store: Store) -> 
         "Recorded(status='applied', to_state='ambiguous', reason=None)",
         "Recorded(status='rejected', to_state=None, reason='unknown_operation')",
         "Recorded(status='applied', to_state='succeeded', reason=None)",
+    ]
+
+
+def retry_when_asked(op: OperationRow, failure: Failure) -> RetryDecision:
+    """A fake retry policy: retries a failure whose code says so, after 2 s."""
+    if failure.code == "retry_me":
+        return RetryDecision(True, "asked", delay_s=2.0)
+    return RetryDecision(False, "not_asked")
+
+
+def failed(op: str, attempt: str, code: str) -> AttemptFailed:
+    return AttemptFailed(operation_id=op, epoch=1, attempt_id=attempt, dispatcher_id="d1",
+                         at=LATER, failure_class=FailureClass.TRANSIENT, code=code,
+                         message="refused", http_status=503)
+
+
+async def test_every_kind_of_outcome_in_one_batch_matches_one_by_one(store: Store) -> None:
+    """One path for all outcomes: failures with and without a retry, an accepted attempt, an
+    ambiguous one followed in the same batch by its late success, and outcomes that arrive
+    after a retry opened a new epoch, decide and write exactly as one at a time."""
+    async def setup() -> None:
+        for n in range(5):
+            await submit(store, n)
+            await store.run(claim_call(f"op{n}", f"a{n}").one)
+
+    def call(outcome: Any, message_id: str) -> OutcomeCall:
+        return OutcomeCall(outcome, consumer="c", message_id=message_id, subjects=SUBJECTS,
+                           now=LATER, ambiguous_outbox_id=f"amb-{message_id}",
+                           decide_retry=retry_when_asked)
+
+    accepted = AttemptAccepted(operation_id="op2", epoch=1, attempt_id="a2", dispatcher_id="d1",
+                               at=LATER, provider_ref="ref-op2", response_digest="sha256:02")
+    ambiguous = OutcomeAmbiguous(operation_id="op3", epoch=1, attempt_id="a3",
+                                 dispatcher_id="d1", at=LATER, reason="timeout")
+    got = await both_ways(store, setup, [
+        call(failed("op0", "a0", "retry_me"), "m0"),  # retried: epoch 2, delayed dispatch row
+        call(success("op0", "a0"), "m1"),  # epoch 1 is over: rejected
+        call(failed("op1", "a1", "no"), "m2"),  # failed, retry declined and journaled
+        call(accepted, "m3"),  # awaiting confirmation: handed to reconciliation
+        call(success("op3", "zz"), "m9"),  # not the claimed attempt: rejected, journaled first
+        call(ambiguous, "m4"),  # ambiguous: handed to reconciliation
+        call(success("op3", "a3"), "m5"),  # its late success resolves the ambiguity
+        call(success("op4", "a4"), "m6"),
+        call(failed("op4", "a4", "retry_me"), "m7"),  # op4 already succeeded: rejected
+    ])
+    assert [g.split("reason=")[0] for g in got] == [
+        "Recorded(status='applied', to_state='pending', ",
+        "Recorded(status='rejected', to_state=None, ",
+        "Recorded(status='applied', to_state='failed', ",
+        "Recorded(status='applied', to_state='awaiting_confirmation', ",
+        "Recorded(status='rejected', to_state=None, ",
+        "Recorded(status='applied', to_state='ambiguous', ",
+        "Recorded(status='applied', to_state='succeeded', ",
+        "Recorded(status='applied', to_state='succeeded', ",
+        "Recorded(status='rejected', to_state=None, ",
     ]
