@@ -30,9 +30,16 @@ def journal_row(*, operation_id: str | None, at: datetime, kind: JournalKind | s
                 to_state: State | str | None = None, detail: dict[str, Any] | None = None
                 ) -> JournalRow:
     # Stored as plain strings: drivers and JSON see names, never enum members.
-    return JournalRow(operation_id=operation_id, at=at, kind=str(kind), actor=actor[:1024],
-                      epoch=epoch, from_state=None if from_state is None else str(from_state),
-                      to_state=None if to_state is None else str(to_state), detail=detail or {})
+    return JournalRow(operation_id=operation_id, at=at, kind=_PLAIN.get(kind, kind),
+                      actor=actor[:1024], epoch=epoch,
+                      from_state=None if from_state is None else _PLAIN.get(from_state, from_state),
+                      to_state=None if to_state is None else _PLAIN.get(to_state, to_state),
+                      detail=detail or {})
+
+
+# Enum members to their plain names: a dict lookup is much cheaper than str() on an enum, and
+# journal rows are built on the hot path. A plain name maps to itself.
+_PLAIN: dict[str, str] = {m: m.value for e in (State, JournalKind) for m in e}
 
 
 async def append_journal(conn: AsyncConnection, *, operation_id: str | None, at: datetime,

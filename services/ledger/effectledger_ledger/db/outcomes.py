@@ -10,7 +10,6 @@ touch the operation (a success, a failure without retry) are written together th
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -232,7 +231,7 @@ class _Decider:
 
 
 def _with(change: Change, **kw: Any) -> Change:
-    return dataclasses.replace(change, **kw)
+    return change._replace(**kw)
 
 
 def _retry_entry(change: Change, decision: RetryDecision) -> JournalRow:
