@@ -7,18 +7,20 @@ keeps its JSON shape: `as_dict()` gives exactly the column mapping the API alway
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypedDict
+from typing import Any, NamedTuple, TypedDict
 
 from effectledger_core.states import State
 
 
-@dataclass(frozen=True, slots=True)
-class OperationRow:
-    """One row of `operations`."""
+class OperationRow(NamedTuple):
+    """One row of `operations`.
+
+    A NamedTuple (immutable, typed) rather than a frozen dataclass: every intent builds one,
+    and a frozen dataclass of twenty fields costs about 3 us to construct, a NamedTuple 0.6.
+    """
 
     id: str
     tenant: str
@@ -44,22 +46,19 @@ class OperationRow:
     @classmethod
     def of(cls, row: Mapping[Any, Any]) -> OperationRow:
         """From a result mapping (or a dict of column values)."""
-        values: dict[str, Any] = {f: row.get(f) for f in _FIELDS}
+        values: dict[str, Any] = {f: row.get(f) for f in cls._fields}
         values["state"] = State(row["state"])
         return cls(**values)
 
     def as_dict(self) -> dict[str, Any]:
         """The column mapping, states as their stored names (the API's JSON shape)."""
-        out = {f: getattr(self, f) for f in _FIELDS}
+        out = self._asdict()
         out["state"] = self.state.value
         return out
 
     def but(self, **changes: Any) -> OperationRow:
         """A copy with `changes` (column values) applied."""
-        return dataclasses.replace(self, **changes)
-
-
-_FIELDS = tuple(f.name for f in dataclasses.fields(OperationRow))
+        return self._replace(**changes)
 
 
 class JournalRow(TypedDict):
