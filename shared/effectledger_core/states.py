@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cache
 
 
 class State(StrEnum):
@@ -179,6 +180,7 @@ def transition(state: State, event: Event) -> Step:
     return step
 
 
+@cache  # on the hot path of every outcome: the table is constant
 def sources(event: Event) -> frozenset[State]:
     """States from which `event` is allowed: the `state IN (...)` of the guarded UPDATE."""
     return frozenset(s for (s, e) in TABLE if e == event)
