@@ -1,6 +1,6 @@
 """The claim: the durable start of an attempt, recorded before any provider call.
 
-Claims are set-based: `claim_many` decides a whole group-committed batch from two reads (the
+Claims are set-based: `ClaimCall.many` decides a whole group-committed batch from two reads (the
 operations, locked in id order, and their attempts) and writes the grants with one statement per
 table, so a batch of N claims costs a handful of statements rather than 6 N. A single claim is a
 batch of one: there is one code path.
