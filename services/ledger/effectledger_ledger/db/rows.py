@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, NamedTuple, TypedDict
+from typing import Any, Literal, NamedTuple, TypedDict
 
 from effectledger_core.states import State
 
@@ -78,6 +78,6 @@ class JournalRow(TypedDict):
 class Recorded:
     """What became of an outcome, verdict or webhook."""
 
-    status: str  # applied | duplicate | rejected | kept
+    status: Literal["applied", "duplicate", "rejected", "kept"]
     to_state: str | None = None
     reason: str | None = None
