@@ -14,8 +14,12 @@ if a reconnect lost it, after `expires_s` plus a grace; then the next one is sen
 
 Cost. FastStream's concurrent subscriber passed each message through an anyio memory stream, a
 worker, its middleware and dependency-injection stack and a message wrapper: about half the
-dispatcher's CPU in the benchmark profile. Here a message is one task calling one handler. The
-reconciler, which sees only the ambiguous few, stays on FastStream.
+dispatcher's CPU in the benchmark profile. Here a message is one task calling one handler.
+
+So every JetStream consumer of the services is a `PullConsumer`: the dispatcher's commands, the
+ledger's inbox and the reconciler's commands (which carry only the ambiguous few, but one way
+of consuming is easier to reason about than two). Handlers take an
+`effectledger_bus.delivery.Delivery`.
 
 Semantics kept from the FastStream setup this replaces:
 - a durable consumer with explicit acks, created with the given config when missing (an
