@@ -12,9 +12,10 @@ calls were made.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Generic, TypeVar
 
 from effectledger_core.errors import BrokerUnavailable
@@ -35,6 +36,7 @@ class FakeDelivery:
     termed: bool = False
     naks: list[float] = field(default_factory=list)
     beats: int = 0
+    beaten: asyncio.Event = field(default_factory=asyncio.Event)  # set by every in_progress
 
     async def ack(self) -> None:
         self.acked = True
@@ -47,6 +49,7 @@ class FakeDelivery:
 
     async def in_progress(self) -> None:
         self.beats += 1
+        self.beaten.set()
 
     @property
     def settled(self) -> bool:
@@ -129,6 +132,14 @@ class FakeLedger(Generic[V]):
         self.requests: list[ClaimAttempt] = []
         self.reads = 0
 
+    def hold(self, operation_id: str, epoch: int, attempt_id: str, *, age_s: float = 0.0,
+             outcome_recorded: bool = False) -> None:
+        """Record a claim made `age_s` ago by another dispatcher."""
+        self.claims[(operation_id, epoch)] = _Claim(attempt_id,
+                                                    self.now - timedelta(seconds=age_s))
+        if outcome_recorded:
+            self.outcomes.add((operation_id, epoch))
+
     async def claim(self, request: ClaimAttempt) -> ClaimAnswer:
         self.requests.append(request)
         if self.down is not None:
@@ -136,17 +147,18 @@ class FakeLedger(Generic[V]):
         if self.unanswered:
             self.unanswered -= 1
             raise NoReply("claim: TimeoutError")
-        key = (request.operation_id, request.epoch)
-        reply = dict(operation_id=request.operation_id, epoch=request.epoch)
-        current = self.current_epoch.get(request.operation_id, request.epoch)
-        if request.epoch != current:
-            return ClaimReply(status=ClaimStatus.STALE_EPOCH, current_epoch=current, **reply)
+        op, epoch = key = (request.operation_id, request.epoch)
+        current = self.current_epoch.get(op, epoch)
+        if epoch != current:
+            return ClaimReply(status=ClaimStatus.STALE_EPOCH, operation_id=op, epoch=epoch,
+                              current_epoch=current)
         held = self.claims.setdefault(key, _Claim(request.attempt_id, self.now))
         if held.attempt_id == request.attempt_id:
-            return ClaimReply(status=ClaimStatus.GRANTED, attempt_id=held.attempt_id, **reply)
-        return ClaimReply(status=ClaimStatus.ALREADY_CLAIMED, attempt_id=held.attempt_id,
-                          outcome_recorded=key in self.outcomes,
-                          claim_age_s=(self.now - held.claimed_at).total_seconds(), **reply)
+            return ClaimReply(status=ClaimStatus.GRANTED, operation_id=op, epoch=epoch,
+                              attempt_id=held.attempt_id)
+        return ClaimReply(status=ClaimStatus.ALREADY_CLAIMED, operation_id=op, epoch=epoch,
+                          attempt_id=held.attempt_id, outcome_recorded=key in self.outcomes,
+                          claim_age_s=(self.now - held.claimed_at).total_seconds())
 
     async def operation(self, operation_id: str) -> V | None:
         self.reads += 1

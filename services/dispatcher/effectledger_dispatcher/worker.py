@@ -69,6 +69,8 @@ class Dispatcher:
     dispatcher_id: str
     ack_wait_s: float = 60.0
     max_deliver: int = 20
+    # How long to keep retrying an outcome publish; None: half of ack_wait, at least 5 s.
+    publish_within_s: float | None = None
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     clock: Clock = utcnow
     ids: IdFactory = new_id
@@ -194,12 +196,17 @@ class Dispatcher:
             # Not a heartbeat before the first try: the call's heartbeat covered us until now.
             await publish_with_retries(
                 self.publisher, self.subjects.outcome(outcome.type), encode(outcome),
-                msg_id=msgids.outcome(outcome), within_s=max(5.0, self.ack_wait_s / 2),
+                msg_id=msgids.outcome(outcome), within_s=self._publish_window(),
                 before_retry=lambda: keep(d))
         except BrokerUnavailable as exc:
             log.error("could not publish outcome of %s: %s", outcome.operation_id, exc.message)
             return False
         return True
+
+    def _publish_window(self) -> float:
+        if self.publish_within_s is not None:
+            return self.publish_within_s
+        return max(5.0, self.ack_wait_s / 2)
 
     async def _dead_letter(self, d: Delivery, error: str) -> None:
         self.stats["dead_lettered"] += 1
