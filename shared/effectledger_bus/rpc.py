@@ -29,15 +29,14 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from pydantic import TypeAdapter
 
 from effectledger_core.errors import EffectLedgerError
-from effectledger_core.messages import ErrorDetail, ErrorReply, encode, parse_as
+from effectledger_core.messages import ErrorDetail, ErrorReply, Message, encode, parse_answer
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[bytes], Awaitable[bytes]]
-R = TypeVar("R")
+R = TypeVar("R", bound=Message)
 INTERNAL_ERROR = encode(ErrorReply(error=ErrorDetail(
     code="internal_error", message="the ledger failed to handle this request; retry",
     retryable=True)))
@@ -51,18 +50,18 @@ class NoReply(EffectLedgerError):
     retryable: ClassVar[bool] = True
 
 
-async def request(nc: NatsClient, subject: str, payload: bytes, answer: TypeAdapter[R], *,
-                  timeout_s: float) -> R:
-    """Ask once; the reply parsed as `answer`.
+async def request(nc: NatsClient, subject: str, payload: bytes, answer: type[R], *,
+                  timeout_s: float) -> R | ErrorReply:
+    """Ask once; the reply parsed as `answer`, or the `ErrorReply` the server sent instead.
 
     Raises NoReply when nobody answered in time, PoisonMessage (or PayloadTooLarge) when the
-    answer is not one of the expected models.
+    reply is neither.
     """
     try:
         msg = await nc.request(subject, payload, timeout=timeout_s)
     except (TimeoutError, NatsTimeout, NoRespondersError, ConnectionClosedError) as exc:
         raise NoReply(f"{subject}: {type(exc).__name__}") from exc
-    return parse_as(answer, msg.data)
+    return parse_answer(answer, msg.data)
 
 
 class RequestServer:

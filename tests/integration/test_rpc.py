@@ -12,7 +12,6 @@ import pytest
 from effectledger_bus.rpc import NoReply, RequestServer, request
 from effectledger_core.errors import PoisonMessage
 from effectledger_core.messages import (
-    OPERATION_ANSWER,
     ErrorDetail,
     ErrorReply,
     OperationQuery,
@@ -84,9 +83,9 @@ async def test_request_parses_the_typed_answer_or_the_error_reply(nats_url: str)
     try:
         await server.serve(subject, handler, queue="q")
         found = await request(nc, subject, encode(OperationQuery(operation_id="op1")),
-                              OPERATION_ANSWER, timeout_s=10)
+                              OperationReply, timeout_s=10)
         missing = await request(nc, subject, encode(OperationQuery(operation_id="missing")),
-                                OPERATION_ANSWER, timeout_s=10)
+                                OperationReply, timeout_s=10)
     finally:
         await server.close()
         await nc.close()
@@ -98,7 +97,7 @@ async def test_request_without_responders_is_no_reply(nats_url: str) -> None:
     nc = await nats.connect(nats_url)
     try:
         with pytest.raises(NoReply):
-            await request(nc, f"t.rpc.{uuid.uuid4().hex}", b"{}", OPERATION_ANSWER,
+            await request(nc, f"t.rpc.{uuid.uuid4().hex}", b"{}", OperationReply,
                           timeout_s=2)
     finally:
         await nc.close()
@@ -115,7 +114,7 @@ async def test_a_malformed_answer_is_a_poison_message_not_a_key_error(nats_url: 
     try:
         await server.serve(subject, handler, queue="q")
         with pytest.raises(PoisonMessage):
-            await request(nc, subject, b"{}", OPERATION_ANSWER, timeout_s=10)
+            await request(nc, subject, b"{}", OperationReply, timeout_s=10)
     finally:
         await server.close()
         await nc.close()

@@ -10,9 +10,6 @@ import pytest
 
 from effectledger_core.errors import NotFound
 from effectledger_core.messages import (
-    CLAIM_ANSWER,
-    INTENT_ANSWER,
-    OPERATION_ANSWER,
     ClaimAttempt,
     ClaimReply,
     ClaimStatus,
@@ -22,7 +19,7 @@ from effectledger_core.messages import (
     OperationReply,
     SubmitIntent,
     encode,
-    parse_as,
+    parse_answer,
 )
 from effectledger_ledger.messaging import Requests
 
@@ -59,7 +56,7 @@ def requests() -> Requests:
 
 async def test_an_operation_read_answers_the_summary_with_the_provider_ref(
         requests: Requests) -> None:
-    answer = parse_as(OPERATION_ANSWER,
+    answer = parse_answer(OperationReply,
                       await requests.operation(encode(OperationQuery(operation_id="op1"))))
     assert isinstance(answer, OperationReply)
     assert (answer.operation.epoch, answer.operation.provider_ref) == (2, "eff_1")
@@ -67,7 +64,7 @@ async def test_an_operation_read_answers_the_summary_with_the_provider_ref(
 
 async def test_an_old_style_operation_query_without_a_schema_version_is_served(
         requests: Requests) -> None:
-    answer = parse_as(OPERATION_ANSWER, await requests.operation(b'{"operation_id": "op1"}'))
+    answer = parse_answer(OperationReply, await requests.operation(b'{"operation_id": "op1"}'))
     assert isinstance(answer, OperationReply)
 
 
@@ -80,13 +77,13 @@ async def test_an_old_style_operation_query_without_a_schema_version_is_served(
 ])
 async def test_a_bad_operation_read_gets_an_error_reply(requests: Requests, payload: bytes,
                                                         code: str) -> None:
-    answer = parse_as(OPERATION_ANSWER, await requests.operation(payload))
+    answer = parse_answer(OperationReply, await requests.operation(payload))
     assert isinstance(answer, ErrorReply) and answer.error.code == code
 
 
 async def test_an_intent_reply_keeps_its_wire_shape(requests: Requests) -> None:
     raw = await requests.intent(encode(SubmitIntent(tool="t")))
-    answer = parse_as(INTENT_ANSWER, raw)
+    answer = parse_answer(IntentReply, raw)
     assert isinstance(answer, IntentReply) and answer.created
     body = json.loads(raw)  # what untyped clients read
     assert body["ok"] is True and body["operation"]["id"] == "op1"
@@ -95,5 +92,5 @@ async def test_an_intent_reply_keeps_its_wire_shape(requests: Requests) -> None:
 
 async def test_a_bad_claim_gets_an_error_reply_the_dispatcher_can_read(
         requests: Requests) -> None:
-    answer = parse_as(CLAIM_ANSWER, await requests.claim(b'{"type": "claim_attempt"}'))
+    answer = parse_answer(ClaimReply, await requests.claim(b'{"type": "claim_attempt"}'))
     assert isinstance(answer, ErrorReply) and answer.error.code == "poison_message"

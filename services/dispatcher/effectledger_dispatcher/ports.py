@@ -19,9 +19,9 @@ from effectledger_bus.rpc import request
 from effectledger_core.catalog import Tool
 from effectledger_core.ids import Clock, utcnow
 from effectledger_core.messages import (
-    CLAIM_ANSWER,
     ClaimAnswer,
     ClaimAttempt,
+    ClaimReply,
     DispatchAttempt,
     Outcome,
     encode,
@@ -58,7 +58,7 @@ class NatsLedgerClient:
         self.timeout_s = timeout_s
 
     async def claim(self, claim: ClaimAttempt) -> ClaimAnswer:
-        return await request(self.nc, self.subject, encode(claim), CLAIM_ANSWER,
+        return await request(self.nc, self.subject, encode(claim), ClaimReply,
                              timeout_s=self.timeout_s)
 
 

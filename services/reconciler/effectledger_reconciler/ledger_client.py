@@ -15,12 +15,12 @@ from nats.aio.client import Client as NatsClient
 from effectledger_bus.rpc import NoReply, request
 from effectledger_core.errors import EffectLedgerError, PayloadTooLarge, PoisonMessage
 from effectledger_core.messages import (
-    OPERATION_ANSWER,
     ErrorReply,
     OperationAnswer,
     OperationQuery,
+    OperationReply,
     encode,
-    parse_as,
+    parse_answer,
 )
 from effectledger_core.subjects import Subjects
 
@@ -63,7 +63,7 @@ def operation_view(answer: OperationAnswer) -> OperationView | None:
 def parse_operation_reply(raw: bytes) -> OperationView | None:
     """Read an `rpc_operation` reply; raises LedgerUnavailable if it is not a usable answer."""
     try:
-        return operation_view(parse_as(OPERATION_ANSWER, raw))
+        return operation_view(parse_answer(OperationReply, raw))
     except (PoisonMessage, PayloadTooLarge) as exc:
         raise LedgerUnavailable(f"the ledger's reply is malformed: {exc.message}"[:500]) from exc
 
@@ -78,7 +78,7 @@ class NatsLedgerClient:
         try:
             answer = await request(self.nc, self.subjects.rpc_operation,
                                    encode(OperationQuery(operation_id=operation_id)),
-                                   OPERATION_ANSWER, timeout_s=self.timeout_s)
+                                   OperationReply, timeout_s=self.timeout_s)
         except NoReply as exc:
             raise LedgerUnavailable(f"operation read: {exc.message}") from exc
         except (PoisonMessage, PayloadTooLarge) as exc:
