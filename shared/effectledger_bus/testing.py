@@ -19,11 +19,19 @@ from datetime import datetime, timedelta
 from typing import Generic, TypeVar
 
 from effectledger_core.errors import BrokerUnavailable
-from effectledger_core.messages import ClaimAnswer, ClaimAttempt, ClaimReply, ClaimStatus
+from effectledger_core.messages import (
+    ClaimAnswer,
+    ClaimAttempt,
+    ClaimReply,
+    ClaimStatus,
+    Message,
+    parse,
+)
 
 from .rpc import NoReply
 
 V = TypeVar("V")
+M = TypeVar("M", bound=Message)
 
 
 @dataclass
@@ -79,6 +87,10 @@ class FakePublisher:
     def on(self, subject: str) -> list[tuple[bytes, str]]:
         """(payload, msg_id) of what was stored on `subject`, in order."""
         return [(p, i) for s, p, i in self.messages if s == subject]
+
+    def decoded(self, model: type[M]) -> list[M]:
+        """Every stored payload parsed as `model`, in order."""
+        return [parse(model, p) for _, p, _ in self.messages]
 
 
 @dataclass(frozen=True)
