@@ -117,17 +117,7 @@ class Dispatcher:
         reply = await self._claim(cmd, attempt_id, d)
         step = decision.decide(reply, attempt_id=attempt_id, deliveries=d.deliveries,
                                tool_timeout_s=tool.timeout_s, skip_claim=self.skip_claim)
-        if reply is None:
-            self.stats["claim_unavailable"] += 1
-            self.unanswered_claims[key] = attempt_id
-            if len(self.unanswered_claims) > 10_000:  # commands redelivered elsewhere
-                del self.unanswered_claims[next(iter(self.unanswered_claims))]
-        elif reply.status is ClaimStatus.GRANTED:
-            self.stats["granted"] += 1
-        elif reply.status is ClaimStatus.ALREADY_CLAIMED:
-            self.stats["already_claimed"] += 1
-        else:
-            self.stats["stale"] += 1  # the ledger journaled the rejected claim
+        self._note_claim(key, attempt_id, reply)
         if isinstance(step, decision.Nak):
             await d.nak(delay=step.delay_s)
             return
@@ -153,6 +143,21 @@ class Dispatcher:
             return  # not acked: redelivery will find the claim and go the ambiguous path
         crash_point("dispatcher.after_outcome_publish")
         await d.ack()
+
+    def _note_claim(self, key: tuple[str, int], attempt_id: str,
+                    reply: ClaimReply | None) -> None:
+        """Count the reply; remember an unanswered attempt id for the redelivery."""
+        if reply is None:
+            self.stats["claim_unavailable"] += 1
+            self.unanswered_claims[key] = attempt_id
+            if len(self.unanswered_claims) > 10_000:  # commands redelivered elsewhere
+                del self.unanswered_claims[next(iter(self.unanswered_claims))]
+        elif reply.status is ClaimStatus.GRANTED:
+            self.stats["granted"] += 1
+        elif reply.status is ClaimStatus.ALREADY_CLAIMED:
+            self.stats["already_claimed"] += 1
+        else:
+            self.stats["stale"] += 1  # the ledger journaled the rejected claim
 
     async def _attempt(self, d: Delivery, cmd: DispatchAttempt, tool: Tool,
                        attempt_id: str) -> Outcome:
