@@ -1,4 +1,4 @@
-"""Messages on the bus: frozen pydantic models with a schema version (DESIGN.md section 6).
+"""Messages on the bus: frozen pydantic models with a schema version (see docs/asyncapi.json).
 
 Commands are imperative (`DispatchAttempt`, `ClaimAttempt`), events past tense
 (`AttemptSucceeded`, `AttemptFailed`, `OutcomeAmbiguous`). Every model rejects unknown fields so a
