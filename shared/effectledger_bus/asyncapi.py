@@ -2,6 +2,11 @@
 
 `python -m effectledger_bus.asyncapi > docs/asyncapi.json` regenerates the committed copy; a test
 fails when the two differ, so the documented contract cannot drift from the code.
+
+Built from the models here rather than by FastStream's generator: declaring the channels on a
+FastStream broker gives one merged payload per channel (a request and its replies become one
+anonymous union) and a `correlation_id` header that the services, on nats-py, never send. This
+document names every message, and the replies of each request-reply subject.
 """
 
 from __future__ import annotations
