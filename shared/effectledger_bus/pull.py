@@ -49,11 +49,13 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
 from nats.js.errors import NotFoundError
 
+from .delivery import Delivery, JsDelivery
 from .streams import at_startup
 
 log = logging.getLogger(__name__)
 
-MessageHandler = Callable[[Msg], Awaitable[None]]
+# Handlers get a `Delivery`, never a nats-py message: what they may do with it is the protocol.
+MessageHandler = Callable[[Delivery], Awaitable[None]]
 # How long past its `expires` a pull request that got no answer at all (lost in a reconnect)
 # is still waited for before the next one is sent.
 LOST_REQUEST_GRACE_S = 1.0
@@ -195,7 +197,7 @@ class PullConsumer:
 
     async def _handle(self, msg: Msg) -> None:
         try:
-            await self.handler(msg)
+            await self.handler(JsDelivery(msg))
         except Exception:
             # Left unacked on purpose: JetStream redelivers it after ack_wait.
             log.exception("%s: handler failed on %s; it will be redelivered", self.name,

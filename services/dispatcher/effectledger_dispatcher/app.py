@@ -9,11 +9,9 @@ import os
 import signal
 
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from effectledger_bus.connect import connect
-from effectledger_bus.delivery import JsDelivery
 from effectledger_bus.publish import JetStreamPublisher
 from effectledger_bus.pull import PullConsumer
 from effectledger_bus.streams import ensure_streams
@@ -33,12 +31,9 @@ def build_consumer(nc: NatsClient, settings: Settings, dispatcher: Dispatcher) -
     effectledger_bus.pull for why not FastStream here)."""
     subjects = settings.subjects
 
-    async def on_dispatch(msg: Msg) -> None:
-        await dispatcher.handle(JsDelivery(msg))
-
     return PullConsumer(
         nc, subject=subjects.dispatch_all, stream=subjects.dispatch_stream,
-        durable=CONSUMER, handler=on_dispatch, name="dispatcher",
+        durable=CONSUMER, handler=dispatcher.handle, name="dispatcher",
         concurrency=settings.dispatcher_concurrency,
         batch=min(256, settings.dispatcher_concurrency),
         config=ConsumerConfig(

@@ -10,12 +10,11 @@ import logging
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from effectledger_bus import msgids
 from effectledger_bus.backoff import nak_backoff
-from effectledger_bus.delivery import Delivery, JsDelivery, dead_letter, message_id
+from effectledger_bus.delivery import Delivery, dead_letter, message_id
 from effectledger_bus.pull import PullConsumer
 from effectledger_bus.rpc import RequestServer
 from effectledger_core.config import Settings
@@ -111,8 +110,7 @@ def build_inbox(nc: NatsClient, settings: Settings, service: LedgerService) -> P
     subjects = settings.subjects
     max_deliver = settings.max_deliver
 
-    async def on_event(msg: Msg) -> None:
-        d = JsDelivery(msg)
+    async def on_event(d: Delivery) -> None:
         try:
             await _handle_event(service, d)
         except EffectLedgerError as exc:

@@ -9,12 +9,10 @@ import os
 
 import uvicorn
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 from starlette.applications import Starlette
 
 from effectledger_bus.connect import connect
-from effectledger_bus.delivery import JsDelivery
 from effectledger_bus.publish import JetStreamPublisher
 from effectledger_bus.pull import PullConsumer
 from effectledger_bus.streams import ensure_streams
@@ -50,12 +48,9 @@ def build_consumer(nc: NatsClient, settings: Settings, reconciler: Reconciler) -
     dispatcher's and the inbox's (effectledger_bus.pull)."""
     subjects = settings.subjects
 
-    async def on_reconcile(msg: Msg) -> None:
-        await reconciler.handle(JsDelivery(msg))
-
     return PullConsumer(
         nc, subject=subjects.reconcile_all, stream=subjects.events_stream, durable=CONSUMER,
-        handler=on_reconcile, name="reconciler", concurrency=CONCURRENCY, batch=CONCURRENCY,
+        handler=reconciler.handle, name="reconciler", concurrency=CONCURRENCY, batch=CONCURRENCY,
         config=ConsumerConfig(
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ACK_WAIT_S,
