@@ -16,6 +16,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from effectledger_bus import msgids
 from effectledger_core.states import UNRESOLVED, JournalKind, OutboxKind, State
 
 from .batch import BatchCall
@@ -43,7 +44,7 @@ class OutboxItem:
         # Each publish generation gets its own Nats-Msg-Id: a relay retry of the same
         # generation is deduplicated by JetStream, while a sweeper republish after message loss
         # must not be swallowed by the duplicate window. Consumers dedup by claim/inbox anyway.
-        return self.id if self.publish_count == 0 else f"{self.id}.r{self.publish_count}"
+        return msgids.dispatch(self.id, self.publish_count)
 
 
 async def lease_batch_txn(conn: AsyncConnection, *, now: datetime, limit: int,
