@@ -25,6 +25,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
 
+from effectledger_core import unsafe
 from effectledger_core.catalog import Catalog
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import EffectLedgerError, PayloadTooLarge, PoisonMessage
@@ -50,11 +51,11 @@ CONSUMER = "dispatcher"
 # Beyond a tool's timeout, how long a claim may go unanswered before it is presumed lost.
 LOST_GRACE_S = 5.0
 # TEST-ONLY: disables claim-before-call, so the chaos harness can prove it detects duplicates.
-UNSAFE_SKIP_CLAIM_ENV = "EFFECTLEDGER_UNSAFE_SKIP_CLAIM"
+UNSAFE_SKIP_CLAIM_ENV = unsafe.SKIP_CLAIM.env
 
 
 def unsafe_skip_claim(env: Mapping[str, str]) -> bool:
-    return env.get(UNSAFE_SKIP_CLAIM_ENV, "").strip().lower() in ("1", "true", "yes")
+    return unsafe.armed(unsafe.SKIP_CLAIM, env)
 
 
 class Delivery:
@@ -104,11 +105,7 @@ class Dispatcher:
         return self.http_pool[self._next_client]
 
     def __post_init__(self) -> None:
-        if unsafe_skip_claim(self.env):
-            log.warning("UNSAFE: %s is set: claim-before-call is DISABLED; redelivered "
-                        "commands will call the provider again. This switch exists for the "
-                        "chaos harness only and must never be set in production.",
-                        UNSAFE_SKIP_CLAIM_ENV)
+        unsafe.check(unsafe.SKIP_CLAIM, self.env, log)
 
     async def handle(self, d: Delivery) -> None:
         try:

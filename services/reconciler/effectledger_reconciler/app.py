@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Mapping
 
 import uvicorn
 from faststream import AckPolicy
@@ -16,6 +17,7 @@ from starlette.applications import Starlette
 
 from effectledger_bus.connect import connect, connect_options, current_message, raw_body
 from effectledger_bus.streams import ensure_streams
+from effectledger_core import unsafe
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
 from effectledger_dispatcher.adapters import load_adapter
@@ -26,16 +28,15 @@ from .ledger_client import NatsLedgerClient
 from .publisher import JetStreamPublisher
 from .signatures import WebhookVerifier
 from .strategy import Timing
-from .webhooks import SKIP_VERIFICATION_ENV, create_app
+from .webhooks import create_app
 from .worker import ACK_WAIT_S, CONSUMER, Reconciler, http_readback
 
 log = logging.getLogger("effectledger.reconciler")
 CONCURRENCY = 32
 
 
-def skip_verification_requested(env: dict[str, str] | None = None) -> bool:
-    value = (env if env is not None else os.environ).get(SKIP_VERIFICATION_ENV, "")
-    return value.strip().lower() in {"1", "true", "yes"}
+def skip_verification_requested(env: Mapping[str, str] | None = None) -> bool:
+    return unsafe.armed(unsafe.SKIP_WEBHOOK_VERIFICATION, env if env is not None else os.environ)
 
 
 def build_verifier(settings: Settings, *, skip: bool = False) -> WebhookVerifier:

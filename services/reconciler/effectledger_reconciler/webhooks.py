@@ -37,6 +37,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from effectledger_core import unsafe
 from effectledger_core.errors import BrokerUnavailable
 from effectledger_core.ids import Clock, utcnow
 from effectledger_core.messages import WebhookReceived, encode
@@ -46,7 +47,7 @@ from .publisher import Publisher
 from .signatures import Verified, WebhookRejected, WebhookVerifier
 
 log = logging.getLogger(__name__)
-SKIP_VERIFICATION_ENV = "EFFECTLEDGER_UNSAFE_SKIP_WEBHOOK_VERIFICATION"
+SKIP_VERIFICATION_ENV = unsafe.SKIP_WEBHOOK_VERIFICATION.env
 Outcome = Literal["applied", "not_applied", "pending", "unknown"]
 EVENT_OUTCOMES: dict[str, Outcome] = {
     "effect.applied": "applied",
@@ -176,9 +177,7 @@ def create_app(*, verifier: WebhookVerifier, publisher: Publisher, subjects: Sub
                ready: Ready | None = None) -> Starlette:
     """The reconciler's HTTP app: webhook ingestion and health."""
     if verifier.skip_verification:
-        log.critical("UNSAFE: %s is set: webhook signatures and timestamps are NOT verified; "
-                     "anyone can forge provider evidence. Never use this outside tests.",
-                     SKIP_VERIFICATION_ENV)
+        unsafe.announce(unsafe.SKIP_WEBHOOK_VERIFICATION, log)
     ingest = _Ingest(verifier, publisher, subjects, clock, max_body_bytes, ready)
     app = Starlette(routes=[
         Route("/v1/webhooks/{provider}", ingest.receive, methods=["POST"]),
