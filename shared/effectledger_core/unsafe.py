@@ -71,8 +71,8 @@ def unknown(env: Mapping[str, str]) -> list[str]:
 
 
 def warning(switch: UnsafeSwitch) -> str:
-    return (f"UNSAFE: {switch.env} is set: {switch.disables}. This switch exists for the "
-            "proving ground only and must never be set in production.")
+    return (f"UNSAFE: {switch.env} is set, which turns off {switch.disables}. This switch "
+            "exists for the proving ground only and must never be set in production.")
 
 
 def announce(switch: UnsafeSwitch, log: logging.Logger) -> None:

@@ -50,7 +50,8 @@ def test_check_announces_only_an_armed_switch(caplog: pytest.LogCaptureFixture) 
         assert unsafe.check(SKIP_CLAIM, {SKIP_CLAIM.env: "1"}, log)
     [record] = caplog.records
     assert record.levelno == logging.CRITICAL
-    assert record.getMessage().startswith("UNSAFE: EFFECTLEDGER_UNSAFE_SKIP_CLAIM is set")
+    assert record.getMessage().startswith(
+        "UNSAFE: EFFECTLEDGER_UNSAFE_SKIP_CLAIM is set, which turns off claim-before-call")
     assert "claim-before-call" in record.getMessage()
 
 
