@@ -55,21 +55,33 @@ def test_a_tool_whose_module_is_not_installed_is_left_out() -> None:
     assert found == {}
 
 
-def test_a_tool_that_fails_on_its_own_missing_dependency_is_reported(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tool_that_fails_on_its_own_missing_dependency_is_listed_as_unavailable(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "broken_effectledger_tool.py").write_text(
         "import effectledger_dependency_that_is_missing\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ModuleNotFoundError, match="effectledger_dependency_that_is_missing"):
-        commands.discover([ep("broken", "broken_effectledger_tool")])
-    sys.modules.pop("broken_effectledger_tool", None)
+    monkeypatch.setattr(commands.importlib.metadata, "entry_points",
+                        lambda group: [ep("broken", "broken_effectledger_tool")])
+    try:
+        parser = build_parser()
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        assert "broken" in sub.choices  # listed, not hidden
+        assert parser.parse_args(["ledger"]).command == "ledger"  # the services still start
+        assert main(["broken", "--anything"]) == 2
+    finally:
+        sys.modules.pop("broken_effectledger_tool", None)
+    err = capsys.readouterr().err
+    assert "cannot load" in err and "effectledger_dependency_that_is_missing" in err
 
 
-def test_a_module_without_the_command_interface_is_refused() -> None:
-    with pytest.raises(commands.BrokenCommand, match="HELP"):
-        commands.discover([ep("json", "json")])
-    with pytest.raises(commands.BrokenCommand, match="must name a module"):
-        commands.discover([ep("dumps", "json:dumps")])
+def test_a_module_without_the_command_interface_is_unavailable(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    found = commands.discover([ep("json", "json"), ep("dumps", "json:dumps")])
+    assert found["json"].help.startswith("(unavailable: BrokenCommand")
+    assert "must name a module" in found["dumps"].help
+    assert found["json"].run(argparse.Namespace()) == 2
+    assert "HELP (str), add_arguments(parser) and run(args)" in capsys.readouterr().err
 
 
 def test_a_tool_cannot_replace_a_built_in_command(fake_tool: types.ModuleType) -> None:

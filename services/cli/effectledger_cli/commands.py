@@ -5,13 +5,15 @@ An entry point names a module with `HELP` (one line), `add_arguments(parser)` an
 `run(args) -> int`. The product never imports a tool by name: an install of only the services
 (the Docker image) still carries the entry points in its metadata, but their modules are absent,
 so a command whose own module cannot be found is left out of the CLI. Any other failure while
-importing it is a bug in that tool and is raised, never hidden.
+loading it is a bug in that tool: the command stays listed as unavailable and, when run, prints
+the error and exits 2. It is never hidden, and it never stops the services from starting.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
@@ -25,10 +27,14 @@ class Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    # An unavailable command takes any arguments, so that running it reports why it cannot
+    # load rather than an argparse complaint about its flags.
+    any_arguments: bool = False
 
 
 class BrokenCommand(Exception):
-    """A registered command's module imported but does not offer what a command needs."""
+    """A registered command that cannot be used (its module does not offer what a command
+    needs, or it would replace a built-in command)."""
 
 
 def _missing_module(exc: ModuleNotFoundError, module: str) -> bool:
@@ -48,6 +54,19 @@ def _from_module(name: str, module: ModuleType) -> Command:
     return Command(name, help_, add, run)
 
 
+def _unavailable(name: str, error: str) -> Command:
+    def add_arguments(p: argparse.ArgumentParser) -> None:
+        pass
+
+    def run(args: argparse.Namespace) -> int:
+        print(f"effectledger {name}: this command is installed but cannot load: {error}",
+              file=sys.stderr)
+        return 2
+
+    return Command(name, f"(unavailable: {error[:120]})", add_arguments, run,
+                   any_arguments=True)
+
+
 def discover(entry_points: Iterable[importlib.metadata.EntryPoint] | None = None,
              reserved: frozenset[str] = frozenset()) -> dict[str, Command]:
     """The installed tool commands by name; names in `reserved` (built-ins) are refused."""
@@ -61,13 +80,19 @@ def discover(entry_points: Iterable[importlib.metadata.EntryPoint] | None = None
         if ep.name in found:
             continue  # the same distribution seen twice on sys.path (an editable install)
         try:
-            loaded = ep.load()
+            found[ep.name] = _load(ep)
         except ModuleNotFoundError as exc:
             if _missing_module(exc, ep.module):
                 continue  # the tool is not installed here
-            raise
-        if not isinstance(loaded, ModuleType):
-            raise BrokenCommand(f"entry point {GROUP}:{ep.name} must name a module, "
-                                f"not {ep.value!r}")
-        found[ep.name] = _from_module(ep.name, loaded)
+            found[ep.name] = _unavailable(ep.name, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # any bug in a tool's import must not stop the services
+            found[ep.name] = _unavailable(ep.name, f"{type(exc).__name__}: {exc}")
     return found
+
+
+def _load(ep: importlib.metadata.EntryPoint) -> Command:
+    loaded = ep.load()
+    if not isinstance(loaded, ModuleType):
+        raise BrokenCommand(f"entry point {GROUP}:{ep.name} must name a module, "
+                            f"not {ep.value!r}")
+    return _from_module(ep.name, loaded)

@@ -157,12 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     for command in discover(reserved=frozenset(sub.choices)).values():
         tool = sub.add_parser(command.name, help=command.help)
         command.add_arguments(tool)
-        tool.set_defaults(tool_run=command.run)
+        tool.set_defaults(tool_run=command.run, tool_any_arguments=command.any_arguments)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "tool_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return _dispatch(args)
     except EffectLedgerError as exc:
