@@ -27,6 +27,7 @@ from effectledger_core.limits import MAX_HTTP_BODY_BYTES, MAX_IDENTIFIER_BYTES
 from effectledger_core.messages import SubmitIntent, parse
 from effectledger_core.recovery import Conclusion, Review
 
+from . import console
 from .auth import Authenticator, Forbidden, Principal, check_tenant, operator_name
 from .service import LedgerService
 
@@ -98,8 +99,10 @@ def _json(v: Any) -> Any:
 
 def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str, Any]]],
                auth: Authenticator | None = None) -> FastAPI:
-    app = FastAPI(title="effectledger ledger", version="1")
+    # /docs comes from the console package's vendored Swagger UI (FastAPI's loads a CDN).
+    app = FastAPI(title="effectledger ledger", version="1", docs_url=None, redoc_url=None)
     authenticator = auth or Authenticator({}, {})
+    console.mount(app, service, authenticator)
 
     async def principal(request: Request) -> Principal:
         return authenticator.authenticate(request)
