@@ -52,7 +52,8 @@ class Console:
         self.sessions = SessionStore()
         self.templates = Jinja2Templates(directory=HERE / "templates")
         env = self.templates.env
-        env.filters.update(age=views.age, pretty=views.pretty, when=views.when)
+        env.filters.update(age=views.age, pretty=views.pretty, when=views.when,
+                           summary=views.summary)
         env.globals.update(prefix=PREFIX, duration_ms=views.duration_ms)
 
     @property

@@ -33,6 +33,20 @@ def pretty(value: Any) -> str:
     return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
 
 
+SUMMARY_KEYS = ("verdict", "type", "reason", "failure_class", "code", "http_status", "status",
+                "conclusion", "evidence_ref", "operator", "message")
+
+
+def summary(detail: Any, limit: int = 200) -> str:
+    """The few fields of a journal detail or an outcome a reader scans for, on one line."""
+    if not isinstance(detail, dict):
+        return ""
+    parts = [f"{k}: {detail[k]}" for k in SUMMARY_KEYS
+             if detail.get(k) not in (None, "", [], {})]
+    text = " · ".join(parts)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def as_datetime(value: Any) -> datetime | None:
     if value is None or isinstance(value, datetime):
         return value
