@@ -118,6 +118,27 @@ async def test_pages_without_a_session_redirect_to_sign_in_keeping_the_target(
                                         "state%3Dfailed")
 
 
+async def test_a_form_posted_after_the_session_ended_leads_to_sign_in_and_changes_nothing(
+        api: httpx.AsyncClient, browser: httpx.AsyncClient, svc: LedgerService) -> None:
+    op = await gated(api)
+    resp = await browser.post(f"/console/approvals/{op['id']}/approve", data={
+        "csrf": "x", "epoch": "1", "arguments_digest": op["arguments_digest"]})
+    assert resp.status_code == 303
+    assert resp.headers["location"] == "/console/login?next=%2Fconsole%2F"
+    assert (await svc.operation(op["id"]))["state"] == "awaiting_approval"
+    fetch = await browser.get("/console/overview/cards", headers={"X-Console-Fetch": "1"})
+    assert fetch.status_code == 401  # the page's script reloads into the sign-in page
+
+
+async def test_unknown_console_paths_get_a_page_not_json(browser: httpx.AsyncClient) -> None:
+    await sign_in(browser, token=OPERATOR)
+    resp = await browser.get("/console/no-such-page")
+    assert resp.status_code == 404 and resp.headers["content-type"].startswith("text/html")
+    assert "<h1>Not found</h1>" in resp.text
+    missing_op = await browser.get("/console/operations/nope")
+    assert missing_op.status_code == 404 and "operation &#39;nope&#39; not found" in missing_op.text
+
+
 async def test_sign_in_never_redirects_off_the_console(browser: httpx.AsyncClient) -> None:
     for target in ("https://evil.example/", "//evil.example/console/", "/v1/operations"):
         resp = await sign_in(browser, token=OPERATOR, next=target)

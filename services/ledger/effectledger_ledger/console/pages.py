@@ -38,9 +38,8 @@ def register_pages(app: FastAPI, console: Console) -> None:
     # ---- overview ------------------------------------------------------------------------
 
     async def overview_context(session: Session) -> dict[str, Any]:
-        async with service.store.transaction() as conn:
-            ov = await cr.overview(conn, tenant=console.tenant_of(session.principal))
-        return {"ov": ov, "states": [s.value for s in State]}
+        return {"ov": await console.overview(console.tenant_of(session.principal)),
+                "states": [s.value for s in State]}
 
     @app.get("/", response_class=HTMLResponse)
     async def overview(request: Request) -> HTMLResponse:
