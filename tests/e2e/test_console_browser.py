@@ -245,7 +245,7 @@ async def test_review_not_executed_with_evidence_retries_once_and_the_provider_a
     assert "review_recorded" in kinds and "retry_admitted" in kinds, kinds
 
 
-async def test_agent_token_cannot_approve_or_review_and_sees_only_its_tenant_and_no_csrf_no_post(
+async def test_agent_cannot_approve_or_review_sees_only_its_tenant_and_csrf_is_required(
         make_cluster: Callable[..., Cluster], new_context: Callable[..., Any]) -> None:
     c = await _up(make_cluster)
     mine = await _submit(c, AGENT_A, "fast_wire", {"amount": 1, "to": "a"}, "mine-1")
@@ -338,6 +338,13 @@ async def test_pages_work_by_keyboard_at_phone_width_with_labels_and_docs_stay_l
                                                                            timeout=15_000)
     await expect(page.locator(".opblock").first).to_be_visible()
     assert any(u.endswith("/console/static/swagger/swagger-ui-bundle.js") for u in offsite.all)
+
+    # The guard itself can fail a test: a request off the machine is caught and aborted.
+    blocked = await page.evaluate(
+        "() => fetch('https://cdn.example.com/x.js').then(() => 'loaded', () => 'blocked')")
+    assert blocked == "blocked"
+    assert offsite.seen == ["https://cdn.example.com/x.js"]
+    offsite.seen.clear()
 
 
 async def test_overview_refreshes_by_itself(

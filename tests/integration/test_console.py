@@ -92,6 +92,9 @@ async def test_sign_in_sets_an_httponly_strict_session_cookie_and_never_the_toke
     assert OPERATOR not in cookie
     page = await browser.get("/console/operations")
     assert page.status_code == 200 and "Operator <strong>alice</strong>" in page.text
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp
+    assert page.headers["cache-control"] == "no-store"
 
 
 async def test_session_cookie_is_secure_behind_tls(svc: LedgerService) -> None:

@@ -34,6 +34,8 @@ PREFIX = "/console"
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
 OVERVIEW_TTL_S = 2.0
+CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+       "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'")
 # Form bodies are small: a reason, an evidence reference, a few hidden fields.
 MAX_FORM_BYTES = 16 * 1024
 
@@ -141,6 +143,18 @@ def create_console(service: LedgerService, authenticator: Authenticator) -> Fast
     console = Console(service, authenticator)
     app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    @app.middleware("http")
+    async def _headers(request: Request, call_next: Any) -> Response:
+        response: Response = await call_next(request)
+        # The browser itself refuses anything not served by this ledger (no CDN, no inline
+        # script), any framing, and forms posting elsewhere.
+        response.headers.setdefault("Content-Security-Policy", CSP)
+        response.headers.setdefault("X-Content-Type-Options", "nosniff")
+        response.headers.setdefault("Referrer-Policy", "same-origin")
+        if not request.url.path.startswith(f"{PREFIX}/static/"):
+            response.headers.setdefault("Cache-Control", "no-store")  # arguments, receipts
+        return response
 
     @app.exception_handler(SignInRequired)
     async def _sign_in(request: Request, _: SignInRequired) -> Response:
