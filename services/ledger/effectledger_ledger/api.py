@@ -99,10 +99,8 @@ def _json(v: Any) -> Any:
 
 def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str, Any]]],
                auth: Authenticator | None = None) -> FastAPI:
-    # /docs comes from the console package's vendored Swagger UI (FastAPI's loads a CDN).
-    app = FastAPI(title="effectledger ledger", version="1", docs_url=None, redoc_url=None)
+    app = FastAPI(title="effectledger ledger", version="1")
     authenticator = auth or Authenticator({}, {})
-    console.mount(app, service, authenticator)
 
     async def principal(request: Request) -> Principal:
         return authenticator.authenticate(request)
@@ -248,6 +246,8 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
                              "auth": "enabled" if authenticator.enabled else "disabled"},
                             status_code=200 if ok else 503)
 
+    # The operator console at /console, and /docs from its vendored Swagger UI (no CDN).
+    console.mount(app, service, authenticator)
     return app
 
 

@@ -14,9 +14,15 @@ from .app import PREFIX, create_console
 SWAGGER = f"{PREFIX}/static/swagger"
 
 
+# FastAPI's own documentation pages load their scripts from a CDN; they are replaced.
+CDN_PAGES = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
 def mount(app: FastAPI, service: LedgerService, authenticator: Authenticator) -> None:
-    """Mount the console at /console and serve /docs from the vendored Swagger UI. The app must
-    be created with `docs_url=None, redoc_url=None` (their defaults load from a CDN)."""
+    """Mount the console at /console and serve /docs from the vendored Swagger UI instead of
+    FastAPI's CDN-loaded one (and drop /redoc, which has no local assets here)."""
+    app.router.routes[:] = [r for r in app.router.routes
+                            if getattr(r, "path", None) not in CDN_PAGES]
     app.mount(PREFIX, create_console(service, authenticator), name="console")
 
     @app.get("/docs", include_in_schema=False)
