@@ -287,7 +287,8 @@ async def test_agent_cannot_approve_or_review_sees_only_its_tenant_and_csrf_is_r
 
 
 async def test_pages_work_by_keyboard_at_phone_width_with_labels_and_docs_stay_local(
-        make_cluster: Callable[..., Cluster], new_context: Callable[..., Any]) -> None:
+        make_cluster: Callable[..., Cluster], new_context: Callable[..., Any],
+        shots: Path) -> None:
     c = await _up(make_cluster)
     op = await _submit(c, AGENT_A, "fast_wire", {"amount": 3, "to": "acct-3",
                                                  "memo": "x" * 300}, "phone-1")
@@ -328,6 +329,7 @@ async def test_pages_work_by_keyboard_at_phone_width_with_labels_and_docs_stay_l
 
     # Approve by keyboard: focus the button and press Enter.
     await page.goto(f"{c.ledger_url}/console/approvals/{op['id']}")
+    await page.screenshot(path=shots / "approval-phone.png", full_page=True)
     await page.get_by_role("button", name="Approve these arguments").focus()
     await page.keyboard.press("Enter")
     await expect(page.get_by_role("status")).to_contain_text("Approved")
