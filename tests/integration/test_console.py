@@ -157,11 +157,24 @@ async def test_sign_out_ends_the_session_at_once(browser: httpx.AsyncClient) -> 
     assert (await browser.get("/console/")).status_code == 303  # the old cookie is worthless
 
 
+async def test_signing_in_again_replaces_the_previous_session(
+        browser: httpx.AsyncClient) -> None:
+    await sign_in(browser, token=OPERATOR)
+    first = browser.cookies.get("effectledger_console")
+    await sign_in(browser, token=AGENT_A)
+    assert browser.cookies.get("effectledger_console") != first
+    browser.cookies.set("effectledger_console", first or "", path="/console")
+    assert (await browser.get("/console/")).status_code == 303
+
+
 async def test_open_mode_says_so_on_every_page_and_journals_the_given_name(
         svc: LedgerService) -> None:
     async with _client(svc, Authenticator({}, {})) as c:
         login = await c.get("/console/login")
         assert "Open mode:" in login.text
+        for bad in (" ", "x" * 1025):
+            refused = await sign_in(c, name=bad)
+            assert refused.status_code == 401 and "name" in refused.text
         await sign_in(c, name="bob")
         op = (await c.post("/v1/intents", json={"tool": "payout",
                                                   "arguments": {"amount": 1}})).json()

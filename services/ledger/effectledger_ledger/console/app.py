@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from effectledger_core.errors import EffectLedgerError, InvalidRequest
 from effectledger_core.ids import utcnow
+from effectledger_core.limits import MAX_IDENTIFIER_BYTES
 
 from ..auth import Authenticator, Forbidden, Principal, Unauthenticated
 from ..db import console_reads as cr
@@ -201,11 +202,14 @@ def create_console(service: LedgerService, authenticator: Authenticator) -> Fast
                 if name is None:
                     raise Unauthenticated("name yourself: open mode journals actions by the "
                                           "name you give")
+                if len(name.encode()) > MAX_IDENTIFIER_BYTES:
+                    raise Unauthenticated(f"a name is at most {MAX_IDENTIFIER_BYTES} bytes")
                 principal = Principal("open", name)
             else:
                 principal = authenticator.principal_for(_str(form, "token") or "")
         except Unauthenticated as exc:
             return await login_page(request, next=nxt, error=exc.message)
+        console.sessions.drop(request.cookies.get(SESSION_COOKIE))  # never two at once
         session = console.sessions.create(principal)
         response = RedirectResponse(nxt, 303)
         _set_cookie(response, request, SESSION_COOKIE, session.id, max_age=None)
