@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator
+from datetime import timedelta
 from typing import Any
 
 import httpx
 import pytest
 
+from effectledger_core.messages import DeadLetter
 from effectledger_core.recovery import Conclusion
 from effectledger_ledger.api import create_app
 from effectledger_ledger.auth import Authenticator
@@ -21,6 +23,7 @@ from tests.integration.test_api_auth import (
     AGENT_A,
     AGENT_B,
     AGENTS,
+    NOW,
     OPERATOR,
     OPERATORS,
     _ready,
@@ -382,6 +385,25 @@ async def test_overview_counts_backlogs_and_links_to_the_lists(
     assert "/console/operations?duplicates=1" in text and "/console/pipeline#dead-letters" in text
     listed = await browser.get("/console/operations?state=ambiguous&state=awaiting_confirmation")
     assert op["id"] in listed.text
+
+
+async def test_outbox_lag_counts_due_rows_only_and_dead_letters_are_counted(
+        api: httpx.AsyncClient, svc: LedgerService) -> None:
+    await submit(api, AGENT_A)  # its dispatch command waits in the outbox (no relay runs here)
+    await svc.record_dead_letter(DeadLetter(consumer="ledger-inbox", subject="tst.x",
+                                            error="not json", payload_excerpt="{"))
+    later = NOW + timedelta(seconds=90)
+    async with svc.store.transaction() as conn:
+        due = await cr.overview(conn, tenant=None, now=later)
+        before_due = await cr.overview(conn, tenant=None, now=NOW - timedelta(seconds=1))
+        tenant_view = await cr.overview(conn, tenant="tenant-a", now=later)
+    assert due.outbox_unpublished is not None and due.outbox_unpublished.count == 1
+    assert due.outbox_unpublished.age_s(later) == 90.0
+    assert before_due.outbox_unpublished is not None
+    assert before_due.outbox_unpublished.count == 0  # not due yet: waiting, not lagging
+    assert due.dead_letters is not None and due.dead_letters.count == 1
+    assert due.by_state == {"pending": 1} and tenant_view.by_state == {"pending": 1}
+    assert tenant_view.outbox_unpublished is None and tenant_view.dead_letters is None
 
 
 # ---- /docs without a CDN -------------------------------------------------------------------

@@ -73,7 +73,7 @@ class Console:
         if cached is not None and now - cached[0] < OVERVIEW_TTL_S:
             return cached[1]
         async with self.service.store.transaction() as conn:
-            ov = await cr.overview(conn, tenant=tenant)
+            ov = await cr.overview(conn, tenant=tenant, now=utcnow())
         if len(self._overviews) > 1000:  # one entry per tenant that looked; keep it bounded
             self._overviews.clear()
         self._overviews[tenant] = (now, ov)

@@ -280,7 +280,7 @@ def register_pages(app: FastAPI, console: Console) -> None:
         session = console.session(request)
         console.require_operator(session)
         async with service.store.transaction() as conn:
-            ov = await cr.overview(conn, tenant=None)
+            ov = await cr.overview(conn, tenant=None, now=utcnow())
             letters = await cr.recent_dead_letters(conn)
         return console.render(request, "pipeline.html", session, ov=ov, letters=letters,
                               now=utcnow())

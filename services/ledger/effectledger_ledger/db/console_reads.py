@@ -51,7 +51,7 @@ class Overview:
     approval: Backlog
     duplicates: int
     # Not per tenant: None for agents.
-    outbox_unpublished: Backlog | None
+    outbox_unpublished: Backlog | None  # due and not yet published
     outbox_by_status: dict[str, int] | None
     dead_letters: Backlog | None
 
@@ -68,7 +68,7 @@ async def _backlog(conn: AsyncConnection, states: tuple[str, ...],
     return Backlog(int(count), oldest)
 
 
-async def overview(conn: AsyncConnection, *, tenant: str | None) -> Overview:
+async def overview(conn: AsyncConnection, *, tenant: str | None, now: datetime) -> Overview:
     by_state_stmt = sa.select(operations.c.state, sa.func.count()).group_by(operations.c.state)
     by_state = {r[0]: int(r[1]) for r in (await conn.execute(_tenant(by_state_stmt, tenant)))}
     dup_stmt = sa.select(sa.func.count()).select_from(journal).where(
@@ -79,9 +79,12 @@ async def overview(conn: AsyncConnection, *, tenant: str | None) -> Overview:
     duplicates = int((await conn.execute(dup_stmt)).scalar_one())
     unpublished = by_status = letters = None
     if tenant is None:
+        # Lag counts from when a row became due: a row held back by a publish retry's backoff
+        # (available_at in the future) is waiting on purpose, not lagging.
         count, oldest = (await conn.execute(
-            sa.select(sa.func.count(), sa.func.min(outbox.c.created_at))
-            .where(outbox.c.status.in_(("pending", "publishing"))))).one()
+            sa.select(sa.func.count(), sa.func.min(outbox.c.available_at))
+            .where(outbox.c.status.in_(("pending", "publishing")),
+                   outbox.c.available_at <= now))).one()
         unpublished = Backlog(int(count), oldest)
         by_status = {r[0]: int(r[1]) for r in await conn.execute(
             sa.select(outbox.c.status, sa.func.count()).group_by(outbox.c.status))}
