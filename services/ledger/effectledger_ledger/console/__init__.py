@@ -9,7 +9,8 @@ from fastapi.responses import HTMLResponse
 
 from ..auth import Authenticator
 from ..service import LedgerService
-from .app import PREFIX, create_console
+from .app import create_console
+from .sessions import PREFIX
 
 SWAGGER = f"{PREFIX}/static/swagger"
 

@@ -29,9 +29,16 @@ from ..db import console_reads as cr
 from ..service import LedgerService
 from . import views
 from .pages import register_pages
-from .sessions import LOGIN_COOKIE, SESSION_COOKIE, Session, SessionStore, new_secret, same_secret
+from .sessions import (
+    LOGIN_COOKIE,
+    PREFIX,
+    SESSION_COOKIE,
+    Session,
+    SessionStore,
+    new_secret,
+    same_secret,
+)
 
-PREFIX = "/console"
 HERE = Path(__file__).parent
 STATIC = HERE / "static"
 OVERVIEW_TTL_S = 2.0

@@ -19,6 +19,7 @@ from ..auth import check_tenant
 from ..db import console_reads as cr
 from ..db.recovery import ActionRejected
 from . import views
+from .sessions import PREFIX
 
 if TYPE_CHECKING:
     from .app import Console
@@ -287,8 +288,6 @@ def register_pages(app: FastAPI, console: Console) -> None:
 
 
 def _see(path: str) -> RedirectResponse:
-    from .app import PREFIX
-
     return RedirectResponse(PREFIX + path, 303)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from ..auth import Principal
 
+PREFIX = "/console"  # where the ledger mounts the console; its cookies are scoped to it
 SESSION_COOKIE = "effectledger_console"
 LOGIN_COOKIE = "effectledger_console_login"  # CSRF token of the sign-in form itself
 SESSION_TTL_S = 8 * 3600.0
