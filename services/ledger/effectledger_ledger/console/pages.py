@@ -17,6 +17,7 @@ from effectledger_core.states import AT_REST, State
 
 from ..auth import check_tenant
 from ..db import console_reads as cr
+from ..db.reads import build_receipt
 from ..db.recovery import ActionRejected
 from . import views
 from .sessions import PREFIX
@@ -93,7 +94,7 @@ def register_pages(app: FastAPI, console: Console) -> None:
         assessment = await service.inspect(operation_id)
         return console.render(
             request, "operation.html", session, op=op, journal=journal,
-            receipt=await service.receipt(operation_id), assessment=assessment,
+            receipt=build_receipt(op), assessment=assessment,
             actions=views.allowed_actions(op, assessment), at_rest=State(op["state"]) in AT_REST)
 
     @app.get("/operations/{operation_id}/state.json")
@@ -105,8 +106,8 @@ def register_pages(app: FastAPI, console: Console) -> None:
     @app.get("/operations/{operation_id}/receipt.json")
     async def receipt(request: Request, operation_id: str) -> JSONResponse:
         session = console.session(request)
-        await visible_op(session, operation_id)
-        return JSONResponse(await service.receipt(operation_id), headers={
+        op = await visible_op(session, operation_id)
+        return JSONResponse(build_receipt(op), headers={
             "Content-Disposition": f'attachment; filename="receipt-{operation_id}.json"'})
 
     @app.post("/operations/{operation_id}/cancel")
