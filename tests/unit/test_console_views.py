@@ -55,6 +55,7 @@ def test_summary_keeps_the_fields_a_reader_scans_for_and_truncates() -> None:
     detail = {"verdict": "undecidable", "reason": "no oracle", "noise": "x", "code": ""}
     assert views.summary(detail) == "verdict: undecidable · reason: no oracle"
     assert views.summary("not a dict") == ""
+    assert views.summary({"type": "attempt_failed", "code": "x"}, skip="type") == "code: x"
     long = views.summary({"message": "m" * 500}, limit=20)
     assert len(long) == 20 and long.endswith("…")
 

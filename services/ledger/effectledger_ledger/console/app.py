@@ -9,6 +9,7 @@ page into a clear message before that.
 from __future__ import annotations
 
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -64,27 +65,29 @@ class Console:
         self.service = service
         self.auth = authenticator
         self.sessions = SessionStore()
-        self._overviews: dict[str | None, tuple[float, cr.Overview]] = {}
+        self._overviews: dict[str | None, tuple[float, datetime, cr.Overview]] = {}
         self.templates = Jinja2Templates(directory=HERE / "templates")
         env = self.templates.env
         env.filters.update(age=views.age, pretty=views.pretty, when=views.when,
                            summary=views.summary)
         env.globals.update(prefix=PREFIX, duration_ms=views.duration_ms)
 
-    async def overview(self, tenant: str | None) -> cr.Overview:
-        """The overview's figures, computed at most once per OVERVIEW_TTL_S per tenant however
-        many consoles are open: they count whole tables (150 ms at 200,000 operations on
-        PostgreSQL), and every open overview asks every few seconds."""
+    async def overview(self, tenant: str | None) -> tuple[datetime, cr.Overview]:
+        """The overview's figures and when they were counted, computed at most once per
+        OVERVIEW_TTL_S per tenant however many consoles are open: they count whole tables
+        (150 ms at 200,000 operations on PostgreSQL), and every open overview asks every few
+        seconds."""
         now = time.monotonic()
         cached = self._overviews.get(tenant)
         if cached is not None and now - cached[0] < OVERVIEW_TTL_S:
-            return cached[1]
+            return cached[1], cached[2]
+        at = utcnow()
         async with self.service.store.transaction() as conn:
-            ov = await cr.overview(conn, tenant=tenant, now=utcnow())
+            ov = await cr.overview(conn, tenant=tenant, now=at)
         if len(self._overviews) > 1000:  # one entry per tenant that looked; keep it bounded
             self._overviews.clear()
-        self._overviews[tenant] = (now, ov)
-        return ov
+        self._overviews[tenant] = (now, at, ov)
+        return at, ov
 
     @property
     def open_mode(self) -> bool:

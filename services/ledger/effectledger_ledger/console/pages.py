@@ -40,8 +40,8 @@ def register_pages(app: FastAPI, console: Console) -> None:
     # ---- overview ------------------------------------------------------------------------
 
     async def overview_context(session: Session) -> dict[str, Any]:
-        return {"ov": await console.overview(console.tenant_of(session.principal)),
-                "states": [s.value for s in State]}
+        at, ov = await console.overview(console.tenant_of(session.principal))
+        return {"ov": ov, "figures_at": at, "states": [s.value for s in State]}
 
     @app.get("/", response_class=HTMLResponse)
     async def overview(request: Request) -> HTMLResponse:

@@ -37,12 +37,13 @@ SUMMARY_KEYS = ("verdict", "type", "reason", "failure_class", "code", "http_stat
                 "conclusion", "evidence_ref", "operator", "message")
 
 
-def summary(detail: Any, limit: int = 200) -> str:
-    """The few fields of a journal detail or an outcome a reader scans for, on one line."""
+def summary(detail: Any, limit: int = 200, skip: str = "") -> str:
+    """The few fields of a journal detail or an outcome a reader scans for, on one line
+    (`skip`: a field the page already shows next to it)."""
     if not isinstance(detail, dict):
         return ""
     parts = [f"{k}: {detail[k]}" for k in SUMMARY_KEYS
-             if detail.get(k) not in (None, "", [], {})]
+             if k != skip and detail.get(k) not in (None, "", [], {})]
     text = " · ".join(parts)
     return text if len(text) <= limit else text[:limit - 1] + "…"
 
