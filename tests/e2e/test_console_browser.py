@@ -47,6 +47,10 @@ try:
 except ImportError:  # pragma: no cover - the test extra installs it
     pytestmark.append(pytest.mark.skip(reason="playwright is not installed: "
                                               "pip install -e '.[test]'"))
+else:
+    # A shared, busy machine can take seconds to serve a page; waits still end as soon as the
+    # condition holds.
+    expect.set_options(timeout=15_000)
 if not Path(CHROMIUM).exists():
     pytestmark.append(pytest.mark.skip(
         reason=f"no Chromium at {CHROMIUM}: install it with `apt-get install -y chromium` "
