@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from effectledger_core.states import AT_REST
 from effectledger_obs import metrics
 
+from .db.rows import JournalRow
 from .db.schema import OUTBOX_PENDING, outbox
 
 log = logging.getLogger("effectledger.ledger.transitions")
@@ -54,15 +55,17 @@ class Observer:
         if len(self._ops) > self.capacity:
             self._ops.popitem(last=False)
 
-    def committed(self, rows: Iterable[Mapping[str, Any]]) -> None:
+    def committed(self, rows: Iterable[JournalRow]) -> None:
         for row in rows:
-            to_state = row["to_state"]
+            to_state, op_id = row["to_state"], row["operation_id"]
+            if to_state is None or op_id is None:  # noted rows always have both
+                continue
             from_state = row.get("from_state") or NEW
             metrics.child(metrics.TRANSITIONS, from_state, to_state).inc()
-            self._time(row, from_state, to_state)
+            self._time(row, op_id, from_state, to_state)
             if log.isEnabledFor(logging.INFO):
                 detail = row.get("detail") or {}
-                extra = {"operation_id": row["operation_id"], "epoch": row.get("epoch"),
+                extra = {"operation_id": op_id, "epoch": row.get("epoch"),
                          "actor": row.get("actor")}
                 if detail.get("attempt_id"):
                     extra["attempt_id"] = detail["attempt_id"]
@@ -77,8 +80,7 @@ class Observer:
             metrics.child(metrics.STAGE_DURATION, "claimed_to_outcome").observe(
                 max(0.0, (at - tracked.claimed_at).total_seconds()))
 
-    def _time(self, row: Mapping[str, Any], from_state: str, to_state: str) -> None:
-        op_id = row["operation_id"]
+    def _time(self, row: JournalRow, op_id: str, from_state: str, to_state: str) -> None:
         if to_state == "in_flight":
             tracked = self._ops.get(op_id)
             if tracked is not None:

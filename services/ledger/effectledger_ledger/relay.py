@@ -19,10 +19,12 @@ from nats.js import JetStreamContext
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import StoreUnavailable
 from effectledger_core.ids import Clock, utcnow
+from effectledger_core.states import OutboxKind
 from effectledger_obs import metrics, tracing
 
 from .db.batch import GroupCommit
 from .db.outbox import (
+    MarkPublished,
     OutboxItem,
     StreamPosition,
     lease_batch_txn,
@@ -175,8 +177,7 @@ class DirectPublisher:
                   if isinstance(r, BaseException)]
         try:
             if seqs:
-                await self.writes.run(mark_published_txn, list(seqs), now=self.clock(),
-                                      seqs=seqs)
+                await self.writes.call(MarkPublished(list(seqs), now=self.clock(), seqs=seqs))
                 self.published += len(seqs)
                 _count_published(items, set(seqs), "direct")
             if failed:
@@ -234,7 +235,8 @@ class Sweeper:
                                         older_than_s=self.older_than_s,
                                         position=pos.get("dispatch"))
         reconcile = await self.store.run(sweep_unclaimed_txn, now=self.clock(),
-                                         older_than_s=self.reconcile_after_s, kind="reconcile",
+                                         older_than_s=self.reconcile_after_s,
+                                         kind=OutboxKind.RECONCILE.value,
                                          position=pos.get("reconcile"))
         metrics.child(metrics.SWEEPER_REPUBLISHED, "dispatch").inc(dispatch)
         metrics.child(metrics.SWEEPER_REPUBLISHED, "reconcile").inc(reconcile)

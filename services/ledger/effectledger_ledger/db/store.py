@@ -28,11 +28,12 @@ from tenacity import (
 from effectledger_core.errors import StoreUnavailable
 
 from .common import NOTIFY_FLAG, TRANSITIONS_KEY
+from .rows import JournalRow
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # Called with the journal rows that changed a state, once their transaction has committed.
-OnCommit = Callable[[list[dict[str, Any]]], None]
+OnCommit = Callable[[list[JournalRow]], None]
 
 _NOTIFY = sa.text("SELECT pg_notify('effectledger_outbox', '')")
 
@@ -92,7 +93,7 @@ class Store:
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncConnection]:
-        changed: list[dict[str, Any]] | None = None
+        changed: list[JournalRow] | None = None
         try:
             async with self.engine.begin() as conn:
                 conn.info.pop(NOTIFY_FLAG, None)  # info outlives a checkout: start clean
