@@ -14,6 +14,7 @@ import nats
 from nats.aio.client import Client as NatsClient
 
 from effectledger_core.config import Settings
+from effectledger_obs import metrics
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +58,19 @@ async def _log_error(exc: Exception) -> None:
 
 
 async def _log_disconnect() -> None:
+    metrics.NATS_CONNECTED.set(0)
+    metrics.NATS_DISCONNECTS.inc()
     log.warning("nats: disconnected")
 
 
 async def _log_reconnect() -> None:
+    metrics.NATS_CONNECTED.set(1)
+    metrics.NATS_RECONNECTS.inc()
     log.info("nats: reconnected")
 
 
 async def connect(settings: Settings, name: str) -> NatsClient:
-    return await nats.connect(error_cb=_log_error, disconnected_cb=_log_disconnect,
-                              reconnected_cb=_log_reconnect, **connect_options(settings, name))
+    nc = await nats.connect(error_cb=_log_error, disconnected_cb=_log_disconnect,
+                            reconnected_cb=_log_reconnect, **connect_options(settings, name))
+    metrics.NATS_CONNECTED.set(1)
+    return nc

@@ -53,6 +53,7 @@ from effectledger_core.messages import (
     Outcome,
     OutcomeAmbiguous,
 )
+from effectledger_obs import tracing
 
 from .adapters import Classified, ProviderAdapter, ReadbackResult, load_adapter
 
@@ -242,6 +243,7 @@ async def call_provider(
                                   message=f"nothing was sent: {_describe(exc)}"),
                        secrets=_secrets(tool, None, env))
     secrets = _secrets(tool, request, env)
+    tracing.inject(request.headers)  # W3C traceparent for the provider, when tracing is on
     if on_sent is not None:
         on_sent()
     started = time.monotonic()

@@ -88,8 +88,9 @@ async def test_metrics_match_the_ledger_rows_after_a_mixed_workload(make_cluster
     reconciler = await _scrape(f"{c.reconciler_url}/metrics")
 
     # Every committed transition, by new state, equals the journal's.
-    journal = dict(await c.db_rows(
-        "SELECT to_state, count(*) FROM journal WHERE to_state IS NOT NULL GROUP BY to_state"))
+    journal = {r["to_state"]: r["n"] for r in await c.db_rows(
+        "SELECT to_state, count(*) AS n FROM journal WHERE to_state IS NOT NULL "
+        "GROUP BY to_state")}
     for state, count in journal.items():
         assert total(ledger, "effectledger_transitions_total", to_state=state) == count, state
     states = Counter(op["state"] for op in await c.list_all())

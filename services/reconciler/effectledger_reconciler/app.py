@@ -20,6 +20,7 @@ from effectledger_bus.streams import ensure_streams
 from effectledger_core import unsafe
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
+from effectledger_obs.logs import announce
 from effectledger_providers.adapters import load_adapter
 from effectledger_providers.calls import make_client
 
@@ -103,7 +104,7 @@ async def _serve_http(app: Starlette, settings: Settings,
     """Run uvicorn until it stops (SIGINT/SIGTERM, handled by uvicorn) or is cancelled."""
     server = uvicorn.Server(uvicorn.Config(
         app, host=settings.reconciler_host, port=settings.reconciler_port, log_level="warning",
-        access_log=False, lifespan="off"))
+        access_log=False, lifespan="off", log_config=None))  # our handlers, our format
     task = asyncio.create_task(_run(server, settings))
     try:
         while not server.started:  # uvicorn exposes a flag, not an event
@@ -113,7 +114,7 @@ async def _serve_http(app: Starlette, settings: Settings,
             await asyncio.sleep(0.02)
         url = f"http://{settings.reconciler_host}:{settings.reconciler_port}"
         log.info("reconciler %s listening on %s", settings.reconciler_id, url)
-        print(f"reconciler ready: {url} ({settings.reconciler_id})", flush=True)
+        announce(f"reconciler ready: {url} ({settings.reconciler_id})")
         if started is not None:
             started.set()
         await asyncio.shield(task)
