@@ -77,3 +77,41 @@ async def test_one_operation_is_one_trace_across_a_ledger_restart(
     # The provider received the trace context with the request.
     [request] = (await c.sandbox.get("/_requests")).json()["requests"]
     assert request["traceparent"].split("-")[1] == trace_id, request
+
+
+async def test_an_ambiguous_operations_trace_includes_the_reconcilers_readback(
+        make_cluster: Any, tmp_path: Path) -> None:
+    """The provider applies the effect and the answer is lost: the outcome is ambiguous, the
+    reconcile command (relay-published from the outbox) carries the trace on, and the
+    reconciler's consumption and readback are in the operation's trace.
+
+    The relay's poll is slowed so that it publishes the reconcile command only when the inbox
+    wakes it, after storing the trace context on the row (a poll in between would publish it
+    without one: the context is kept best effort, after the outcome's commit)."""
+    files = {name: tmp_path / f"{name}.spans.jsonl"
+             for name in ("ledger", "dispatcher", "reconciler")}
+    c: Cluster = make_cluster(env={"EFFECTLEDGER_WEBHOOK_WAIT_S": "1",
+                                   "EFFECTLEDGER_RELAY_POLL_INTERVAL_S": "30"})
+    await c.start_sandbox()
+    await c.start_ledger(env={"EFFECTLEDGER_TRACES_FILE": str(files["ledger"])})
+    await c.start_dispatcher(env={"EFFECTLEDGER_TRACES_FILE": str(files["dispatcher"])})
+    await c.start_reconciler(env={"EFFECTLEDGER_TRACES_FILE": str(files["reconciler"])})
+    resp = await c.sandbox.post("/_faults/append", json={
+        "match": {"route": "idempotentfast"}, "action": {"kind": "drop_after_apply"},
+        "times": 1})
+    assert resp.status_code == 200, resp.text
+    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
+    resp = await c.ledger.post("/v1/intents", json={"tool": "fast_ticket",
+                                                    "arguments": {"title": "lost answer"}},
+                               headers={"traceparent": f"00-{trace_id}-{parent}-01"})
+    assert resp.status_code == 201, resp.text
+    final = await c.wait_state(resp.json()["id"], "succeeded", 40)
+    assert final["evidence"]["source"] == "readback", final
+
+    reconciler = in_trace(spans(files["reconciler"]), trace_id)
+    names = [s["name"] for s in reconciler]
+    assert "consume reconciler" in names and "readback" in names, names
+    dispatcher = [s["name"] for s in in_trace(spans(files["dispatcher"]), trace_id)]
+    assert "provider call" in dispatcher, dispatcher
+    ledger = [s["name"] for s in in_trace(spans(files["ledger"]), trace_id)]
+    assert ledger[0] == "POST /v1/intents" and "publish reconcile" in ledger, ledger
