@@ -13,7 +13,7 @@ from effectledger_core.catalog import Catalog
 from effectledger_core.config import DEMO_CATALOG
 from effectledger_core.messages import ClaimAttempt, OutcomeAmbiguous, SubmitIntent
 from effectledger_core.subjects import Subjects
-from effectledger_ledger.db.schema import outbox
+from effectledger_ledger.db.schema import journal, outbox
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.service import LedgerService
 from effectledger_obs import tracing
@@ -56,6 +56,12 @@ async def test_the_dispatch_and_reconcile_rows_keep_their_trace_context(
     finally:
         await svc.close()
     kept = await traceparents(store)
+    async with store.transaction() as conn:
+        [accepted] = (await conn.execute(sa.select(journal.c.detail).where(
+            journal.c.kind == "intent_accepted"))).scalars().all()
+    ctx = request.get_span_context()
+    assert (accepted["trace_id"], accepted["span_id"]) == (
+        format(ctx.trace_id, "032x"), format(ctx.span_id, "016x"))
     [finished] = [s for s in spans.get_finished_spans() if s.name == "POST /v1/intents"]
     assert finished.attributes is not None
     assert finished.attributes["effectledger.operation_id"] == op["id"]

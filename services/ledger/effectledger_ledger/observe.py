@@ -67,8 +67,9 @@ class Observer:
                 detail = row.get("detail") or {}
                 extra = {"operation_id": op_id, "epoch": row.get("epoch"),
                          "actor": row.get("actor")}
-                if detail.get("attempt_id"):
-                    extra["attempt_id"] = detail["attempt_id"]
+                for key in ("attempt_id", "trace_id"):  # when the entry names them
+                    if detail.get(key):
+                        extra[key] = detail[key]
                 log.info("%s: %s -> %s", row["kind"], from_state, to_state, extra=extra)
 
     def outcome_reported(self, *, operation_id: str, at: datetime, now: datetime) -> None:
