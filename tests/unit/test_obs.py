@@ -264,3 +264,25 @@ async def test_a_health_port_in_use_fails_with_the_setting_named() -> None:
             await second.start()
     finally:
         await first.stop()
+
+
+def test_children_of_unsampled_spans_are_skipped_but_the_context_still_travels(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "parentbased_traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0")  # no root is sampled
+    exporter = InMemorySpanExporter()
+    import os
+
+    tracing.configure_tracing("test", exporter=exporter, env=dict(os.environ))
+    try:
+        with tracing.span("root") as root:
+            assert root is not None and not root.get_span_context().trace_flags.sampled
+            headers = tracing.inject({})
+        assert headers is not None
+        with tracing.span("consume", context=tracing.extract(headers)) as child:
+            assert child is None  # never sampled under a parent-based sampler: not made
+            passed_on = tracing.inject({})
+        assert passed_on == headers  # downstream sees the same unsampled trace
+    finally:
+        tracing.shutdown_tracing()
+    assert exporter.get_finished_spans() == ()
