@@ -114,6 +114,11 @@ async def test_metrics_match_the_ledger_rows_after_a_mixed_workload(make_cluster
     assert total(dispatcher, "effectledger_dispatcher_claim_replies_total",
                  status="granted") == attempts
     assert total(dispatcher, "effectledger_nats_connected") == 1
+    # Every dispatch command was acked once, after its outcome's publish.
+    assert total(dispatcher, "effectledger_messages_handled_total", consumer="dispatcher",
+                 result="ack") == attempts
+    assert total(ledger, "effectledger_messages_handled_total", consumer="ledger.inbox",
+                 result="ack") >= attempts  # outcomes, and the reconciler's verdicts
     # The reconciler read the provider back and published the verdicts the ledger took.
     assert total(reconciler, "effectledger_readbacks_total", result="found") >= 1
     assert total(ledger, "effectledger_verdicts_total", verdict="applied",
