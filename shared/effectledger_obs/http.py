@@ -40,8 +40,8 @@ def metrics_response() -> Response:
 
 
 async def metrics_endpoint(_: Request) -> Response:
-    # Scrape-time collectors may query a database: keep that off the event loop's hot path
-    # only where they say so; the default registry's own collectors are cheap.
+    """A Starlette route serving `metrics_response()` (the ledger's route first refreshes
+    the gauges it reads from its database)."""
     return metrics_response()
 
 
