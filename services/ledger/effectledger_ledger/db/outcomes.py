@@ -85,8 +85,10 @@ def _rejection(outcome: Outcome, op: _Op | None, held: tuple[str, str | None] | 
         return "unknown_operation"
     if held is None or held[0] != outcome.attempt_id:
         return "not_the_claimed_attempt"
-    if held[1] != outcome.dispatcher_id:
-        # The right attempt id from another dispatcher: only the claim's holder may report.
+    if held[1] != outcome.dispatcher_id and not isinstance(outcome, OutcomeAmbiguous):
+        # Only the claim's holder may say what its call did. Any dispatcher may say that the
+        # holder was lost mid-attempt (ambiguous): that sends the operation to reconciliation,
+        # which decides on evidence, so it cannot make anything succeed or fail.
         return "not_the_claim_holder"
     if op.epoch != outcome.epoch:
         return "stale_epoch"
