@@ -94,6 +94,13 @@ def token(value: str, what: str) -> str:
     return value
 
 
+def user_name(role: Role, scope: str) -> str:
+    """`<role>-<scope>`, without doubling the role (dispatcher id `dispatcher-1` is user
+    `dispatcher-1`). Every name starts with its role, so no two roles share a user."""
+    token(scope, f"{role.value} id" if role is not Role.AGENT else "tenant")
+    return scope if scope.startswith(f"{role.value}-") else f"{role.value}-{scope}"
+
+
 def inbox_prefix(user: str) -> str:
     """Where `user` receives replies; the services pass it to nats-py as `inbox_prefix`."""
     return f"_INBOX_{user}"
@@ -125,7 +132,7 @@ def ledger(s: Subjects, *, inbox_consumer: str = "ledger-inbox") -> Principal:
 
 
 def dispatcher(s: Subjects, dispatcher_id: str, *, consumer: str = "dispatcher") -> Principal:
-    user = f"dispatcher-{token(dispatcher_id, 'dispatcher id')}"
+    user = user_name(Role.DISPATCHER, dispatcher_id)
     return Principal(Role.DISPATCHER, user, Permissions(
         publish=(s.rpc_claim_by(dispatcher_id), s.outcomes_of(dispatcher_id), s.deadletter,
                  *_stream_lookup(s), *_consumer_api(s.dispatch_stream, consumer)),
@@ -133,7 +140,7 @@ def dispatcher(s: Subjects, dispatcher_id: str, *, consumer: str = "dispatcher")
 
 
 def reconciler(s: Subjects, reconciler_id: str, *, consumer: str = "reconciler") -> Principal:
-    user = f"reconciler-{token(reconciler_id, 'reconciler id')}"
+    user = user_name(Role.RECONCILER, reconciler_id)
     return Principal(Role.RECONCILER, user, Permissions(
         publish=(s.verdict, s.webhook, s.deadletter, s.rpc_operation,
                  *_stream_lookup(s), *_consumer_api(s.events_stream, consumer)),
@@ -141,7 +148,7 @@ def reconciler(s: Subjects, reconciler_id: str, *, consumer: str = "reconciler")
 
 
 def agent(s: Subjects, tenant: str) -> Principal:
-    user = f"agent-{token(tenant, 'tenant')}"
+    user = f"agent-{token(tenant, 'tenant')}"  # a tenant named agent-x is still agent-agent-x
     return Principal(Role.AGENT, user, Permissions(
         publish=(s.rpc_intents_for(tenant), s.rpc_operation_for(tenant)),
         subscribe=(f"{inbox_prefix(user)}.>",)), scope=tenant)

@@ -17,6 +17,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from effectledger_bus import permissions
 from effectledger_bus.permissions import Credential, Plane, Principal, inbox_prefix, server_config
 from effectledger_core.subjects import Subjects
 
@@ -98,3 +99,12 @@ def start(files: AuthFiles, port: int, *, log_file: Path | None = None,
     proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     wait_for_port(host, port, 15.0, proc)
     return proc
+
+
+def for_up(data: Path, subjects: Subjects, *, port: int, dispatchers: list[str],
+           reconcilers: list[str], tenants: list[str]) -> AuthFiles:
+    """`effectledger up`'s users under `<data>/nats-auth`, JetStream under `<data>/jetstream`."""
+    plane = permissions.plane(subjects, dispatchers=dispatchers, reconcilers=reconcilers,
+                              tenants=tenants)
+    return write(data / "nats-auth", plane, subjects, host="127.0.0.1", port=port,
+                 store_dir=data / "jetstream")
