@@ -50,6 +50,7 @@ class Attacker:
         self.stack = stack
         self.log = log
         self.rounds = 0
+        self.sent = 0
 
     async def run(self) -> dict[str, Any]:
         """One round: every forgery, once anonymously and once as agent `mallory`."""
@@ -112,12 +113,14 @@ class Attacker:
 
     async def _send(self, nc: Any, subject: str, body: dict[str, Any]) -> None:
         payload = json.dumps(body).encode()
+        self.sent += 1
         if subject.startswith(f"{SUBJECTS.prefix}.rpc."):
-            # Request-reply: an answer means the ledger acted on it (the checker sees what).
-            with contextlib.suppress(Exception):
-                await nc.request(subject, payload, timeout=2)
+            # A request, without waiting for the answer (a refused one would only time out):
+            # what the ledger did with it is in its rows, which the checker reads.
+            await nc.publish(subject, payload, reply=nc.new_inbox())
             return
-        await nc.publish(subject, payload, headers={"Nats-Msg-Id": f"{MARK}-{id(body)}"})
+        await nc.publish(subject, payload,
+                         headers={"Nats-Msg-Id": f"{MARK}-{self.rounds}-{self.sent}"})
 
     def _forgeries(self, op: dict[str, Any], tag: str) -> list[tuple[str, dict[str, Any]]]:
         s, now = SUBJECTS, _now()

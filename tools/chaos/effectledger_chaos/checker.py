@@ -373,7 +373,9 @@ def forged_effects(db: dict[str, Any], sandbox_keys: dict[str, Any],
     found: list[dict[str, Any]] = []
     for e in db["journal"]:
         actor = str(e.get("actor") or "")
-        if FORGED in actor and e.get("to_state") and e.get("to_state") != e.get("from_state"):
+        # (An operation's creation, from no state, is counted below by its tenant.)
+        if (FORGED in actor and e.get("from_state") and e.get("to_state")
+                and e["to_state"] != e["from_state"]):
             found.append({"what": "state change by a forged sender", "actor": actor,
                           "operation_id": e["operation_id"], "to_state": e["to_state"]})
     for a in db["attempts"]:
