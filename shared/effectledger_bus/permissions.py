@@ -131,16 +131,27 @@ def ledger(s: Subjects, *, inbox_consumer: str = "ledger-inbox") -> Principal:
         allow_responses=True))
 
 
-def dispatcher(s: Subjects, dispatcher_id: str, *, consumer: str = "dispatcher") -> Principal:
-    user = user_name(Role.DISPATCHER, dispatcher_id)
+def dispatcher(s: Subjects, dispatcher_id: str | None, *,
+               consumer: str = "dispatcher") -> Principal:
+    """One dispatcher's user. `None`: one user shared by every replica (user `dispatcher`),
+    for deployments that cannot give each replica its own credentials; it may publish under
+    any dispatcher id, so one replica could then speak for another (the ledger still accepts
+    an outcome only for the attempt that holds the claim)."""
+    if dispatcher_id is None:
+        user, claim, outcomes = "dispatcher", s.rpc_claim_by("*"), s.outcomes_of("*")
+    else:
+        user = user_name(Role.DISPATCHER, dispatcher_id)
+        claim, outcomes = s.rpc_claim_by(dispatcher_id), s.outcomes_of(dispatcher_id)
     return Principal(Role.DISPATCHER, user, Permissions(
-        publish=(s.rpc_claim_by(dispatcher_id), s.outcomes_of(dispatcher_id), s.deadletter,
+        publish=(claim, outcomes, s.deadletter,
                  *_stream_lookup(s), *_consumer_api(s.dispatch_stream, consumer)),
         subscribe=(f"{inbox_prefix(user)}.>",)), scope=dispatcher_id)
 
 
-def reconciler(s: Subjects, reconciler_id: str, *, consumer: str = "reconciler") -> Principal:
-    user = user_name(Role.RECONCILER, reconciler_id)
+def reconciler(s: Subjects, reconciler_id: str | None, *,
+               consumer: str = "reconciler") -> Principal:
+    """One reconciler's user; `None`: one user shared by every replica (`reconciler`)."""
+    user = "reconciler" if reconciler_id is None else user_name(Role.RECONCILER, reconciler_id)
     return Principal(Role.RECONCILER, user, Permissions(
         publish=(s.verdict, s.webhook, s.deadletter, s.rpc_operation,
                  *_stream_lookup(s), *_consumer_api(s.events_stream, consumer)),
@@ -194,7 +205,8 @@ class Plane:
         return [p.user for p in self.principals]
 
 
-def plane(s: Subjects, *, dispatchers: Iterable[str], reconcilers: Iterable[str],
+def plane(s: Subjects, *, dispatchers: Iterable[str | None],
+          reconcilers: Iterable[str | None],
           tenants: Iterable[str], with_operator: bool = True,
           with_streams: bool = True) -> Plane:
     principals = [ledger(s)]
@@ -227,6 +239,13 @@ def _quote(value: str) -> str:
 
 def _subjects(values: tuple[str, ...]) -> str:
     return "[" + ", ".join(_quote(v) for v in values) + "]"
+
+
+def env_refs(plane_: Plane) -> dict[str, str | EnvRef]:
+    """Every user's password as `$NATS_<USER>_PASSWORD` (e.g. `$NATS_AGENT_ACME_PASSWORD`),
+    for a configuration the server completes from its environment."""
+    return {u: EnvRef("NATS_" + u.upper().replace("-", "_") + "_PASSWORD")
+            for u in plane_.users}
 
 
 def render(plane_: Plane, passwords: Mapping[str, str | EnvRef]) -> str:
