@@ -244,8 +244,15 @@ def _subjects(values: tuple[str, ...]) -> str:
 def env_refs(plane_: Plane) -> dict[str, str | EnvRef]:
     """Every user's password as `$NATS_<USER>_PASSWORD` (e.g. `$NATS_AGENT_ACME_PASSWORD`),
     for a configuration the server completes from its environment."""
-    return {u: EnvRef("NATS_" + u.upper().replace("-", "_") + "_PASSWORD")
-            for u in plane_.users}
+    refs: dict[str, str | EnvRef] = {}
+    taken: dict[str, str] = {}
+    for u in plane_.users:
+        name = "NATS_" + u.upper().replace("-", "_") + "_PASSWORD"
+        if name in taken:  # `Acme` and `acme`, or `a-b` and `a_b`
+            raise ValueError(f"users {taken[name]!r} and {u!r} would share ${name}")
+        taken[name] = u
+        refs[u] = EnvRef(name)
+    return refs
 
 
 def render(plane_: Plane, passwords: Mapping[str, str | EnvRef]) -> str:

@@ -108,3 +108,26 @@ def test_the_sender_is_read_back_from_the_subject() -> None:
     assert S.outcome_sender(S.outcome("attempt_failed")) is None
     assert S.rpc_tail(S.rpc_intents_for("acme"), S.rpc_intents) == "acme"
     assert S.rpc_tail(S.rpc_intents, S.rpc_intents) is None
+
+
+def test_replicas_sharing_a_user_keep_every_boundary_but_speaking_for_each_other() -> None:
+    """`None`: one `dispatcher` / `reconciler` user for all replicas (what a Deployment with
+    one Secret can do). It may claim and report under any dispatcher id, and nothing more."""
+    shared = perm.plane(S, dispatchers=[None], reconcilers=[None], tenants=["acme"])
+    d = shared.user("dispatcher").permissions
+    assert d.publish[:2] == (S.rpc_claim_by("*"), S.outcomes_of("*"))
+    assert not any(_matches(p, S.verdict) or _matches(p, S.dispatch("x")) for p in d.publish)
+    assert shared.user("reconciler").permissions.subscribe == ("_INBOX_reconciler.>",)
+    assert perm.user_name(perm.Role.DISPATCHER, "dispatcher-1") == "dispatcher-1"
+    assert perm.user_name(perm.Role.RECONCILER, "dispatcher-1") == "reconciler-dispatcher-1"
+
+
+def test_passwords_can_come_from_the_servers_environment() -> None:
+    refs = perm.env_refs(PLANE)
+    assert refs["agent-acme"] == perm.EnvRef("NATS_AGENT_ACME_PASSWORD")
+    assert refs["dispatcher-d1"] == perm.EnvRef("NATS_DISPATCHER_D1_PASSWORD")
+    with pytest.raises(ValueError, match="not usable"):
+        perm.EnvRef("lower-case")
+    clash = perm.plane(S, dispatchers=[], reconcilers=[], tenants=["Acme", "acme"])
+    with pytest.raises(ValueError, match="would share"):
+        perm.env_refs(clash)
