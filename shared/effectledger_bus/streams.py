@@ -72,18 +72,22 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
     ]
 
 
-async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:
+async def ensure_streams(js: JetStreamContext, settings: Settings, *,
+                         update: bool = False) -> None:
+    """Create missing streams; only the ledger (`update=True`) changes existing ones: NATS
+    permissions give the JetStream API's write side to the ledger alone."""
     for cfg in stream_configs(settings):
-        await at_startup(partial(_ensure_stream, js, cfg))
+        await at_startup(partial(_ensure_stream, js, cfg, update))
 
 
-async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig, update: bool) -> None:
     try:
         await js.stream_info(cfg.name)  # type: ignore[arg-type]
     except NotFoundError:
         await js.add_stream(cfg)
     else:
-        await js.update_stream(cfg)
+        if update:
+            await js.update_stream(cfg)
 
 
 async def delete_streams(js: JetStreamContext, settings: Settings) -> None:

@@ -196,7 +196,8 @@ class Dispatcher:
         try:
             # Not a heartbeat before the first try: the call's heartbeat covered us until now.
             await publish_with_retries(
-                self.publisher, self.subjects.outcome(outcome.type), encode(outcome),
+                self.publisher, self.subjects.outcome_by(self.dispatcher_id, outcome.type),
+                encode(outcome),
                 msg_id=msgids.outcome(outcome), within_s=self._publish_window(),
                 before_retry=lambda: keep(d))
         except BrokerUnavailable as exc:

@@ -31,6 +31,8 @@ FAULT_GROUPS: dict[str, tuple[str, ...]] = {
     "webhook": ("webhook_duplicate", "webhook_concurrent", "webhook_reorder", "webhook_resign",
                 "webhook_forged", "webhook_expired"),
     "bad_input": ("bad_input",),
+    # Forgeries on the bus, anonymously and with an agent's credentials (attacker.py).
+    "attack": ("attacker",),
 }
 ALL_FAULTS: tuple[str, ...] = tuple(k for g in FAULT_GROUPS.values() for k in g)
 # Faults aimed at one operation (armed in the sandbox before it is submitted) rather than at
@@ -151,6 +153,7 @@ class ChaosConfig:
     quiet_max_s: float = 150.0
     unsafe_skip_claim: bool = False
     unsafe_skip_webhook_verification: bool = False
+    unsafe_nats_without_permissions: bool = False
     timing: Timing = field(default_factory=Timing)
     progress: bool = True
     progress_interval_s: float = 5.0

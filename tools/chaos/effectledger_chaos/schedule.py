@@ -280,5 +280,9 @@ def _timed(cfg: ChaosConfig, enabled: set[str], rng: random.Random) -> list[Time
                 out.append((at(), kind, route, params))
     if "bad_input" in enabled:
         out.append((at(0.5, 0.7), "bad_input", "all", {}))
+    if "attacker" in enabled:
+        # Several rounds, so that some find operations pending, in flight and ambiguous.
+        for _ in range(3 * repeats):
+            out.append((at(0.1, 0.8), "attacker", "nats", {}))
     out.sort(key=lambda e: (e[0], e[1], e[2]))
     return [TimedFault(i, a, k, t, p) for i, (a, k, t, p) in enumerate(out)]

@@ -109,7 +109,7 @@ async def lock_with_attempts(conn: AsyncConnection, op_ids: list[str]
         ops[r.id] = LockedOp(r.id, r.state, r.epoch)
         if r.attempt_id is not None:
             held[(r.id, r.attempt_epoch)] = _Attempt(r.attempt_id, r.attempt_status,
-                                                     r.claimed_at)
+                                                     r.claimed_at, r.dispatcher_id)
     return ops, held
 
 
@@ -118,7 +118,8 @@ async def lock_with_attempts(conn: AsyncConnection, op_ids: list[str]
 _LOCK_WITH_ATTEMPTS = (
     sa.select(operations.c.id, operations.c.state, operations.c.epoch,
               attempts.c.id.label("attempt_id"), attempts.c.epoch.label("attempt_epoch"),
-              attempts.c.status.label("attempt_status"), attempts.c.claimed_at)
+              attempts.c.status.label("attempt_status"), attempts.c.claimed_at,
+              attempts.c.dispatcher_id)
     .select_from(operations.outerjoin(attempts, attempts.c.operation_id == operations.c.id))
     .where(operations.c.id.in_(sa.bindparam("ids", expanding=True)))
     .order_by(operations.c.id)
@@ -129,3 +130,4 @@ class _Attempt(NamedTuple):
     id: str
     status: str
     claimed_at: datetime | None
+    dispatcher_id: str | None = None  # the claim's holder, compared with an outcome's sender

@@ -79,11 +79,17 @@ async def record_outcome_txn(conn: AsyncConnection, outcome: Outcome, *, consume
                              decide_retry).one(conn)
 
 
-def _rejection(outcome: Outcome, op: _Op | None, held: str | None, event: Event) -> str | None:
+def _rejection(outcome: Outcome, op: _Op | None, held: tuple[str, str | None] | None,
+               event: Event) -> str | None:
     if op is None:
         return "unknown_operation"
-    if held != outcome.attempt_id:
+    if held is None or held[0] != outcome.attempt_id:
         return "not_the_claimed_attempt"
+    if held[1] != outcome.dispatcher_id and not isinstance(outcome, OutcomeAmbiguous):
+        # Only the claim's holder may say what its call did. Any dispatcher may say that the
+        # holder was lost mid-attempt (ambiguous): that sends the operation to reconciliation,
+        # which decides on evidence, so it cannot make anything succeed or fail.
+        return "not_the_claim_holder"
     if op.epoch != outcome.epoch:
         return "stale_epoch"
     if State(op.state) not in sources(event):
@@ -133,7 +139,8 @@ class _Decider:
     """The batch's decisions, in order, on the state the earlier ones left."""
 
     def __init__(self, conn: AsyncConnection, locked: dict[str, LockedOp],
-                 rows: dict[str, OperationRow], held: dict[tuple[str, int], str]) -> None:
+                 rows: dict[str, OperationRow],
+                 held: dict[tuple[str, int], tuple[str, str | None]]) -> None:
         self.conn = conn
         self.ops = {k: _Op(r.state, r.epoch) for k, r in locked.items()}
         self.rows, self.held = rows, held
@@ -265,7 +272,8 @@ async def _record(conn: AsyncConnection, items: Sequence[OutcomeCall]
         rows = {} if not wanted else {
             r["id"]: OperationRow.of(r)
             for r in (await conn.execute(_FULL_ROWS, {"ids": wanted})).mappings()}
-        decider = _Decider(conn, locked, rows, {k: a.id for k, a in attempts_by_epoch.items()})
+        held = {k: (a.id, a.dispatcher_id) for k, a in attempts_by_epoch.items()}
+        decider = _Decider(conn, locked, rows, held)
         for i in live:
             results[i] = await decider.decide(items[i])
         await decider.flush()
