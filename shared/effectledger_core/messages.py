@@ -88,6 +88,7 @@ class ClaimStatus(StrEnum):
     STALE_EPOCH = "stale_epoch"
     NOT_CLAIMABLE = "not_claimable"  # right epoch, but cancelled / awaiting approval / resolved
     NOT_FOUND = "not_found"
+    COMMAND_MISMATCH = "command_mismatch"  # the claim's tool or arguments are not the operation's
 
 
 class ClaimAttempt(Message):
@@ -98,6 +99,11 @@ class ClaimAttempt(Message):
     epoch: Epoch
     attempt_id: Ident
     dispatcher_id: Ident
+    # The command the dispatcher is about to carry out; the ledger refuses the claim when it is
+    # not the operation's own (effectledger_core.commands). Required on the sender-bound claim
+    # subject dispatchers use; None only from trusted in-process callers.
+    tool: Ident | None = None
+    arguments_digest: Ident | None = None
 
 
 class ClaimReply(Message):
@@ -110,6 +116,10 @@ class ClaimReply(Message):
     outcome_recorded: bool = False
     state: str | None = None
     claim_age_s: float | None = None  # for already_claimed: seconds since the claim
+    # On a grant, the ledger's copy of the command: the dispatcher sends nothing else.
+    tool: str | None = None
+    arguments_digest: str | None = None
+    reason: str | None = None  # for command_mismatch: what differed
 
 
 # --- request-reply answers of the ledger (intents, claims, operation reads) ---
@@ -144,6 +154,7 @@ class OperationSummary(_Part):
     operation_key: str
     tool: str
     provider_ref: str | None = None
+    arguments_digest: str | None = None  # for the reconciler's check of its command
 
 
 class IntentReply(Message):

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from effectledger_core.catalog import Capabilities, Readback, Tool
+from effectledger_core.digest import digest
 from effectledger_core.messages import ReconcileOperation
 from effectledger_core.states import State
 from effectledger_reconciler import strategy
@@ -95,6 +96,26 @@ def test_a_command_for_another_epoch_is_done_without_any_work(ledger_epoch: int)
 def test_an_operation_no_longer_waiting_for_a_verdict_is_done(state: str) -> None:
     d = run_decide(make_tool(readback=True, webhooks=True), 20, op=view(state=state))
     assert d == Done(f"already decided: the operation is {state}")
+
+
+@pytest.mark.parametrize("ledger", [
+    OperationView(id="op1", state="ambiguous", epoch=2, operation_key="k1", tool="other"),
+    OperationView(id="op1", state="ambiguous", epoch=2, operation_key="k9", tool="t"),
+    OperationView(id="op1", state="ambiguous", epoch=2, operation_key="k1", tool="t",
+                  arguments_digest=digest({"amount": 1})),
+])
+def test_a_command_that_is_not_the_ledgers_operation_is_rejected_before_any_readback(
+        ledger: OperationView) -> None:
+    """Another tool, key or arguments than the ledger's: a readback would ask the provider
+    about another effect, so the command goes to the dead letters instead."""
+    d = run_decide(make_tool(readback=True), 20, op=ledger)
+    assert isinstance(d, Reject) and "not the ledger's operation" in d.reason
+
+
+def test_a_command_matching_the_ledgers_digest_is_read_back() -> None:
+    ledger = OperationView(id="op1", state="ambiguous", epoch=2, operation_key="k1", tool="t",
+                           arguments_digest=digest({}))
+    assert isinstance(run_decide(make_tool(readback=True), 20, op=ledger), NeedReadback)
 
 
 # -- strategy by capability -------------------------------------------------------------------

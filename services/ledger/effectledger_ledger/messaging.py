@@ -57,7 +57,8 @@ def _error_reply(exc: EffectLedgerError) -> bytes:
 def _summary(op: dict[str, Any], *, with_ref: bool) -> OperationSummary:
     return OperationSummary(id=op["id"], state=op["state"], epoch=op["epoch"],
                             operation_key=op["operation_key"], tool=op["tool"],
-                            provider_ref=op.get("provider_ref") if with_ref else None)
+                            provider_ref=op.get("provider_ref") if with_ref else None,
+                            arguments_digest=op.get("arguments_digest"))
 
 
 class Requests:
@@ -128,6 +129,9 @@ class Requests:
                 raise InvalidRequest(f"claim for dispatcher {claim.dispatcher_id!r} sent on "
                                      f"{subject[:200]!r}: a dispatcher claims only in its "
                                      "own name")
+            if claim.tool is None or claim.arguments_digest is None:
+                raise InvalidRequest("a claim must name the tool and the arguments digest of "
+                                     "the command it is for")
             return encode(await self.service.claim(claim))
         except EffectLedgerError as exc:
             return _error_reply(exc)

@@ -26,6 +26,7 @@ from typing import Literal
 
 from effectledger_bus.backoff import nak_backoff
 from effectledger_core.catalog import Tool
+from effectledger_core.commands import arguments_digest, mismatch
 from effectledger_core.messages import Evidence, ReconcileOperation
 
 # States in which the ledger still waits for a verdict for the operation's current epoch.
@@ -56,6 +57,7 @@ class OperationView:
     operation_key: str | None = None
     tool: str | None = None
     provider_ref: str | None = None
+    arguments_digest: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +158,11 @@ def decide(cmd: ReconcileOperation, op: OperationView | None, tool: Tool | None,
                     f"epoch {cmd.epoch}")
     if op.state not in OPEN_STATES:
         return Done(f"already decided: the operation is {op.state}")
+    wrong = command_mismatch(cmd, op)
+    if wrong is not None:
+        # A readback built from another tool's or other arguments would ask the provider about
+        # a different effect, and its answer would decide this operation: never act on it.
+        return Reject(_bounded(f"the command is not the ledger's operation: {wrong}"))
     if tool is None:
         # The ledger accepted the tool, so our catalog is behind: wait for a rollout, and
         # give the operation to a human once the reconciliation deadline has passed.
@@ -178,6 +185,16 @@ def decide(cmd: ReconcileOperation, op: OperationView | None, tool: Tool | None,
             f"no verified provider webhook within {timing.webhook_wait_s:g}s of the ambiguity "
             f"notice, and the tool has no readback"))
     return Decide("undecidable", "no readback or webhook oracle")
+
+
+def command_mismatch(cmd: ReconcileOperation, op: OperationView) -> str | None:
+    """Why the command differs from the ledger's view of its operation, or None."""
+    if op.operation_key is not None and op.operation_key != cmd.operation_key:
+        return "the command's operation key is not the operation's"
+    if op.tool is None:
+        return None
+    return mismatch(ledger_tool=op.tool, ledger_digest=op.arguments_digest, tool=cmd.tool,
+                    digest_=arguments_digest(cmd.arguments))
 
 
 def after_readback(cmd: ReconcileOperation, tool: Tool, answer: ReadbackAnswer, *,
