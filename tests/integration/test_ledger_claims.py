@@ -254,3 +254,18 @@ async def test_claim_with_other_arguments_is_refused_even_while_the_claim_is_hel
     [op] = await rows(store, operations)
     assert op["state"] == "in_flight"
     assert [a["id"] for a in await rows(store, attempts)] == ["a1"]
+
+
+async def test_a_retry_rendered_from_stored_arguments_still_matches_its_operation(
+        store: Store) -> None:
+    """A large number may come back from the database in another form (jsonb writes 1e16 as an
+    integer); a claim carrying the digest of the arguments as stored is the operation's own."""
+    await store.run(submit_intent_txn, catalog=CATALOG,
+                    intent=SubmitIntent(tool="create_ticket", arguments={"n": 1e16}),
+                    subjects=SUBJECTS, operation_id="op1", outbox_id="ob_op1", now=NOW)
+    await set_op(store, "op1", arguments={"n": 10**16})
+    reply = await store.run(claim_txn, ClaimAttempt(
+        operation_id="op1", epoch=1, attempt_id="a1", dispatcher_id="d1",
+        tool="create_ticket", arguments_digest=digest({"n": 10**16})), now=LATER)
+    assert reply.status is ClaimStatus.GRANTED
+    assert reply.arguments_digest == digest({"n": 10**16})

@@ -13,15 +13,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from effectledger_core.commands import mismatch
+from effectledger_core.commands import arguments_digest, mismatch
 from effectledger_core.messages import ClaimAttempt, ClaimReply, ClaimStatus
 from effectledger_core.states import AttemptStatus, Event, JournalKind, State, sources
 
 from .batch import BatchCall
 from .common import execute_rows, journal_row, lock_with_attempts
-from .schema import attempts
+from .schema import attempts, operations
 from .transitions import Batch, Change
 
 _CLAIMABLE = frozenset(s.value for s in sources(Event.CLAIM))
@@ -65,8 +66,7 @@ async def _claims(conn: AsyncConnection, items: Sequence[ClaimCall]) -> list[Cla
                                       operation_id=claim.operation_id, epoch=claim.epoch))
             continue
         state, epoch = op.state, op.epoch
-        wrong = mismatch(ledger_tool=op.tool, ledger_digest=op.arguments_digest,
-                         tool=claim.tool or op.tool, digest_=claim.arguments_digest)
+        wrong = await _command_mismatch(conn, claim, op)
         if wrong is not None:
             # Before anything else, even a held claim: a command carrying another tool or other
             # arguments under this operation's id and epoch is forged or corrupt, and must
@@ -106,7 +106,8 @@ async def _claims(conn: AsyncConnection, items: Sequence[ClaimCall]) -> list[Cla
         replies.append(ClaimReply(status=ClaimStatus.GRANTED, attempt_id=claim.attempt_id,
                                   current_epoch=claim.epoch, state=step.to.value,
                                   operation_id=claim.operation_id, epoch=claim.epoch,
-                                  tool=op.tool, arguments_digest=op.arguments_digest))
+                                  tool=op.tool,
+                                  arguments_digest=claim.arguments_digest or op.arguments_digest))
 
     # The state changes (and the dispatch commands they consume) and the journal, set-based.
     await batch.write(conn)
@@ -116,12 +117,28 @@ async def _claims(conn: AsyncConnection, items: Sequence[ClaimCall]) -> list[Cla
     return replies
 
 
+async def _command_mismatch(conn: AsyncConnection, claim: ClaimAttempt,
+                            op: _OpState) -> str | None:
+    wrong = mismatch(ledger_tool=op.tool, ledger_digest=op.arguments_digest,
+                     tool=claim.tool or op.tool, digest_=claim.arguments_digest)
+    if wrong is None or claim.tool != op.tool or claim.arguments_digest is None:
+        return wrong
+    # A retry's command is rendered from the stored arguments, and PostgreSQL's jsonb may
+    # write a number differently (1e16 comes back as an integer), so its digest can differ
+    # from the one taken at admission. The arguments as stored are the ledger's too.
+    stored = (await conn.execute(sa.select(operations.c.arguments).where(
+        operations.c.id == claim.operation_id))).scalar()
+    return None if arguments_digest(stored) == claim.arguments_digest else wrong
+
+
 async def _held_reply(conn: AsyncConnection, held: _Held, claim: ClaimAttempt, op: _OpState,
                       now: datetime, batch: Batch) -> ClaimReply:
     state, epoch = op.state, op.epoch
     base: dict[str, Any] = dict(operation_id=claim.operation_id, epoch=claim.epoch,
                                 current_epoch=epoch, state=state, attempt_id=held.attempt_id)
-    granted: dict[str, Any] = dict(base, tool=op.tool, arguments_digest=op.arguments_digest)
+    # The digest the claim was checked against (either form of the stored arguments).
+    granted: dict[str, Any] = dict(base, tool=op.tool,
+                                   arguments_digest=claim.arguments_digest or op.arguments_digest)
     if held.attempt_id == claim.attempt_id:
         # The same attempt asking again (its first reply was lost): still its claim while the
         # attempt is open. Its dispatcher may only now start sending, so the attempt starts
