@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import IntegrityError
 
+from effectledger_core.argschema import check_arguments
 from effectledger_core.catalog import Catalog
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import UnknownTool
@@ -93,7 +94,9 @@ class LedgerService:
         return decision
 
     async def submit(self, intent: SubmitIntent, *, actor: str = "agent") -> Submitted:
-        self.catalog.get(intent.tool)  # unknown tool: a clear error before any transaction
+        # Unknown tool or arguments the tool can never be sent with: a clear error (422, with
+        # the JSON pointer of each bad field) before any transaction, so nothing is enqueued.
+        check_arguments(self.catalog.get(intent.tool), intent.arguments)
         direct = self.publisher is not None and self.direct_lease_s > 0
         for _ in range(3):
             now = self.clock()
