@@ -203,6 +203,8 @@ class Evidence(Message):
     provider_ref: ProviderRef | None = None
     digest: str | None = None
     detail: ShortText = ""
+    # Effects the provider lists for the operation key (readback.count_path); > 1: duplicate.
+    matches: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
 
 
 class VerdictReached(Message):

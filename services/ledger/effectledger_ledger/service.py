@@ -31,7 +31,7 @@ from effectledger_core.recovery import Assessment, Review, inspect_recovery, pre
 from effectledger_core.retry_policy import RetryBudget, RetryContext, RetryDecision, decide_retry
 from effectledger_core.subjects import Subjects
 
-from .db import reads
+from .db import duplicates, reads
 from .db import recovery as rec
 from .db.batch import GroupCommit
 from .db.claims import claim_txn
@@ -148,6 +148,10 @@ class LedgerService:
             decide_retry=self.decide_retry)
         if result.to_state == "pending":
             self.outbox_wake.set()
+        evidence = verdict.evidence
+        if result.status == "applied" and evidence is not None and (evidence.matches or 0) > 1:
+            op = await self.operation(verdict.operation_id)  # rare: one read for the label
+            duplicates.announce(op["tool"], evidence.matches or 0, verdict.operation_id)
         return result
 
     async def record_webhook(self, hook: WebhookReceived) -> Recorded:

@@ -66,6 +66,7 @@ class ReadbackAnswer:
     digest: str | None = None
     http_status: int | None = None
     error: str | None = None
+    matches: int | None = None  # effects listed for the key (readback.count_path)
 
 
 # -- decisions ------------------------------------------------------------------------------
@@ -190,6 +191,16 @@ def after_readback(cmd: ReconcileOperation, tool: Tool, answer: ReadbackAnswer, 
     """The decision once the readback (sent at `sent_at`) has answered at `answered_at`."""
     horizon = horizon_at(cmd, tool)
     status = f"HTTP {answer.http_status}" if answer.http_status is not None else "no answer"
+    if answer.found is True and answer.matches is not None and answer.matches > 1:
+        # More than one effect for one key: the provider applied the request more than once.
+        # That is not a quiet "applied": the ledger records duplicate_detected and a human
+        # decides (refund, cancel the extra effect) from the review queue.
+        return Decide("undecidable", _bounded(
+            f"duplicate_detected: the provider's readback lists {answer.matches} effects for "
+            f"this operation key"), Evidence(
+                source="readback", at=answered_at, provider_ref=answer.provider_ref,
+                digest=answer.digest, matches=answer.matches,
+                detail=f"readback found {answer.matches} effects for one key ({status})"))
     if answer.found is True:
         return Decide("applied", "the provider's readback shows the effect", Evidence(
             source="readback", at=answered_at, provider_ref=answer.provider_ref,

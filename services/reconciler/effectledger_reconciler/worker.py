@@ -69,7 +69,7 @@ def http_readback(client: httpx.AsyncClient, env: Mapping[str, str]) -> Readback
                                          dict(cmd.arguments), env)
         return ReadbackAnswer(found=result.found, provider_ref=result.provider_ref,
                               digest=result.evidence_digest, http_status=result.http_status,
-                              error=result.error)
+                              error=result.error, matches=result.matches)
 
     return run
 

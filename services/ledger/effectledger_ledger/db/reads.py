@@ -14,6 +14,7 @@ from effectledger_core.failures import Failure, Idempotency, policy_digest
 from effectledger_core.messages import FailureClass
 from effectledger_core.states import State
 
+from .duplicates import is_duplicate, matches_of
 from .schema import attempts, journal, operations
 
 
@@ -35,6 +36,11 @@ async def get_operation(conn: AsyncConnection, operation_id: str) -> dict[str, A
         .order_by(attempts.c.epoch))).mappings().all()
     view = _row(op)
     view["attempts"] = [_row(a) for a in rows]
+    evidence = view.get("evidence")
+    if isinstance(evidence, dict) and "epoch" in evidence and evidence["epoch"] != view["epoch"]:
+        # The view speaks for the current epoch only: an earlier epoch's "not applied" must not
+        # stand next to a later success. Earlier evidence stays in the journal.
+        view["evidence"] = None
     return view
 
 
@@ -140,6 +146,9 @@ def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
     if state == "needs_review":
         open_items.append("no machine can decide: awaiting operator review")
     evidence = op.get("evidence") or None
+    if is_duplicate(evidence):
+        open_items.append(f"duplicate_detected: the provider lists {matches_of(evidence)} "
+                          f"effects for this operation key")
     reconciliation = {"ambiguous": "pending", "awaiting_confirmation": "pending",
                       "needs_review": "needs_review"}.get(
                           state, "resolved" if evidence and state in ("succeeded", "failed")

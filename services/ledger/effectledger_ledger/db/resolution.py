@@ -27,6 +27,7 @@ from effectledger_core.states import Event, State, sources, transition
 from effectledger_core.subjects import Subjects
 
 from .common import append_journal, insert_ignore, notify_outbox
+from .duplicates import is_duplicate, note_duplicate_txn
 from .intents import dispatch_row
 from .schema import OUTBOX_PENDING, attempts, inbox, operations, outbox, webhook_events
 
@@ -156,6 +157,9 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
                                   evidence=evidence, actor=f"reconciler:{v.reconciler_id}",
                                   now=now, subjects=subjects, outbox_id=outbox_id,
                                   decide_retry=decide_retry))
+    if result.status == "applied" and op is not None and is_duplicate(evidence):
+        await note_duplicate_txn(conn, op=op, epoch=v.epoch, evidence=evidence,
+                                 actor=f"reconciler:{v.reconciler_id}", now=now)
     if result.status == "rejected":
         # A paused replica waking after another decided, or a verdict for a superseded epoch.
         await append_journal(conn, operation_id=v.operation_id, at=now, kind="verdict_rejected",

@@ -40,7 +40,7 @@ async def record_review_txn(conn: AsyncConnection, operation_id: str, *, review:
               "evidence_ref": review.evidence_ref, "conclusion": review.conclusion.value}
     actor = f"operator:{review.operator}"
     if review.conclusion is Conclusion.COMPLETED:
-        evidence = {"source": "operator", "at": now.isoformat(), **detail}
+        evidence = {"source": "operator", "at": now.isoformat(), "epoch": op["epoch"], **detail}
         return await move(conn, op, Event.REVIEW_COMPLETED, now=now, actor=actor,
                           kind="review_recorded", detail=detail, subjects=subjects,
                           extra={"evidence": evidence})
@@ -75,7 +75,8 @@ async def review_queue(conn: AsyncConnection, *, limit: int) -> list[dict[str, A
             sa.select(journal).where(journal.c.operation_id == op["id"],
                                      journal.c.kind.in_(("outcome_recorded", "verdict_applied",
                                                          "verdict_rejected", "webhook_kept",
-                                                         "review_recorded", "evidence_conflict")))
+                                                         "review_recorded", "evidence_conflict",
+                                                         "duplicate_detected")))
             .order_by(journal.c.id))).mappings().all()
         hooks = (await conn.execute(
             sa.select(webhook_events).where(webhook_events.c.operation_key
