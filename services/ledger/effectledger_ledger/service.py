@@ -157,7 +157,8 @@ class LedgerService:
     async def record_webhook(self, hook: WebhookReceived) -> Recorded:
         result = await self.store.run(
             record_webhook_txn, hook, now=self.clock(), subjects=self.subjects,
-            outbox_id=self.ids(), decide_retry=self.decide_retry)
+            outbox_id=self.ids(), decide_retry=self.decide_retry,
+            tools=self.catalog.webhook_tools(hook.provider))
         if result.to_state == "pending":
             self.outbox_wake.set()
         return result

@@ -23,6 +23,7 @@ from effectledger_dispatcher.provider import make_client
 from effectledger_dispatcher.worker import JsDelivery
 
 from .ledger_client import NatsLedgerClient
+from .native import NativeWebhooks
 from .publisher import JetStreamPublisher
 from .signatures import WebhookVerifier
 from .strategy import Timing
@@ -79,7 +80,8 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         load_adapter(tool)  # a bad adapter path fails the deployment, not each operation
     skip = skip_verification_requested()
     verifier = build_verifier(settings, skip=skip)  # bad secrets fail before connecting
-    if not verifier.providers and not skip:
+    native = NativeWebhooks.from_catalog(catalog, os.environ)  # so do missing native secrets
+    if not verifier.providers and not native.providers and not skip:
         log.warning("no webhook secrets configured (EFFECTLEDGER_WEBHOOK_SECRETS): every "
                     "webhook will be refused")
     nc = await connect(settings, f"effectledger-reconciler-{settings.reconciler_id}")
@@ -98,7 +100,8 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         return {"nats": nc.is_connected}
 
     app = create_app(verifier=verifier, publisher=publisher, subjects=settings.subjects,
-                     max_body_bytes=settings.webhook_max_body_bytes, ready=ready)
+                     max_body_bytes=settings.webhook_max_body_bytes, ready=ready,
+                     native=native)
     app.state.reconciler = reconciler
     try:
         await broker.start()

@@ -7,7 +7,7 @@ rejected and journaled, never silently dropped.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -179,22 +179,38 @@ def _webhook_verdict(hook: dict[str, Any]) -> str | None:
 
 async def record_webhook_txn(conn: AsyncConnection, hook: WebhookReceived, *, now: datetime,
                              subjects: Subjects, outbox_id: str,
-                             decide_retry: RetryDecider | None) -> Recorded:
-    """Store a verified webhook (dedup by provider + webhook id) and apply it if it can be."""
+                             decide_retry: RetryDecider | None,
+                             tools: Collection[str] | None = None) -> Recorded:
+    """Store a verified webhook (dedup by provider + webhook id) and apply it if it can be.
+
+    `tools`: the tools this provider may speak for (`Catalog.webhook_tools`); an operation of
+    any other tool is never found by this webhook, so it is kept as unmatched evidence.
+    """
     op = None
     if hook.operation_key:
-        op = (await conn.execute(sa.select(operations.c.id).where(
+        op = (await conn.execute(sa.select(operations.c.id, operations.c.tool).where(
             operations.c.operation_key == hook.operation_key))).first()
     if op is None and hook.provider_ref:
-        op = (await conn.execute(sa.select(operations.c.id).where(
+        op = (await conn.execute(sa.select(operations.c.id, operations.c.tool).where(
             operations.c.provider_ref == hook.provider_ref))).first()
+    foreign = op is not None and tools is not None and op.tool not in tools
     row = dict(provider=hook.provider, webhook_id=hook.webhook_id, event_type=hook.event_type,
                operation_key=hook.operation_key, provider_ref=hook.provider_ref,
                outcome=hook.outcome, final=hook.final, fencing_token=hook.fencing_token,
                body_digest=hook.body_digest, signed_at=hook.signed_at, received_at=now,
-               operation_id=op.id if op is not None else None)
+               operation_id=op.id if op is not None else None,
+               # Marked used, so no later state change applies it as early evidence either.
+               applied="refused:provider_not_bound" if foreign else None)
     if not await insert_ignore(conn, webhook_events, row):
         return Recorded("duplicate")
+    if foreign:
+        assert op is not None
+        # A verified webhook from one provider never speaks for another provider's tool.
+        await append_journal(conn, operation_id=op.id, at=now, kind="webhook_refused",
+                             actor=f"webhook:{hook.provider}",
+                             detail={"webhook_id": hook.webhook_id, "tool": op.tool,
+                                     "reason": "provider_not_bound"})
+        return Recorded("rejected", reason="provider_not_bound")
     if op is None:
         # Before its operation exists (or for one we never made): kept, never dropped.
         await append_journal(conn, operation_id=None, at=now, kind="webhook_unmatched",
