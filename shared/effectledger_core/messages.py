@@ -190,7 +190,8 @@ class ReconcileOperation(Message):
     operation_key: Ident
     tool: Ident
     arguments: dict[str, Any]
-    cause: Literal["ambiguous", "accepted"]
+    # "audit": re-read a retried key after the horizon to find a late duplicate.
+    cause: Literal["ambiguous", "accepted", "audit"]
     reason: ShortText = ""
     claimed_at: datetime  # when the attempt started: the provider horizon counts from here
     noticed_at: datetime

@@ -36,7 +36,8 @@ async def stack(settings: Settings, tmp_path: Path,
                 env={"STRIPE_WHSEC": STRIPE, "STRIPE_WHSEC_OLD": STRIPE_OLD,
                      "GITHUB_WHSEC": GITHUB, "SVIX_WHSEC": SVIX,
                      # A webhook-only tool must not fall back to review during the test.
-                     "EFFECTLEDGER_WEBHOOK_WAIT_S": "120"})
+                     "EFFECTLEDGER_WEBHOOK_WAIT_S": "120",
+                     "EFFECTLEDGER_AUDIT_SLACK_S": "3"})
     try:
         await c.start_sandbox()
         await c.start_ledger()
@@ -113,6 +114,29 @@ async def test_search_readback_gives_the_reference_and_finds_duplicates(stack: C
     assert any(u.startswith("duplicate_detected") for u in receipt["open_uncertainties"])
     queue = (await stack.ledger.get("/v1/reviews")).json()["items"]
     assert [i["operation"]["id"] for i in queue] == [dup["id"]]
+
+
+async def test_a_provider_that_applies_after_its_horizon_is_flagged_by_the_audit(
+        stack: Cluster) -> None:
+    """The first request applies 2.5 s late, after the declared 1 s horizon: the readback
+    said "not applied", the retry succeeded, and the audit after horizon + slack finds the
+    second customer and reports it instead of leaving a quiet success."""
+    await fault(stack, "plaincust", {"kind": "late_apply", "seconds": 2.5})
+    op = await stack.submit_ok("create_customer", {"name": "late"})
+    done = await stack.wait_state(op["id"], "succeeded", 60)
+    assert done["epoch"] == 2
+
+    async def flagged() -> bool:
+        return "duplicate_detected" in [e["kind"] for e in await stack.journal(op["id"])]
+
+    await wait_until(flagged, 60, what="the audit to flag the duplicate")
+    assert len(await effects(stack, "plaincust", op["operation_key"])) == 2
+    op = await stack.operation(op["id"])
+    assert op["state"] == "succeeded" and op["evidence"]["duplicate"]["matches"] == 2
+    receipt = await stack.receipt(op["id"])
+    assert any(u.startswith("duplicate_detected") for u in receipt["open_uncertainties"])
+    queue = (await stack.ledger.get("/v1/reviews")).json()["items"]
+    assert [i["operation"]["id"] for i in queue] == [op["id"]]
 
 
 # --- provider-native webhooks ---------------------------------------------------------------

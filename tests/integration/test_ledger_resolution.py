@@ -562,3 +562,61 @@ async def test_a_single_match_records_no_duplicate(store: Store) -> None:
         consumer="ledger", message_id=ledger.mid())
     assert (await ledger.op(op_id))["state"] == "succeeded"
     assert await ledger.entries(op_id, "duplicate_detected") == []
+
+
+async def test_retry_on_not_applied_schedules_an_audit_and_its_duplicate_is_recorded(
+        store: Store) -> None:
+    """A not-applied verdict that retries also queues a duplicate audit for that epoch; the
+    audit's finding on the succeeded operation keeps it succeeded, marks its evidence, lists it
+    on the receipt and in the review queue, and journals duplicate_detected."""
+    from effectledger_ledger.db.outbox import mark_published_txn
+
+    ledger = Ledger(store)
+    op_id = await ledger.submit("charge")
+    await ledger.ambiguous(op_id)
+    await ledger.verdict(op_id, "not_applied")
+    [row] = await ledger.rows(outbox, outbox.c.operation_id == op_id, outbox.c.kind == "audit")
+    cmd = parse(ReconcileOperation, row["payload"].encode())
+    assert (cmd.cause, cmd.epoch, cmd.operation_key) == ("audit", 1, await ledger.key(op_id))
+    async with store.transaction() as conn:
+        await conn.execute(outbox.update().where(outbox.c.id == row["id"])
+                           .values(status="publishing"))
+        await mark_published_txn(conn, [row["id"]], now=ledger.now)
+    # An audit command needs no answer: once published its row is done, never swept.
+    [row] = await ledger.rows(outbox, outbox.c.id == row["id"])
+    assert row["status"] == "consumed"
+
+    attempt = await ledger.claim(op_id, 2)
+    await ledger.svc.record_outcome(AttemptSucceeded(
+        operation_id=op_id, epoch=2, attempt_id=attempt, dispatcher_id="d1", at=ledger.now,
+        http_status=201, provider_ref="ch_2", response_digest="sha256:r"),
+        consumer="ledger", message_id=ledger.mid())
+    result = await ledger.svc.record_verdict(VerdictReached(
+        operation_id=op_id, epoch=1, verdict="undecidable", reconciler_id="r1",
+        reason="duplicate_detected: audit", at=ledger.now, evidence=Evidence(
+            source="readback", at=ledger.now, provider_ref="ch_1", matches=2)),
+        consumer="ledger", message_id=ledger.mid())
+    assert (result.status, result.reason) == ("applied", "duplicate_detected")
+    op = await ledger.op(op_id)
+    assert op["state"] == "succeeded" and op["evidence"]["duplicate"]["matches"] == 2
+    [entry] = await ledger.entries(op_id, "duplicate_detected")
+    assert entry["epoch"] == 1
+    receipt = await ledger.svc.receipt(op_id)
+    assert receipt["open_uncertainties"] == [
+        "duplicate_detected: the provider lists 2 effects for this operation key"]
+    assert [i["operation"]["id"] for i in await ledger.svc.review_queue()] == [op_id]
+
+
+async def test_an_audit_finding_one_effect_changes_nothing(store: Store) -> None:
+    """No verdict is sent for a clean audit; a stray one with one match is rejected as usual."""
+    ledger = Ledger(store)
+    op_id = await ledger.submit("charge")
+    await ledger.ambiguous(op_id)
+    await ledger.verdict(op_id, "applied")
+    result = await ledger.svc.record_verdict(VerdictReached(
+        operation_id=op_id, epoch=1, verdict="undecidable", reconciler_id="r1",
+        at=ledger.now, evidence=Evidence(source="readback", at=ledger.now, matches=1)),
+        consumer="ledger", message_id=ledger.mid())
+    assert result.status == "rejected"
+    assert await ledger.entries(op_id, "duplicate_detected") == []
+    assert await ledger.svc.review_queue() == []

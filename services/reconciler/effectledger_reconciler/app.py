@@ -93,7 +93,8 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         subjects=settings.subjects, reconciler_id=settings.reconciler_id,
         readback=http_readback(http, dict(os.environ)),
         timing=Timing(reconcile_deadline_s=settings.reconcile_deadline_s,
-                      webhook_wait_s=settings.webhook_wait_s))
+                      webhook_wait_s=settings.webhook_wait_s,
+                      audit_slack_s=settings.audit_slack_s))
     broker = build_broker(settings, reconciler)
 
     async def ready() -> dict[str, bool]:

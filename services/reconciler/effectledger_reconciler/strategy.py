@@ -43,6 +43,8 @@ class Timing:
     webhook_wait_s: float = 300.0
     backoff_base_s: float = 0.5
     backoff_cap_s: float = 30.0
+    # The duplicate audit re-reads this long after the provider's horizon (audit.py).
+    audit_slack_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +110,7 @@ class NeedReadback:
 
 
 Decision = Done | Wait | Decide | Reject | NeedReadback
+AfterReadback = Decide | Wait | Done  # Done: an audit that found nothing to report
 
 
 def backoff(deliveries: int, timing: Timing) -> float:
@@ -154,6 +157,10 @@ def decide(cmd: ReconcileOperation, op: OperationView | None, tool: Tool | None,
     `op` is the ledger's answer (None: the ledger does not know the operation); `tool` is the
     catalog entry for `cmd.tool` (None: not in this reconciler's catalog).
     """
+    if cmd.cause == "audit":
+        from . import audit  # audit builds on this module's types: imported where used
+
+        return audit.decide(cmd, op, tool, now=now, deliveries=deliveries, timing=timing)
     if op is None:
         return Reject(f"the ledger does not know operation {cmd.operation_id!r}")
     if op.epoch != cmd.epoch:
@@ -187,8 +194,13 @@ def decide(cmd: ReconcileOperation, op: OperationView | None, tool: Tool | None,
 
 def after_readback(cmd: ReconcileOperation, tool: Tool, answer: ReadbackAnswer, *,
                    sent_at: datetime, answered_at: datetime, deliveries: int,
-                   timing: Timing) -> Decide | Wait:
+                   timing: Timing) -> AfterReadback:
     """The decision once the readback (sent at `sent_at`) has answered at `answered_at`."""
+    if cmd.cause == "audit":
+        from . import audit
+
+        return audit.after_readback(cmd, tool, answer, answered_at=answered_at,
+                                    deliveries=deliveries, timing=timing)
     horizon = horizon_at(cmd, tool)
     status = f"HTTP {answer.http_status}" if answer.http_status is not None else "no answer"
     if answer.found is True and answer.matches is not None and answer.matches > 1:

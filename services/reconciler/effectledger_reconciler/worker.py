@@ -136,7 +136,7 @@ class Reconciler:
             await self._verdict(d, cmd, decision)
 
     async def _readback(self, d: Delivery, cmd: ReconcileOperation,
-                        tool: Tool) -> strategy.Decide | strategy.Wait:
+                        tool: Tool) -> strategy.AfterReadback:
         self.stats["readbacks"] += 1
         sent_at = self.clock()  # taken before sending: "not found" counts from here
         async with self._heartbeat(d):

@@ -14,9 +14,14 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from effectledger_core.messages import ReconcileOperation
+from effectledger_core.subjects import Subjects
+
 from .common import append_journal
+from .schema import OUTBOX_PENDING, attempts, operations, outbox
 
 log = logging.getLogger(__name__)
 KIND = "duplicate_detected"
@@ -32,7 +37,16 @@ def matches_of(evidence: dict[str, Any] | None) -> int:
 
 
 def is_duplicate(evidence: dict[str, Any] | None) -> bool:
-    return matches_of(evidence) > 1
+    """The evidence reports more than one effect (a readback's count or an audit's mark)."""
+    duplicate = (evidence or {}).get("duplicate")
+    return matches_of(evidence) > 1 or (isinstance(duplicate, dict)
+                                        and matches_of(duplicate) > 1)
+
+
+def duplicate_count(evidence: dict[str, Any] | None) -> int:
+    duplicate = (evidence or {}).get("duplicate")
+    return max(matches_of(evidence), matches_of(duplicate) if isinstance(duplicate, dict)
+               else 0)
 
 
 async def note_duplicate_txn(conn: AsyncConnection, *, op: dict[str, Any], epoch: int,
@@ -55,3 +69,45 @@ def announce(tool: str, matches: int, operation_id: str) -> None:
             observer(tool, matches)
         except Exception:  # an observer's bug must not undo a committed record
             log.exception("duplicate_detected observer failed")
+
+
+async def schedule_audit_txn(conn: AsyncConnection, *, op: dict[str, Any], epoch: int,
+                             now: datetime, subjects: Subjects, outbox_id: str) -> None:
+    """Queue the duplicate audit for `epoch`, the attempt a "not applied" verdict gave up on.
+
+    The reconciler decides when (after the horizon plus slack, once the operation is at rest)
+    and whether (only tools whose readback counts effects); see the reconciler's audit.py.
+    """
+    claimed_at = (await conn.execute(
+        sa.select(attempts.c.claimed_at).where(attempts.c.operation_id == op["id"],
+                                               attempts.c.epoch == epoch))).scalar() or now
+    cmd = ReconcileOperation(
+        operation_id=op["id"], epoch=epoch, attempt_id=f"audit:{op['id']}:{epoch}"[:1024],
+        operation_key=op["operation_key"], tool=op["tool"], arguments=op["arguments"],
+        cause="audit", reason="retried after a not-applied verdict", claimed_at=claimed_at,
+        noticed_at=now)
+    await conn.execute(outbox.insert().values(
+        id=outbox_id, operation_id=op["id"], epoch=epoch, kind="audit",
+        subject=subjects.ambiguous, payload=cmd.model_dump_json(), status=OUTBOX_PENDING,
+        created_at=now, available_at=now, publish_count=0))
+
+
+async def record_audit_duplicate_txn(conn: AsyncConnection, *, op: dict[str, Any], epoch: int,
+                                     evidence: dict[str, Any], actor: str,
+                                     now: datetime) -> bool:
+    """An audit found a duplicate for a succeeded operation: journal it and keep it on the
+    operation's evidence (the receipt lists it; the review queue shows it). The state stays
+    `succeeded`: the effect was applied; a human deals with the extra one."""
+    current = op.get("evidence") if isinstance(op.get("evidence"), dict) else None
+    # Keep the succeeding epoch's own evidence; an earlier epoch's belongs to the journal.
+    base = current if current and current.get("epoch", op["epoch"]) == op["epoch"] else {}
+    marked = {**base, "epoch": op["epoch"], "duplicate": {
+        "matches": matches_of(evidence), "audited_epoch": epoch, "at": now.isoformat(),
+        "provider_ref": evidence.get("provider_ref"), "digest": evidence.get("digest")}}
+    updated = await conn.execute(operations.update().where(
+        operations.c.id == op["id"], operations.c.state == "succeeded").values(
+            evidence=marked, updated_at=now))
+    if updated.rowcount != 1:
+        return False
+    await note_duplicate_txn(conn, op=op, epoch=epoch, evidence=evidence, actor=actor, now=now)
+    return True

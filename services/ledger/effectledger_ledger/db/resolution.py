@@ -27,7 +27,12 @@ from effectledger_core.states import Event, State, sources, transition
 from effectledger_core.subjects import Subjects
 
 from .common import append_journal, insert_ignore, notify_outbox
-from .duplicates import is_duplicate, note_duplicate_txn
+from .duplicates import (
+    is_duplicate,
+    note_duplicate_txn,
+    record_audit_duplicate_txn,
+    schedule_audit_txn,
+)
 from .intents import dispatch_row
 from .schema import OUTBOX_PENDING, attempts, inbox, operations, outbox, webhook_events
 
@@ -129,6 +134,11 @@ async def apply_verdict(conn: AsyncConnection, *, op: dict[str, Any], epoch: int
     if decision is not None:
         await schedule_retry(conn, op=op, decision=decision, now=now, subjects=subjects,
                              outbox_id=outbox_id)
+        if decision.retry:
+            # A retry on "not found" evidence is where a provider that breaks its horizon
+            # makes a duplicate: look again once it could have shown (duplicates.py).
+            await schedule_audit_txn(conn, op=op, epoch=epoch, now=now, subjects=subjects,
+                                     outbox_id=f"{outbox_id}.audit"[:64])
     return Recorded("applied", to_state=step.to.value)
 
 
@@ -148,6 +158,11 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
     evidence = (v.evidence.model_dump(mode="json") if v.evidence else {})
     evidence |= {"reason": v.reason, "reconciler_id": v.reconciler_id}
     verdict = v.verdict
+    if op is not None and op["state"] == "succeeded" and is_duplicate(evidence):
+        # A duplicate audit's finding: recorded on the succeeded operation, state unchanged.
+        if await record_audit_duplicate_txn(conn, op=op, epoch=v.epoch, evidence=evidence,
+                                            actor=f"reconciler:{v.reconciler_id}", now=now):
+            return Recorded("applied", to_state="succeeded", reason="duplicate_detected")
     if verdict != "undecidable" and v.evidence is None:
         # Evidence before verdict (DESIGN.md section 2, rule 4): a bare "applied" or "not
         # applied" is a guess, and a guess goes to a human, never to success or a retry.

@@ -65,9 +65,14 @@ async def latest_review(conn: AsyncConnection, operation_id: str, epoch: int) ->
 
 
 async def review_queue(conn: AsyncConnection, *, limit: int) -> list[dict[str, Any]]:
-    """Operations in needs_review, each with the evidence gathered so far."""
+    """Operations in needs_review, and succeeded ones with a duplicate_detected (the provider
+    applied them more than once), each with the evidence gathered so far."""
+    duplicated = sa.exists().where(journal.c.operation_id == operations.c.id,
+                                   journal.c.kind == "duplicate_detected")
     ops = (await conn.execute(
-        sa.select(operations).where(operations.c.state == "needs_review")
+        sa.select(operations).where(sa.or_(
+            operations.c.state == "needs_review",
+            sa.and_(operations.c.state == "succeeded", duplicated)))
         .order_by(operations.c.updated_at).limit(limit))).mappings().all()
     out = []
     for op in ops:
