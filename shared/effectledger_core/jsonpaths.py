@@ -10,7 +10,6 @@ from functools import lru_cache
 from typing import Any
 
 from jsonpath_ng import JSONPath
-from jsonpath_ng.exceptions import JsonPathLexerError, JsonPathParserError
 from jsonpath_ng.ext.parser import parse as _parse
 
 MAX_PATH_CHARS = 256
@@ -28,8 +27,9 @@ def check_path(path: str) -> str:
                          f"{MAX_PATH_CHARS} characters")
     try:
         _compiled(path)
-    except (JsonPathLexerError, JsonPathParserError, Exception) as exc:
-        # jsonpath-ng raises plain Exception for some syntax errors: all of them mean "invalid".
+    except Exception as exc:
+        # jsonpath-ng raises its lexer and parser errors, and plain Exception for some other
+        # syntax errors: all of them mean "invalid".
         raise ValueError(f"JSONPath {path!r} is invalid: {exc}") from exc
     return path
 
