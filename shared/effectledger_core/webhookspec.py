@@ -47,6 +47,9 @@ class WebhookProvider(BaseModel):
     # request set from {operation_key}), or the provider's reference of the effect.
     operation_key_path: str | None = None
     provider_ref_path: str | None = None
+    # Where the event says which attempt (epoch) it is about, for providers that echo the
+    # Fencing-Token: a "not applied" then speaks only for that epoch.
+    fencing_token_path: str | None = None
 
     @field_validator("name")
     @classmethod
@@ -72,7 +75,7 @@ class WebhookProvider(BaseModel):
         return v.lower() if v is not None else None
 
     @field_validator("event_id_path", "event_type_path", "operation_key_path",
-                     "provider_ref_path")
+                     "provider_ref_path", "fencing_token_path")
     @classmethod
     def _path(cls, v: str | None) -> str | None:
         return check_path(v) if v is not None else None

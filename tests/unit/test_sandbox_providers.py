@@ -53,3 +53,56 @@ async def test_duplicate_apply_fault_applies_one_request_twice() -> None:
         assert (await c.get("/_truth/k3")).json()["applied"] == 2
         assert len((await c.get("/v1/idempotent/effects", params={"key": "k3"})).json()[
             "data"]) == 2
+
+
+class _Published:
+    def __init__(self) -> None:
+        self.messages: list[bytes] = []
+
+    async def publish(self, subject: str, payload: bytes, *, msg_id: str) -> bool:
+        self.messages.append(payload)
+        return False
+
+
+async def test_a_stripe_scheme_route_sends_events_the_native_ingress_verifies() -> None:
+    """The sandbox's Stripe-signed events pass the reconciler's catalog-declared verification
+    and carry the key, the effect id and the fencing token to the evidence message."""
+    from effectledger_core.catalog import Catalog
+    from effectledger_core.messages import WebhookReceived, parse
+    from effectledger_core.subjects import Subjects
+    from effectledger_reconciler.native import NativeWebhooks
+    from effectledger_reconciler.signatures import WebhookVerifier
+    from effectledger_reconciler.webhooks import create_app as reconciler_app
+    from effectledger_sandbox.webhooks import WebhookSender, new_secret
+
+    secret = new_secret()
+    catalog = Catalog.from_mapping({
+        "tools": {"t": {"endpoint": "https://p.test/x", "contract_revision": "r",
+                        "webhook_provider": "pay"}},
+        "webhooks": {"pay": {
+            "scheme": "stripe", "secrets": ["${PAY_WHSEC}"],
+            "events": {"effect.applied": "applied", "effect.pending": "ignore"},
+            "operation_key_path": "$.data.idempotency_key", "provider_ref_path": "$.data.id",
+            "fencing_token_path": "$.data.fencing_token"}}})
+    published = _Published()
+    receiver = reconciler_app(verifier=WebhookVerifier({}), publisher=published,
+                              subjects=Subjects(prefix="t", stream_prefix="T"),
+                              native=NativeWebhooks.from_catalog(catalog, {"PAY_WHSEC": secret}))
+    sender = WebhookSender(url="http://reconciler/v1/webhooks/sandbox", secret=secret,
+                           transport=httpx.ASGITransport(app=receiver))
+    sandbox = create_app(webhooks=sender)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=sandbox),
+                                 base_url="http://sandbox") as c:
+        r = await c.post("/_config/routes/plainpay", json={
+            "webhooks": True, "scheme": "stripe", "url": "http://reconciler/v1/webhooks/pay"})
+        assert r.status_code == 200, r.text
+        r = await c.post("/v1/plainpay/effects", json={},
+                         headers={"Idempotency-Key": "k9", "Fencing-Token": "3"})
+        await sender.drain()
+        log = (await c.get("/_webhooks")).json()["webhooks"]
+    assert [e["status_codes"] for e in log] == [[200]]
+    [raw] = published.messages
+    msg = parse(WebhookReceived, raw)
+    assert (msg.provider, msg.operation_key, msg.provider_ref, msg.fencing_token,
+            msg.outcome) == ("pay", "k9", r.json()["id"], 3, "applied")
+    assert msg.webhook_id == log[0]["webhook_id"]  # read from the body's top-level "id"

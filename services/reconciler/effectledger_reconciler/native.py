@@ -101,6 +101,10 @@ class NativeWebhooks:
                if spec.operation_key_path else None)
         ref = (_text(find_first(event, spec.provider_ref_path), "the provider reference")
                if spec.provider_ref_path else None)
+        token = (find_first(event, spec.fencing_token_path) if spec.fencing_token_path
+                 else None)
+        if isinstance(token, bool) or not isinstance(token, int):
+            token = None  # absent or not an epoch: the ledger falls back to arrival time
         if key is None and ref is None:
             raise WebhookRejected(422, "unmatched_event",
                                   "the event carries neither an operation key nor a provider "
@@ -110,7 +114,7 @@ class NativeWebhooks:
                 provider=provider, webhook_id=webhook_id, event_type=event_type,
                 operation_key=key, provider_ref=ref, outcome=meaning,
                 # A provider's "failed" event is its last word on that effect.
-                final=meaning == "not_applied",
+                final=meaning == "not_applied", fencing_token=token,
                 body_digest="sha256:" + hashlib.sha256(body).hexdigest(),
                 signed_at=verified.signed_at, received_at=received_at)
         except ValidationError as exc:

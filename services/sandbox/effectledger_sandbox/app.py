@@ -38,7 +38,7 @@ from starlette.types import Receive, Scope, Send
 from .faults import FaultError, Phase, parse_fault
 from .responses import RAW_SEND, DropConnection, SlowBodyResponse
 from .state import Claim, Effect, SandboxState, body_digest
-from .webhooks import SEND_MODES, WebhookSender, parse_webhook_fault
+from .webhooks import SCHEMES, SEND_MODES, WebhookSender, parse_webhook_fault
 
 
 class SandboxApp(Starlette):
@@ -316,24 +316,32 @@ class _Api:
         hooks = self.hooks.route(route)
         return JSONResponse({"route": route, "idempotent": self.state.is_idempotent(route),
                              "webhooks": hooks.webhooks,
-                             "not_applied_webhooks": hooks.not_applied_webhooks})
+                             "not_applied_webhooks": hooks.not_applied_webhooks,
+                             "scheme": hooks.scheme, "url": hooks.url})
 
     async def set_route(self, request: Request) -> Response:
-        """Set any of `idempotent`, `webhooks`, `not_applied_webhooks`; echoes what was set."""
+        """Set any of `idempotent`, `webhooks`, `not_applied_webhooks` (booleans), `scheme`
+        ("standard" or "stripe") and `url` (this route's webhook receiver); echoes what was set."""
         route = request.path_params["route"]
         try:
             raw = await request.json()
         except ValueError:
             raw = None
-        names = ("idempotent", "webhooks", "not_applied_webhooks")
-        if not isinstance(raw, dict) or not raw or set(raw) - set(names) \
-                or not all(isinstance(v, bool) for v in raw.values()):
+        flags = ("idempotent", "webhooks", "not_applied_webhooks")
+        ok = isinstance(raw, dict) and bool(raw) \
+            and not set(raw) - {*flags, "scheme", "url"} \
+            and all(isinstance(raw[k], bool) for k in flags if k in raw) \
+            and raw.get("scheme", "standard") in SCHEMES \
+            and isinstance(raw.get("url", ""), str)
+        if not ok:
             return error(400, "invalid_config", 'expected {"idempotent": true|false} and/or '
-                         '{"webhooks": true|false, "not_applied_webhooks": true|false}')
+                         '{"webhooks": true|false, "not_applied_webhooks": true|false, '
+                         f'"scheme": one of {list(SCHEMES)}, "url": "http://..."}}')
         if "idempotent" in raw:
             self.state.configure_route(route, idempotent=raw["idempotent"])
         self.hooks.configure_route(route, webhooks=raw.get("webhooks"),
-                                   not_applied_webhooks=raw.get("not_applied_webhooks"))
+                                   not_applied_webhooks=raw.get("not_applied_webhooks"),
+                                   scheme=raw.get("scheme"), url=raw.get("url") or None)
         return JSONResponse({"route": route, **raw})
 
     # -- webhooks (the sending side's log, faults and a send-now helper) ------------------
