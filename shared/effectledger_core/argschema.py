@@ -26,9 +26,26 @@ def pointer(path: list[str | int]) -> str:
 
 
 @lru_cache(maxsize=512)
-def _validator(schema_json: str) -> Draft202012Validator:
+def _compile(schema_json: str) -> Draft202012Validator:
     return Draft202012Validator(json.loads(schema_json),
                                 format_checker=Draft202012Validator.FORMAT_CHECKER)
+
+
+# Admission is the ledger's hot path: the validator is found by the Tool object itself, so the
+# schema is not rebuilt and serialised per intent. Catalogs are few and long-lived; the map is
+# cleared if reloads ever fill it.
+_by_tool: dict[int, tuple[Tool, Draft202012Validator]] = {}
+
+
+def _validator(tool: Tool) -> Draft202012Validator:
+    hit = _by_tool.get(id(tool))
+    if hit is not None and hit[0] is tool:
+        return hit[1]
+    if len(_by_tool) >= 1024:
+        _by_tool.clear()
+    validator = _compile(canonical_json(tool_input_schema(tool)))
+    _by_tool[id(tool)] = (tool, validator)
+    return validator
 
 
 def _problems(error: ValidationError) -> list[dict[str, str]]:
@@ -49,7 +66,7 @@ def _problems(error: ValidationError) -> list[dict[str, str]]:
 
 def schema_errors(tool: Tool, arguments: dict[str, Any]) -> list[dict[str, str]]:
     """Every violation of the tool's input schema, each with its JSON pointer (sorted)."""
-    validator = _validator(canonical_json(tool_input_schema(tool)))
+    validator = _validator(tool)
     seen: dict[str, dict[str, str]] = {}
     for error in validator.iter_errors(arguments):
         for p in _problems(error):
