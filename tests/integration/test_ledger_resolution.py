@@ -606,6 +606,22 @@ async def test_retry_on_not_applied_schedules_an_audit_and_its_duplicate_is_reco
         "duplicate_detected: the provider lists 2 effects for this operation key"]
     assert [i["operation"]["id"] for i in await ledger.svc.review_queue()] == [op_id]
 
+    # An operator closes it with a "completed" review naming how the extra effect was handled;
+    # any other conclusion is refused. The operation stays succeeded, the mark stays as evidence.
+    from effectledger_core.recovery import Conclusion, Review
+    from effectledger_ledger.db.recovery import ActionRejected
+
+    with pytest.raises(ActionRejected):
+        await ledger.svc.review(op_id, Review(operator="alice", evidence_ref="T-1",
+                                              conclusion=Conclusion.UNCERTAIN, epoch=2))
+    await ledger.svc.review(op_id, Review(operator="alice", evidence_ref="refund re_1",
+                                          conclusion=Conclusion.COMPLETED, epoch=2))
+    op = await ledger.op(op_id)
+    assert op["state"] == "succeeded"
+    assert op["evidence"]["duplicate"]["reviewed"]["evidence_ref"] == "refund re_1"
+    assert (await ledger.svc.receipt(op_id))["open_uncertainties"] == []
+    assert await ledger.svc.review_queue() == []
+
 
 async def test_an_audit_finding_one_effect_changes_nothing(store: Store) -> None:
     """No verdict is sent for a clean audit; a stray one with one match is rejected as usual."""

@@ -21,7 +21,7 @@ from effectledger_core.messages import ReconcileOperation
 from effectledger_core.subjects import Subjects
 
 from .common import append_journal
-from .schema import OUTBOX_PENDING, attempts, operations, outbox
+from .schema import OUTBOX_PENDING, attempts, journal, operations, outbox
 
 log = logging.getLogger(__name__)
 KIND = "duplicate_detected"
@@ -111,3 +111,35 @@ async def record_audit_duplicate_txn(conn: AsyncConnection, *, op: dict[str, Any
         return False
     await note_duplicate_txn(conn, op=op, epoch=epoch, evidence=evidence, actor=actor, now=now)
     return True
+
+
+def open_duplicate(evidence: dict[str, Any] | None) -> bool:
+    """A duplicate mark on a succeeded operation that no operator has dealt with yet."""
+    duplicate = (evidence or {}).get("duplicate")
+    return isinstance(duplicate, dict) and matches_of(duplicate) > 1 \
+        and not duplicate.get("reviewed")
+
+
+async def review_duplicate_txn(conn: AsyncConnection, *, op: dict[str, Any], review_id: str,
+                               operator: str, evidence_ref: str, now: datetime) -> None:
+    """An operator dealt with a succeeded operation's extra effect (refund, cancellation): the
+    mark stays as evidence, closed with the review, and the queue no longer lists it."""
+    evidence = dict(op["evidence"])
+    evidence["duplicate"] = {**evidence["duplicate"], "reviewed": {
+        "review_id": review_id, "operator": operator, "evidence_ref": evidence_ref,
+        "at": now.isoformat()}}
+    await conn.execute(operations.update().where(operations.c.id == op["id"])
+                       .values(evidence=evidence, updated_at=now))
+
+
+def unreviewed_duplicates() -> Any:
+    """Succeeded operations whose latest duplicate_detected has no later review: a WHERE."""
+    last_duplicate = (sa.select(sa.func.max(journal.c.id))
+                      .where(journal.c.operation_id == operations.c.id, journal.c.kind == KIND)
+                      .scalar_subquery())
+    last_review = (sa.select(sa.func.max(journal.c.id))
+                   .where(journal.c.operation_id == operations.c.id,
+                          journal.c.kind == "review_recorded")
+                   .scalar_subquery())
+    return sa.and_(operations.c.state == "succeeded", last_duplicate.is_not(None),
+                   sa.or_(last_review.is_(None), last_review < last_duplicate))

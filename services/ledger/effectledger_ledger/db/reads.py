@@ -14,7 +14,7 @@ from effectledger_core.failures import Failure, Idempotency, policy_digest
 from effectledger_core.messages import FailureClass
 from effectledger_core.states import State
 
-from .duplicates import duplicate_count, is_duplicate
+from .duplicates import duplicate_count, is_duplicate, open_duplicate
 from .schema import attempts, journal, operations
 
 
@@ -146,7 +146,7 @@ def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
     if state == "needs_review":
         open_items.append("no machine can decide: awaiting operator review")
     evidence = op.get("evidence") or None
-    if is_duplicate(evidence):
+    if is_duplicate(evidence) and (state != "succeeded" or open_duplicate(evidence)):
         open_items.append(f"duplicate_detected: the provider lists {duplicate_count(evidence)} "
                           f"effects for this operation key")
     reconciliation = {"ambiguous": "pending", "awaiting_confirmation": "pending",
