@@ -18,13 +18,16 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.messages import ReconcileOperation
+from effectledger_core.states import JournalKind, OutboxKind, OutboxStatus, State
 from effectledger_core.subjects import Subjects
 
 from .common import append_journal
-from .schema import OUTBOX_PENDING, attempts, journal, operations, outbox
+from .rows import OperationRow
+from .schema import attempts, journal, operations, outbox
+from .transitions import annotate
 
 log = logging.getLogger(__name__)
-KIND = "duplicate_detected"
+KIND = JournalKind.DUPLICATE_DETECTED
 
 # Called once per recorded duplicate, after its transaction committed, with the tool name and
 # the number of effects seen. The metrics layer registers its counter here.
@@ -49,12 +52,12 @@ def duplicate_count(evidence: dict[str, Any] | None) -> int:
                else 0)
 
 
-async def note_duplicate_txn(conn: AsyncConnection, *, op: dict[str, Any], epoch: int,
+async def note_duplicate_txn(conn: AsyncConnection, *, op: OperationRow, epoch: int,
                              evidence: dict[str, Any], actor: str, now: datetime) -> None:
-    await append_journal(conn, operation_id=op["id"], at=now, kind=KIND, actor=actor,
+    await append_journal(conn, operation_id=op.id, at=now, kind=KIND, actor=actor,
                          epoch=epoch, detail={
-                             "matches": matches_of(evidence), "tool": op["tool"],
-                             "operation_key": op["operation_key"],
+                             "matches": matches_of(evidence), "tool": op.tool,
+                             "operation_key": op.operation_key,
                              "provider_ref": evidence.get("provider_ref"),
                              "digest": evidence.get("digest"),
                              "source": evidence.get("source")})
@@ -71,7 +74,7 @@ def announce(tool: str, matches: int, operation_id: str) -> None:
             log.exception("duplicate_detected observer failed")
 
 
-async def schedule_audit_txn(conn: AsyncConnection, *, op: dict[str, Any], epoch: int,
+async def schedule_audit_txn(conn: AsyncConnection, *, op: OperationRow, epoch: int,
                              now: datetime, subjects: Subjects, outbox_id: str) -> None:
     """Queue the duplicate audit for `epoch`, the attempt a "not applied" verdict gave up on.
 
@@ -79,35 +82,33 @@ async def schedule_audit_txn(conn: AsyncConnection, *, op: dict[str, Any], epoch
     and whether (only tools whose readback counts effects); see the reconciler's audit.py.
     """
     claimed_at = (await conn.execute(
-        sa.select(attempts.c.claimed_at).where(attempts.c.operation_id == op["id"],
+        sa.select(attempts.c.claimed_at).where(attempts.c.operation_id == op.id,
                                                attempts.c.epoch == epoch))).scalar() or now
     cmd = ReconcileOperation(
-        operation_id=op["id"], epoch=epoch, attempt_id=f"audit:{op['id']}:{epoch}"[:1024],
-        operation_key=op["operation_key"], tool=op["tool"], arguments=op["arguments"],
+        operation_id=op.id, epoch=epoch, attempt_id=f"audit:{op.id}:{epoch}"[:1024],
+        operation_key=op.operation_key, tool=op.tool, arguments=op.arguments,
         cause="audit", reason="retried after a not-applied verdict", claimed_at=claimed_at,
         noticed_at=now)
     await conn.execute(outbox.insert().values(
-        id=outbox_id, operation_id=op["id"], epoch=epoch, kind="audit",
-        subject=subjects.ambiguous, payload=cmd.model_dump_json(), status=OUTBOX_PENDING,
+        id=outbox_id, operation_id=op.id, epoch=epoch, kind=OutboxKind.AUDIT.value,
+        subject=subjects.ambiguous, payload=cmd.model_dump_json(),
+        status=OutboxStatus.PENDING.value,
         created_at=now, available_at=now, publish_count=0))
 
 
-async def record_audit_duplicate_txn(conn: AsyncConnection, *, op: dict[str, Any], epoch: int,
+async def record_audit_duplicate_txn(conn: AsyncConnection, *, op: OperationRow, epoch: int,
                                      evidence: dict[str, Any], actor: str,
                                      now: datetime) -> bool:
     """An audit found a duplicate for a succeeded operation: journal it and keep it on the
     operation's evidence (the receipt lists it; the review queue shows it). The state stays
     `succeeded`: the effect was applied; a human deals with the extra one."""
-    current = op.get("evidence") if isinstance(op.get("evidence"), dict) else None
+    current = op.evidence if isinstance(op.evidence, dict) else None
     # Keep the succeeding epoch's own evidence; an earlier epoch's belongs to the journal.
-    base = current if current and current.get("epoch", op["epoch"]) == op["epoch"] else {}
-    marked = {**base, "epoch": op["epoch"], "duplicate": {
+    base = current if current and current.get("epoch", op.epoch) == op.epoch else {}
+    marked = {**base, "epoch": op.epoch, "duplicate": {
         "matches": matches_of(evidence), "audited_epoch": epoch, "at": now.isoformat(),
         "provider_ref": evidence.get("provider_ref"), "digest": evidence.get("digest")}}
-    updated = await conn.execute(operations.update().where(
-        operations.c.id == op["id"], operations.c.state == "succeeded").values(
-            evidence=marked, updated_at=now))
-    if updated.rowcount != 1:
+    if not await annotate(conn, op.id, state=State.SUCCEEDED, evidence=marked, at=now):
         return False
     await note_duplicate_txn(conn, op=op, epoch=epoch, evidence=evidence, actor=actor, now=now)
     return True
@@ -120,26 +121,26 @@ def open_duplicate(evidence: dict[str, Any] | None) -> bool:
         and not duplicate.get("reviewed")
 
 
-async def review_duplicate_txn(conn: AsyncConnection, *, op: dict[str, Any], review_id: str,
+async def review_duplicate_txn(conn: AsyncConnection, *, op: OperationRow, review_id: str,
                                operator: str, evidence_ref: str, now: datetime) -> None:
     """An operator dealt with a succeeded operation's extra effect (refund, cancellation): the
     mark stays as evidence, closed with the review, and the queue no longer lists it."""
-    evidence = dict(op["evidence"])
+    evidence = dict(op.evidence or {})
     evidence["duplicate"] = {**evidence["duplicate"], "reviewed": {
         "review_id": review_id, "operator": operator, "evidence_ref": evidence_ref,
         "at": now.isoformat()}}
-    await conn.execute(operations.update().where(operations.c.id == op["id"])
-                       .values(evidence=evidence, updated_at=now))
+    await annotate(conn, op.id, state=State.SUCCEEDED, evidence=evidence, at=now)
 
 
 def unreviewed_duplicates() -> Any:
     """Succeeded operations whose latest duplicate_detected has no later review: a WHERE."""
     last_duplicate = (sa.select(sa.func.max(journal.c.id))
-                      .where(journal.c.operation_id == operations.c.id, journal.c.kind == KIND)
+                      .where(journal.c.operation_id == operations.c.id,
+                             journal.c.kind == KIND.value)
                       .scalar_subquery())
     last_review = (sa.select(sa.func.max(journal.c.id))
                    .where(journal.c.operation_id == operations.c.id,
-                          journal.c.kind == "review_recorded")
+                          journal.c.kind == JournalKind.REVIEW_RECORDED.value)
                    .scalar_subquery())
-    return sa.and_(operations.c.state == "succeeded", last_duplicate.is_not(None),
+    return sa.and_(operations.c.state == State.SUCCEEDED.value, last_duplicate.is_not(None),
                    sa.or_(last_review.is_(None), last_review < last_duplicate))
