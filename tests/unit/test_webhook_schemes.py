@@ -145,7 +145,7 @@ def test_hex_header_with_prefix_and_sha512() -> None:
 
 # --- native events into evidence ------------------------------------------------------------
 
-STRIPE_CATALOG = {
+STRIPE_CATALOG: dict[str, Any] = {
     "tools": {"create_customer": {"endpoint": "https://p.test/v1/customers",
                                   "contract_revision": "r", "webhook_provider": "stripe"}},
     "webhooks": {"stripe": {
@@ -219,3 +219,32 @@ def test_github_event_id_and_type_come_from_headers() -> None:
                                "x-github-delivery": "d-1", "x-github-event": "issues"},
                         body, NOW)
     assert msg is not None and (msg.webhook_id, msg.provider_ref) == ("d-1", "42")
+
+
+def test_an_event_without_key_or_reference_is_refused_with_422() -> None:
+    headers, body = stripe_event("customer.created", {})
+    hooks = NativeWebhooks.from_catalog(Catalog.from_mapping({
+        **STRIPE_CATALOG, "webhooks": {"stripe": {
+            **STRIPE_CATALOG["webhooks"]["stripe"], "provider_ref_path": "$.data.nothing"}}}),
+        ENV, clock=lambda: NOW)
+    with pytest.raises(WebhookRejected) as err:
+        hooks.message("stripe", headers, body, NOW)
+    assert (err.value.status, err.value.code) == (422, "unmatched_event")
+
+
+def test_shopify_style_events_take_id_and_topic_from_headers() -> None:
+    cat = Catalog.from_mapping({
+        "tools": {"t": {"endpoint": "https://p.test/x", "contract_revision": "r",
+                        "webhook_provider": "shop"}},
+        "webhooks": {"shop": {"scheme": "hmac_header", "secrets": ["${SHOP}"],
+                              "header": "X-Shopify-Hmac-Sha256",
+                              "event_id_header": "X-Shopify-Webhook-Id",
+                              "event_type_header": "X-Shopify-Topic",
+                              "events": {"orders/create": "applied"},
+                              "operation_key_path": "$.note_attributes[0].value"}}})
+    hooks = NativeWebhooks.from_catalog(cat, {"SHOP": "shpss_1"}, clock=lambda: NOW)
+    body = b'{"id": 1, "note_attributes": [{"name": "operation_key", "value": "opk_7"}]}'
+    mac = base64.b64encode(hmac.new(b"shpss_1", body, hashlib.sha256).digest()).decode()
+    msg = hooks.message("shop", {"x-shopify-hmac-sha256": mac, "x-shopify-webhook-id": "w-9",
+                                 "x-shopify-topic": "orders/create"}, body, NOW)
+    assert msg is not None and (msg.webhook_id, msg.operation_key) == ("w-9", "opk_7")
