@@ -95,6 +95,8 @@ class Settings(BaseSettings):
     reconcile_deadline_s: float = Field(default=3600.0, gt=0)
     # How long after the ambiguity notice a webhook-capable tool waits for a provider webhook.
     webhook_wait_s: float = Field(default=300.0, ge=0)
+    # The duplicate audit re-reads a retried key this long after the provider's horizon.
+    audit_slack_s: float = Field(default=60.0, ge=0)
     # Provider -> active Standard Webhooks secrets ("whsec_<base64>"); several during rotation.
     # JSON in the environment: EFFECTLEDGER_WEBHOOK_SECRETS='{"sandbox": ["whsec_..."]}'.
     webhook_secrets: dict[str, list[SecretStr]] = Field(default_factory=dict)

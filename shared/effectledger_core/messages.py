@@ -255,7 +255,8 @@ class ReconcileOperation(Message):
     operation_key: Ident
     tool: Ident
     arguments: dict[str, Any]
-    cause: Literal["ambiguous", "accepted"]
+    # "audit": re-read a retried key after the horizon to find a late duplicate.
+    cause: Literal["ambiguous", "accepted", "audit"]
     reason: ShortText = ""
     claimed_at: datetime  # when the attempt started: the provider horizon counts from here
     noticed_at: datetime
@@ -268,6 +269,8 @@ class Evidence(Message):
     provider_ref: ProviderRef | None = None
     digest: str | None = None
     detail: ShortText = ""
+    # Effects the provider lists for the operation key (readback.count_path); > 1: duplicate.
+    matches: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
 
 
 class VerdictReached(Message):

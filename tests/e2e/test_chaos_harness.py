@@ -64,7 +64,7 @@ def test_fault_and_tool_mix_options() -> None:
     assert "nats_long_outage" not in parse_faults("all,-nats_long_outage")
     with pytest.raises(ValueError, match="unknown fault"):
         parse_faults("meteor")
-    assert parse_tool_mix("a=1,d=2") == {"a": 1, "b": 0, "c": 0, "d": 2}
+    assert parse_tool_mix("a=1,d=2") == {"a": 1, "b": 0, "c": 0, "d": 2, "e": 0, "f": 0}
     assert parse_tool_mix("plain_blind=1")["d"] == 1
     with pytest.raises(ValueError):
         parse_tool_mix("a=0")

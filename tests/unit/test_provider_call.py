@@ -22,6 +22,7 @@ from urllib.parse import parse_qs
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
 import effectledger_core
 from effectledger_cli.embedded import free_port
@@ -605,13 +606,16 @@ async def test_readback_says_found_not_found_or_cannot_tell(
     assert (result.error is None) == (found is not None)
 
 
-async def test_readback_without_configuration_or_with_epoch_cannot_tell() -> None:
+async def test_readback_without_configuration_cannot_tell() -> None:
     result, provider = await do_readback(make_tool(), status(200))
     assert result.found is None and result.error == "the tool has no readback"
-    tool = make_tool(readback={"url": "http://provider.test/{epoch}"})
-    result, _ = await do_readback(tool, status(200))
-    assert result.found is None and result.error and "epoch" in result.error
     assert provider.requests == []
+
+
+def test_readback_url_with_epoch_is_refused_at_load() -> None:
+    """A readback spans all epochs, so `{epoch}` in its URL is a catalog error, not a 404."""
+    with pytest.raises(ValidationError, match="epoch"):
+        make_tool(readback={"url": "http://provider.test/{epoch}"})
 
 
 # --- adapter loading ------------------------------------------------------------------------

@@ -355,3 +355,23 @@ def test_after_readback_invariants(answer: ReadbackAnswer) -> None:
             assert answer is ERROR and sent + took >= TIMING.reconcile_deadline_s
         if answer is NOT_FOUND:
             assert (d.verdict == "not_applied") == (sent >= HORIZON)
+
+
+@pytest.mark.parametrize("sent", [NOTICED, HORIZON + 1])
+def test_two_matches_are_a_duplicate_for_review_never_a_quiet_applied(sent: float) -> None:
+    """A readback listing two effects for one key: undecidable (the review queue), with the
+    count in the evidence, whenever the readback ran."""
+    dup = ReadbackAnswer(True, provider_ref="cus_1", digest="sha256:cc", http_status=200,
+                         matches=2)
+    d = run_after(make_tool(readback=True), dup, sent)
+    assert isinstance(d, Decide) and d.verdict == "undecidable"
+    assert d.reason.startswith("duplicate_detected")
+    assert d.evidence is not None and d.evidence.matches == 2
+    assert d.evidence.provider_ref == "cus_1"
+
+
+def test_one_match_is_applied() -> None:
+    one = ReadbackAnswer(True, provider_ref="cus_1", digest="sha256:cc", http_status=200,
+                         matches=1)
+    d = run_after(make_tool(readback=True), one, NOTICED)
+    assert isinstance(d, Decide) and d.verdict == "applied"

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import IntegrityError
 
+from effectledger_core.argschema import check_arguments
 from effectledger_core.catalog import Catalog
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import UnknownTool
@@ -31,7 +32,7 @@ from effectledger_core.retry_policy import RetryBudget, RetryContext, RetryDecis
 from effectledger_core.states import State
 from effectledger_core.subjects import Subjects
 
-from .db import reads
+from .db import duplicates, reads
 from .db import recovery as rec
 from .db.batch import GroupCommit
 from .db.claims import ClaimCall
@@ -97,7 +98,9 @@ class LedgerService:
         return decision
 
     async def submit(self, intent: SubmitIntent, *, actor: str = "agent") -> Submitted:
-        self.catalog.get(intent.tool)  # unknown tool: a clear error before any transaction
+        # Unknown tool or arguments the tool can never be sent with: a clear error (422, with
+        # the JSON pointer of each bad field) before any transaction, so nothing is enqueued.
+        check_arguments(self.catalog.get(intent.tool), intent.arguments)
         direct = self.publisher is not None and self.direct_lease_s > 0
         for _ in range(3):
             now = self.clock()
@@ -147,12 +150,17 @@ class LedgerService:
             decide_retry=self.decide_retry)
         if result.to_state == State.PENDING:
             self.outbox_wake.set()
+        evidence = verdict.evidence
+        if result.status == "applied" and evidence is not None and (evidence.matches or 0) > 1:
+            op = await self.operation(verdict.operation_id)  # rare: one read for the label
+            duplicates.announce(op["tool"], evidence.matches or 0, verdict.operation_id)
         return result
 
     async def record_webhook(self, hook: WebhookReceived) -> Recorded:
         result = await self.store.run(
             record_webhook_txn, hook, now=self.clock(), subjects=self.subjects,
-            outbox_id=self.ids(), decide_retry=self.decide_retry)
+            outbox_id=self.ids(), decide_retry=self.decide_retry,
+            tools=self.catalog.webhook_tools(hook.provider))
         if result.to_state == State.PENDING:
             self.outbox_wake.set()
         return result

@@ -24,6 +24,7 @@ from effectledger_providers.adapters import load_adapter
 from effectledger_providers.calls import make_client
 
 from .ledger_client import NatsLedgerClient
+from .native import NativeWebhooks
 from .signatures import WebhookVerifier
 from .strategy import Timing
 from .webhooks import create_app
@@ -67,7 +68,8 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         load_adapter(tool)  # a bad adapter path fails the deployment, not each operation
     skip = skip_verification_requested()
     verifier = build_verifier(settings, skip=skip)  # bad secrets fail before connecting
-    if not verifier.providers and not skip:
+    native = NativeWebhooks.from_catalog(catalog, os.environ)  # so do missing native secrets
+    if not verifier.providers and not native.providers and not skip:
         log.warning("no webhook secrets configured (EFFECTLEDGER_WEBHOOK_SECRETS): every "
                     "webhook will be refused")
     nc = await connect(settings, f"effectledger-reconciler-{settings.reconciler_id}")
@@ -79,14 +81,16 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         subjects=settings.subjects, reconciler_id=settings.reconciler_id,
         readback=http_readback(http, dict(os.environ)),
         timing=Timing(reconcile_deadline_s=settings.reconcile_deadline_s,
-                      webhook_wait_s=settings.webhook_wait_s))
+                      webhook_wait_s=settings.webhook_wait_s,
+                      audit_slack_s=settings.audit_slack_s))
     consumer = build_consumer(nc, settings, reconciler)
 
     async def ready() -> dict[str, bool]:
         return {"nats": nc.is_connected}
 
     app = create_app(verifier=verifier, publisher=publisher, subjects=settings.subjects,
-                     max_body_bytes=settings.webhook_max_body_bytes, ready=ready)
+                     max_body_bytes=settings.webhook_max_body_bytes, ready=ready,
+                     native=native)
     app.state.reconciler = reconciler
     try:
         await consumer.start()

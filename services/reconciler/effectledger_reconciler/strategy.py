@@ -45,6 +45,8 @@ class Timing:
     webhook_wait_s: float = 300.0
     backoff_base_s: float = 0.5
     backoff_cap_s: float = 30.0
+    # The duplicate audit re-reads this long after the provider's horizon (audit.py).
+    audit_slack_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +71,7 @@ class ReadbackAnswer:
     digest: str | None = None
     http_status: int | None = None
     error: str | None = None
+    matches: int | None = None  # effects listed for the key (readback.count_path)
 
 
 # -- decisions ------------------------------------------------------------------------------
@@ -110,6 +113,7 @@ class NeedReadback:
 
 
 Decision = Done | Wait | Decide | Reject | NeedReadback
+AfterReadback = Decide | Wait | Done  # Done: an audit that found nothing to report
 
 
 def backoff(deliveries: int, timing: Timing) -> float:
@@ -151,6 +155,10 @@ def decide(cmd: ReconcileOperation, op: OperationView | None, tool: Tool | None,
     `op` is the ledger's answer (None: the ledger does not know the operation); `tool` is the
     catalog entry for `cmd.tool` (None: not in this reconciler's catalog).
     """
+    if cmd.cause == "audit":
+        from . import audit  # audit builds on this module's types: imported where used
+
+        return audit.decide(cmd, op, tool, now=now, deliveries=deliveries, timing=timing)
     if op is None:
         return Reject(f"the ledger does not know operation {cmd.operation_id!r}")
     if op.epoch != cmd.epoch:
@@ -199,10 +207,25 @@ def command_mismatch(cmd: ReconcileOperation, op: OperationView) -> str | None:
 
 def after_readback(cmd: ReconcileOperation, tool: Tool, answer: ReadbackAnswer, *,
                    sent_at: datetime, answered_at: datetime, deliveries: int,
-                   timing: Timing) -> Decide | Wait:
+                   timing: Timing) -> AfterReadback:
     """The decision once the readback (sent at `sent_at`) has answered at `answered_at`."""
+    if cmd.cause == "audit":
+        from . import audit
+
+        return audit.after_readback(cmd, tool, answer, answered_at=answered_at,
+                                    deliveries=deliveries, timing=timing)
     horizon = horizon_at(cmd, tool)
     status = f"HTTP {answer.http_status}" if answer.http_status is not None else "no answer"
+    if answer.found is True and answer.matches is not None and answer.matches > 1:
+        # More than one effect for one key: the provider applied the request more than once.
+        # That is not a quiet "applied": the ledger records duplicate_detected and a human
+        # decides (refund, cancel the extra effect) from the review queue.
+        return Decide("undecidable", _bounded(
+            f"duplicate_detected: the provider's readback lists {answer.matches} effects for "
+            f"this operation key"), Evidence(
+                source="readback", at=answered_at, provider_ref=answer.provider_ref,
+                digest=answer.digest, matches=answer.matches,
+                detail=f"readback found {answer.matches} effects for one key ({status})"))
     if answer.found is True:
         return Decide("applied", "the provider's readback shows the effect", Evidence(
             source="readback", at=answered_at, provider_ref=answer.provider_ref,

@@ -33,6 +33,8 @@ KIND_PHASE: dict[str, Phase] = {
     "status_before_apply": Phase.BEFORE,
     "rate_limit": Phase.BEFORE,
     "late_apply": Phase.APPLY,
+    # The provider applies one request twice (its own internal retry, a key it ignored).
+    "duplicate_apply": Phase.APPLY,
     "delay_after_apply": Phase.AFTER,
     "drop_after_apply": Phase.AFTER,
     "status_after_apply": Phase.AFTER,

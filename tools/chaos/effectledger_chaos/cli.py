@@ -16,7 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ALL_FAULTS, FAULT_GROUPS, ChaosConfig, parse_faults, parse_tool_mix
+from .config import (
+    ALL_FAULTS,
+    DEFAULT_TOOL_MIX_TEXT,
+    FAULT_GROUPS,
+    ChaosConfig,
+    parse_faults,
+    parse_tool_mix,
+)
 
 # `effectledger <name> --help` line (entry-point group effectledger.commands)
 HELP = "the proving ground: a seeded fault-injection run against real processes"
@@ -35,9 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--faults", default="all",
                    help="comma list of kinds or groups; '-kind' removes one. Groups: all, "
                         f"none, {', '.join(FAULT_GROUPS)}. Kinds: {', '.join(ALL_FAULTS)}")
-    p.add_argument("--tool-mix", default="a=35,b=30,c=20,d=15",
+    p.add_argument("--tool-mix", default=DEFAULT_TOOL_MIX_TEXT,
                    help="weights of the tool types: a idempotent+readback, b non-idempotent+"
-                        "readback, c non-idempotent+webhooks, d non-idempotent, no oracle")
+                        "readback, c non-idempotent+webhooks, d non-idempotent, no oracle, "
+                        "e non-idempotent addressed by path + search readback, f "
+                        "non-idempotent + native (Stripe-signed) webhooks")
     p.add_argument("--database", choices=["postgres", "sqlite"], default="postgres",
                    help="ledger database: a private PostgreSQL cluster (default) or SQLite")
     p.add_argument("--database-url", help="use this PostgreSQL instead of a private one "

@@ -224,6 +224,8 @@ class Stack:
                    "EFFECTLEDGER_RECONCILER_PORT": str(self.reconciler_ports[i]),
                    "EFFECTLEDGER_WEBHOOK_SECRETS": json.dumps(
                        {WEBHOOK_PROVIDER: [self.webhook_secret]}),
+                   # The native (Stripe-scheme) provider signs with the same secret string.
+                   catalog.NATIVE_SECRET_ENV: self.webhook_secret,
                    catalog.API_KEY_ENV: self.api_key}
             if self.cfg.unsafe_skip_webhook_verification:
                 env[unsafe.SKIP_WEBHOOK_VERIFICATION.env] = "1"
@@ -293,6 +295,13 @@ class Stack:
             # decided without a human; the ledger checks the fencing token of such a webhook.
             r = await http.post(f"/_config/routes/{route}",
                                 json={"webhooks": True, "not_applied_webhooks": True})
+            r.raise_for_status()
+            # The native-webhook tool's route speaks the provider's own dialect to its own
+            # endpoint, through the same webhook proxy.
+            r = await http.post(f"/_config/routes/{TOOL_TYPES['f']['route']}", json={
+                "webhooks": True, "not_applied_webhooks": True, "scheme": "stripe",
+                "url": f"http://127.0.0.1:{self.ports['webhook_proxy']}/v1/webhooks/"
+                       f"{catalog.NATIVE_PROVIDER}"})
             r.raise_for_status()
 
     # -- supervision ----------------------------------------------------------------------

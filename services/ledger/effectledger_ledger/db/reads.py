@@ -14,6 +14,7 @@ from effectledger_core.failures import Failure, Idempotency, policy_digest
 from effectledger_core.messages import FailureClass
 from effectledger_core.states import UNDECIDED, UNRESOLVED, State
 
+from .duplicates import duplicate_count, is_duplicate, open_duplicate
 from .schema import attempts, journal, operations
 
 
@@ -35,6 +36,11 @@ async def get_operation(conn: AsyncConnection, operation_id: str) -> dict[str, A
         .order_by(attempts.c.epoch))).mappings().all()
     view = _row(op)
     view["attempts"] = [_row(a) for a in rows]
+    evidence = view.get("evidence")
+    if isinstance(evidence, dict) and "epoch" in evidence and evidence["epoch"] != view["epoch"]:
+        # The view speaks for the current epoch only: an earlier epoch's "not applied" must not
+        # stand next to a later success. Earlier evidence stays in the journal.
+        view["evidence"] = None
     return view
 
 
@@ -142,6 +148,9 @@ def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
     if state is State.NEEDS_REVIEW:
         open_items.append("no machine can decide: awaiting operator review")
     evidence = op.get("evidence") or None
+    if is_duplicate(evidence) and (state is not State.SUCCEEDED or open_duplicate(evidence)):
+        open_items.append(f"duplicate_detected: the provider lists {duplicate_count(evidence)} "
+                          f"effects for this operation key")
     if state in UNRESOLVED:
         reconciliation = "pending"
     elif state is State.NEEDS_REVIEW:

@@ -7,7 +7,7 @@ transition applier's guarded UPDATE; anything else is rejected and journaled, ne
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -21,6 +21,12 @@ from effectledger_core.states import UNRESOLVED, Event, JournalKind, State
 from effectledger_core.subjects import Subjects
 
 from .common import append_journal, insert_ignore
+from .duplicates import (
+    is_duplicate,
+    note_duplicate_txn,
+    record_audit_duplicate_txn,
+    schedule_audit_txn,
+)
 from .rows import OperationRow, Recorded
 from .schema import attempts, inbox, operations, webhook_events
 from .transitions import Change, Dispatch, apply
@@ -68,6 +74,11 @@ async def apply_verdict(conn: AsyncConnection, *, op: OperationRow, epoch: int, 
         return Recorded("rejected", reason="concurrent_change")
     if decision is not None:
         await _journal_retry(conn, op, decision, now=now, due=due)
+        if decision.retry:
+            # A retry on "not found" evidence is where a provider that breaks its horizon
+            # makes a duplicate: look again once it could have shown (duplicates.py).
+            await schedule_audit_txn(conn, op=op, epoch=epoch, now=now, subjects=subjects,
+                                     outbox_id=f"{outbox_id}.audit"[:64])
     return Recorded("applied", to_state=applied.step.to.value)
 
 
@@ -102,6 +113,11 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
     evidence = (v.evidence.model_dump(mode="json") if v.evidence else {})
     evidence |= {"reason": v.reason, "reconciler_id": v.reconciler_id}
     verdict = v.verdict
+    if op is not None and op.state is State.SUCCEEDED and is_duplicate(evidence):
+        # A duplicate audit's finding: recorded on the succeeded operation, state unchanged.
+        if await record_audit_duplicate_txn(conn, op=op, epoch=v.epoch, evidence=evidence,
+                                            actor=f"reconciler:{v.reconciler_id}", now=now):
+            return Recorded("applied", to_state="succeeded", reason="duplicate_detected")
     if verdict != "undecidable" and v.evidence is None:
         # Evidence before verdict: a bare "applied" or "not
         # applied" is a guess, and a guess goes to a human, never to success or a retry.
@@ -111,6 +127,9 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
                                   evidence=evidence, actor=f"reconciler:{v.reconciler_id}",
                                   now=now, subjects=subjects, outbox_id=outbox_id,
                                   decide_retry=decide_retry))
+    if result.status == "applied" and op is not None and is_duplicate(evidence):
+        await note_duplicate_txn(conn, op=op, epoch=v.epoch, evidence=evidence,
+                                 actor=f"reconciler:{v.reconciler_id}", now=now)
     if result.status == "rejected":
         # A paused replica waking after another decided, or a verdict for a superseded epoch.
         await append_journal(conn, operation_id=v.operation_id, at=now,
@@ -131,22 +150,39 @@ def _webhook_verdict(hook: dict[str, Any]) -> str | None:
 
 async def record_webhook_txn(conn: AsyncConnection, hook: WebhookReceived, *, now: datetime,
                              subjects: Subjects, outbox_id: str,
-                             decide_retry: RetryDecider | None) -> Recorded:
-    """Store a verified webhook (dedup by provider + webhook id) and apply it if it can be."""
+                             decide_retry: RetryDecider | None,
+                             tools: Collection[str] | None = None) -> Recorded:
+    """Store a verified webhook (dedup by provider + webhook id) and apply it if it can be.
+
+    `tools`: the tools this provider may speak for (`Catalog.webhook_tools`); a webhook naming
+    an operation of any other tool is kept, marked refused and journaled, never applied.
+    """
     op = None
     if hook.operation_key:
-        op = (await conn.execute(sa.select(operations.c.id).where(
+        op = (await conn.execute(sa.select(operations.c.id, operations.c.tool).where(
             operations.c.operation_key == hook.operation_key))).first()
     if op is None and hook.provider_ref:
-        op = (await conn.execute(sa.select(operations.c.id).where(
+        op = (await conn.execute(sa.select(operations.c.id, operations.c.tool).where(
             operations.c.provider_ref == hook.provider_ref))).first()
+    foreign = op is not None and tools is not None and op.tool not in tools
     row = dict(provider=hook.provider, webhook_id=hook.webhook_id, event_type=hook.event_type,
                operation_key=hook.operation_key, provider_ref=hook.provider_ref,
                outcome=hook.outcome, final=hook.final, fencing_token=hook.fencing_token,
                body_digest=hook.body_digest, signed_at=hook.signed_at, received_at=now,
-               operation_id=op.id if op is not None else None)
+               operation_id=op.id if op is not None else None,
+               # Marked used, so no later state change applies it as early evidence either.
+               applied="refused:provider_not_bound" if foreign else None)
     if not await insert_ignore(conn, webhook_events, row):
         return Recorded("duplicate")
+    if foreign:
+        assert op is not None
+        # A verified webhook from one provider never speaks for another provider's tool.
+        await append_journal(conn, operation_id=op.id, at=now,
+                             kind=JournalKind.WEBHOOK_REFUSED,
+                             actor=f"webhook:{hook.provider}",
+                             detail={"webhook_id": hook.webhook_id, "tool": op.tool,
+                                     "reason": "provider_not_bound"})
+        return Recorded("rejected", reason="provider_not_bound")
     if op is None:
         # Before its operation exists (or for one we never made): kept, never dropped.
         await append_journal(conn, operation_id=None, at=now, kind=JournalKind.WEBHOOK_UNMATCHED,
