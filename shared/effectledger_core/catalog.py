@@ -263,6 +263,16 @@ class Catalog:
             if t.webhook_provider == provider
             or (t.webhook_provider is None and provider not in self.webhooks))
 
+    def webhook_speaks_for(self, provider: str, tool: str) -> bool:
+        """Whether a verified webhook from `provider` may decide an operation of `tool` (the
+        rule of `webhook_tools`, asked from the tool's side, e.g. for stored early webhooks)."""
+        t = self.tools.get(tool)
+        if t is None:
+            return False
+        if t.webhook_provider is not None:
+            return t.webhook_provider == provider
+        return provider not in self.webhooks
+
     def get(self, name: str) -> Tool:
         tool = self.tools.get(name)
         if tool is None:

@@ -134,7 +134,8 @@ class LedgerService:
                              message_id: str) -> Recorded:
         result = await self.writes.call(OutcomeCall(
             outcome, consumer=consumer, message_id=message_id, subjects=self.subjects,
-            now=self.clock(), ambiguous_outbox_id=self.ids(), decide_retry=self.decide_retry))
+            now=self.clock(), ambiguous_outbox_id=self.ids(), decide_retry=self.decide_retry,
+            webhook_binding=self.catalog.webhook_speaks_for))
         crash_point("ledger.inbox.after_commit")
         if result.to_state in _NEW_COMMAND:
             self.outbox_wake.set()
@@ -171,7 +172,8 @@ class LedgerService:
 
         return await self.store.run(sweep_lost_outcomes_txn, now=self.clock(),
                                     older_than_s=older_than_s, subjects=self.subjects,
-                                    new_id=self.ids, decide_retry=self.decide_retry)
+                                    new_id=self.ids, decide_retry=self.decide_retry,
+                                    webhook_binding=self.catalog.webhook_speaks_for)
 
     async def record_dead_letter(self, letter: DeadLetter) -> None:
         await self.store.run(record_dead_letter_txn, letter, now=self.clock())

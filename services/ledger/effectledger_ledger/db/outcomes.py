@@ -34,7 +34,7 @@ from effectledger_core.subjects import Subjects
 
 from .batch import BatchCall
 from .common import LockedOp, append_journal, execute_rows, journal_row, lock_with_attempts
-from .resolution import RetryDecider, settle_from_stored_webhooks
+from .resolution import RetryDecider, WebhookBinding, settle_from_stored_webhooks
 from .rows import JournalRow, OperationRow, Recorded
 from .schema import attempts, dead_letters, inbox, operations
 from .transitions import Batch, Change, Dispatch, Reconcile, apply, writes_commands
@@ -64,6 +64,7 @@ class OutcomeCall(BatchCall[Recorded]):
     now: datetime
     ambiguous_outbox_id: str  # the id of the command it may cause (reconcile, or a retry)
     decide_retry: RetryDecider | None = None
+    webhook_binding: WebhookBinding | None = None  # which stored webhooks may settle it
 
     @classmethod
     async def many(cls, conn: AsyncConnection, calls: Sequence[OutcomeCall]
@@ -199,12 +200,12 @@ class _Decider:
                 it.ambiguous_outbox_id, it.subjects,
                 available_at=now + timedelta(seconds=decision.delay_s)))
         else:
-            decide = it.decide_retry
+            decide, binding = it.decide_retry, it.webhook_binding
 
             async def settle(conn: AsyncConnection, row: OperationRow) -> Recorded | None:
                 return await settle_from_stored_webhooks(
                     conn, row, now=now, subjects=it.subjects, outbox_id=it.ambiguous_outbox_id,
-                    decide_retry=decide)
+                    decide_retry=decide, binding=binding)
 
             accepted = change.event is Event.OUTCOME_ACCEPTED
             change = _with(change, reconcile=Reconcile(

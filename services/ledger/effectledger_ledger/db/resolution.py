@@ -31,10 +31,13 @@ from .rows import OperationRow, Recorded
 from .schema import attempts, inbox, operations, webhook_events
 from .transitions import Change, Dispatch, apply
 
-__all__ = ["Recorded", "RetryDecider", "apply_verdict", "record_verdict_txn",
+__all__ = ["Recorded", "RetryDecider", "WebhookBinding", "apply_verdict", "record_verdict_txn",
            "record_webhook_txn", "settle_from_stored_webhooks"]
 
 RetryDecider = Callable[[OperationRow, Failure], RetryDecision]
+# (provider, tool) -> may that provider's verified webhook decide an operation of that tool
+# (`Catalog.webhook_speaks_for`). None: every stored webhook counts (callers without a catalog).
+WebhookBinding = Callable[[str, str], bool]
 
 
 async def apply_verdict(conn: AsyncConnection, *, op: OperationRow, epoch: int, verdict: str,
@@ -225,6 +228,18 @@ async def _use_webhook(conn: AsyncConnection, op: OperationRow, hook: dict[str, 
         # claimed is about an earlier attempt: applying it would retry on stale evidence.
         await conn.execute(webhook_events.update().where(where).values(applied="ignored"))
         return Recorded("kept", reason="earlier_attempt")
+    if verdict == "not_applied" and token is None and not await _names_attempt(conn, op, hook):
+        # Without a token, "not applied" counts only for the attempt it names by provider
+        # reference. Otherwise the same event, resent under a new webhook id once the next
+        # epoch has started, would retry that epoch too: a duplicate effect. Kept as evidence
+        # for a person; readback or review decides.
+        await conn.execute(webhook_events.update().where(where).values(
+            applied="ignored:unnamed_attempt"))
+        await append_journal(conn, operation_id=op.id, at=now, kind=JournalKind.WEBHOOK_KEPT,
+                             actor=actor, epoch=op.epoch,
+                             detail={"webhook_id": hook["webhook_id"], "outcome": "not_applied",
+                                     "reason": "names_no_attempt_of_this_epoch"})
+        return Recorded("kept", reason="unnamed_attempt")
     evidence = {"source": "webhook", "provider_ref": hook["provider_ref"],
                 "digest": hook["body_digest"], "at": now.isoformat(),
                 "webhook_id": hook["webhook_id"], "event_type": hook["event_type"]}
@@ -244,10 +259,27 @@ async def _before_attempt(conn: AsyncConnection, op: OperationRow,
     return claimed_at is not None and hook["received_at"] < claimed_at
 
 
+async def _names_attempt(conn: AsyncConnection, op: OperationRow,
+                         hook: dict[str, Any]) -> bool:
+    """Whether the webhook's provider reference is that of this epoch's attempt."""
+    ref = hook.get("provider_ref")
+    if not ref:
+        return False
+    held = (await conn.execute(
+        sa.select(attempts.c.provider_ref).where(attempts.c.operation_id == op.id,
+                                                 attempts.c.epoch == op.epoch))).scalar()
+    return held is not None and held == ref
+
+
 async def settle_from_stored_webhooks(conn: AsyncConnection, op: OperationRow, *,
                                      now: datetime, subjects: Subjects, outbox_id: str,
-                                     decide_retry: RetryDecider | None) -> Recorded | None:
-    """When an operation becomes unresolved, evidence that arrived early decides it at once."""
+                                     decide_retry: RetryDecider | None,
+                                     binding: WebhookBinding | None = None) -> Recorded | None:
+    """When an operation becomes unresolved, evidence that arrived early decides it at once.
+
+    Only evidence from a provider bound to the operation's tool counts: operation keys are
+    predictable, so another provider could have planted an event before the operation existed.
+    """
     rows = (await conn.execute(
         sa.select(webhook_events).where(
             sa.or_(webhook_events.c.operation_id == op.id,
@@ -258,6 +290,8 @@ async def settle_from_stored_webhooks(conn: AsyncConnection, op: OperationRow, *
     ordered = sorted(rows, key=lambda r: 0 if r["outcome"] == "applied" else 1)
     for hook in ordered:
         if _webhook_verdict(dict(hook)) is None:
+            continue
+        if binding is not None and not binding(hook["provider"], op.tool):
             continue
         result = await _use_webhook(conn, op, dict(hook), now=now, subjects=subjects,
                                     outbox_id=outbox_id, decide_retry=decide_retry)
