@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictInt,
@@ -42,10 +43,38 @@ def _no_nul(value: str) -> str:
     return value
 
 
+def _storable(value: Any) -> Any:
+    return storable(value) if isinstance(value, str) else value
+
+
+def storable(value: str) -> str:
+    """Free text from outside (a provider's error, a webhook's event type, a reference) as a
+    database can hold it: NUL becomes U+FFFD and unpaired surrogates (`"\\ud800"` in JSON)
+    become `?`. PostgreSQL refuses both, and refusing the message instead would dead-letter the
+    outcome that carries the correct verdict. Identifiers are refused instead (`Ident`)."""
+    if "\x00" in value:
+        value = value.replace("\x00", "\ufffd")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        value = value.encode("utf-8", "replace").decode()
+    return value
+
+
+def _encodable(value: str) -> str:
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (no unpaired surrogates)") from None
+    return value
+
+
 Ident = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDENTIFIER_BYTES),
-                  AfterValidator(_within_bytes), AfterValidator(_no_nul)]
-ShortText = Annotated[str, StringConstraints(max_length=1024)]
-ProviderRef = Annotated[str, StringConstraints(max_length=MAX_PROVIDER_REF_BYTES)]
+                  AfterValidator(_encodable), AfterValidator(_within_bytes),
+                  AfterValidator(_no_nul)]
+ShortText = Annotated[str, BeforeValidator(_storable), StringConstraints(max_length=1024)]
+ProviderRef = Annotated[str, BeforeValidator(_storable),
+                        StringConstraints(max_length=MAX_PROVIDER_REF_BYTES)]
 Epoch = Annotated[int, Field(ge=1)]
 M = TypeVar("M", bound="BaseModel")
 T = TypeVar("T")

@@ -86,7 +86,11 @@ def verify_stripe(secrets: Sequence[str], headers: Mapping[str, str], body: byte
         raise WebhookRejected(400, "invalid_timestamp", "Stripe-Signature has no valid t=")
     if not given:
         raise WebhookRejected(401, "invalid_signature", "Stripe-Signature has no v1 signature")
-    signed_at = datetime.fromtimestamp(int(timestamp), tz=UTC)
+    try:
+        signed_at = datetime.fromtimestamp(int(timestamp), tz=UTC)
+    except (OverflowError, OSError, ValueError):  # past datetime's range: a 401, not a 500
+        raise WebhookRejected(401, "timestamp_in_future",
+                              "Stripe-Signature t= is outside any tolerance") from None
     _check_time(signed_at, now, tolerance_s)
     expected = [_mac(s, timestamp.encode() + b"." + body) for s in secrets]
     if not _any_match(expected, given):
