@@ -57,6 +57,10 @@ class Settings(BaseSettings):
     # ledger
     ledger_host: str = "127.0.0.1"
     ledger_port: int = 8600
+    # Every HTTP port (ledger API, webhook ingress): a client that has not sent its request
+    # headers, or its whole body, within these is cut off (408 for the body).
+    http_header_timeout_s: float = Field(default=10.0, gt=0)
+    http_body_timeout_s: float = Field(default=30.0, gt=0)
     relay_batch_size: int = 256
     relay_poll_interval_s: float = 0.5
     relay_lease_s: float = 30.0

@@ -4,7 +4,9 @@ httpx.ASGITransport on both databases."""
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import random
 import tomllib
 from collections.abc import AsyncIterator
@@ -160,6 +162,9 @@ async def test_agent_gets_not_found_for_other_tenants_operations(
         assert_error(resp, 404, "not_found")
         missing = await client.get(f"/v1/operations/nope{suffix}", headers=auth(AGENT_A))
         assert_error(missing, 404, "not_found")
+        # Word for word, once the id itself is set aside.
+        assert resp.json()["error"]["message"].replace(theirs["id"], "X") == \
+            missing.json()["error"]["message"].replace("nope", "X")
     listed = (await client.get("/v1/operations", headers=auth(AGENT_A))).json()
     assert listed["items"] == []
 
@@ -353,3 +358,28 @@ async def test_stats_show_an_agent_only_its_tenants_counts(client: httpx.AsyncCl
     assert mine == {"operations": {"pending": 1}}
     everyone = (await client.get("/v1/stats", headers=auth(OPERATOR))).json()
     assert everyone["operations"] == {"pending": 3} and "outbox" in everyone
+
+
+def _cursor(value: object) -> str:
+    return _raw_b64(json.dumps(value))
+
+
+def _raw_b64(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode()
+
+
+@pytest.mark.parametrize("cursor", [
+    _cursor(["2026-11-30T09:00:00", "id1"]),  # a naive time: no time zone
+    _cursor(["2026-11-30T09:00:00+00:00", "id\u0000x"]),
+    _cursor(["2026-11-30T09:00:00+00:00", "i" * 65]),
+    _cursor(["2026-11-30T09:00:00+00:00", 7]),
+    _cursor("[" * 3000 + "]" * 3000),
+    _raw_b64("[" * 3000 + "]" * 3000),  # nested 3,000 deep
+    "not base64 !",
+    "A" * 5000,
+])
+async def test_every_malformed_cursor_is_a_4xx_before_any_query(
+        client: httpx.AsyncClient, cursor: str) -> None:
+    resp = await client.get("/v1/operations", params={"cursor": cursor},
+                            headers=auth(OPERATOR))
+    assert_error(resp, 422, "invalid_request")

@@ -8,6 +8,7 @@ with the operator's name from the token.
 # No `from __future__ import annotations` here: FastAPI resolves string annotations in the
 # module's globals, so the `Who` dependency (local to create_app) would silently become a
 # required query parameter `p` on every route.
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
@@ -16,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from effectledger_core.errors import (
     EffectLedgerError,
@@ -30,6 +32,8 @@ from effectledger_core.recovery import Conclusion, Review
 from . import console
 from .auth import Authenticator, Forbidden, Principal, check_tenant, operator_name
 from .service import LedgerService
+
+log = logging.getLogger(__name__)
 
 Bounded = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDENTIFIER_BYTES)]
 Text = Annotated[str, StringConstraints(max_length=MAX_IDENTIFIER_BYTES)]
@@ -85,11 +89,17 @@ async def read_bounded(request: Request, limit: int = MAX_HTTP_BODY_BYTES) -> by
         if int(declared) > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Anyone can do this, unauthenticated: one line, not a traceback per request.
+        log.info("%s %s: the client went away mid-body", request.method,
+                 request.url.path[:200])
+        raise InvalidRequest("the client disconnected before sending the whole body") from None
     return b"".join(chunks)
 
 
@@ -109,7 +119,8 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
 
     async def visible(p: Principal, operation_id: str) -> dict[str, Any]:
         op = await service.operation(operation_id)
-        check_tenant(p, op["tenant"])
+        # Another tenant's operation reads exactly like a missing one, message included.
+        check_tenant(p, op["tenant"], operation_id)
         return op
 
     @app.exception_handler(EffectLedgerError)

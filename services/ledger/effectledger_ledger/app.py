@@ -10,6 +10,7 @@ import uvicorn
 from nats.js import JetStreamContext
 
 from effectledger_bus.connect import connect
+from effectledger_bus.httpedge import server_config
 from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
@@ -64,9 +65,10 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
 
     app = create_app(service, ready=ready,
                      auth=Authenticator(settings.agent_tokens, settings.operator_tokens))
-    server = uvicorn.Server(uvicorn.Config(
+    server = uvicorn.Server(server_config(
         app, host=settings.ledger_host, port=settings.ledger_port, log_level="warning",
-        access_log=False, lifespan="off"))
+        access_log=False, lifespan="off", header_timeout_s=settings.http_header_timeout_s,
+        body_timeout_s=settings.http_body_timeout_s))
     watcher = asyncio.create_task(_announce(server, settings, started))
     try:
         await server.serve()

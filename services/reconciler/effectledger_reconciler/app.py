@@ -14,6 +14,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from starlette.applications import Starlette
 
 from effectledger_bus.connect import connect
+from effectledger_bus.httpedge import server_config
 from effectledger_bus.publish import JetStreamPublisher
 from effectledger_bus.pull import PullConsumer
 from effectledger_bus.streams import ensure_streams
@@ -105,9 +106,10 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
 async def _serve_http(app: Starlette, settings: Settings,
                       started: asyncio.Event | None) -> None:
     """Run uvicorn until it stops (SIGINT/SIGTERM, handled by uvicorn) or is cancelled."""
-    server = uvicorn.Server(uvicorn.Config(
+    server = uvicorn.Server(server_config(
         app, host=settings.reconciler_host, port=settings.reconciler_port, log_level="warning",
-        access_log=False, lifespan="off"))
+        access_log=False, lifespan="off", header_timeout_s=settings.http_header_timeout_s,
+        body_timeout_s=settings.http_body_timeout_s))
     task = asyncio.create_task(_run(server, settings))
     try:
         while not server.started:  # uvicorn exposes a flag, not an event

@@ -36,7 +36,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -78,11 +78,16 @@ async def read_bounded(request: Request, limit: int) -> bytes:
             raise WebhookRejected(413, "payload_too_large", f"body exceeds {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise WebhookRejected(413, "payload_too_large", f"body exceeds {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise WebhookRejected(413, "payload_too_large", f"body exceeds {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Unauthenticated senders can do this at will: one log line (below), no traceback.
+        raise WebhookRejected(400, "client_disconnected",
+                              "the client went away before sending the whole body") from None
     return b"".join(chunks)
 
 

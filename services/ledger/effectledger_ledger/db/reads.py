@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -63,12 +64,28 @@ def _encode_cursor(created_at: str, op_id: str) -> str:
     return base64.urlsafe_b64encode(json.dumps([created_at, op_id]).encode()).decode()
 
 
-def _decode_cursor(cursor: str) -> tuple[str, str]:
+def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    """A cursor back into (created_at, id), checked before any query sees it: anyone can send
+    one, and a naive time, NUL or a 3,000-deep document must be a 400, never a 500."""
+    if len(cursor) > 1024:
+        raise InvalidRequest("malformed cursor")
     try:
-        created_at, op_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-        return str(created_at), str(op_id)
-    except (ValueError, TypeError) as exc:
+        value = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+    except (ValueError, TypeError, RecursionError) as exc:
         raise InvalidRequest("malformed cursor") from exc
+    if not (isinstance(value, list) and len(value) == 2
+            and all(isinstance(v, str) for v in value)):
+        raise InvalidRequest("malformed cursor")
+    created_s, op_id = value
+    if not op_id or len(op_id) > 64 or "\x00" in op_id:
+        raise InvalidRequest("malformed cursor")
+    try:
+        created = datetime.fromisoformat(created_s)
+    except ValueError as exc:
+        raise InvalidRequest("malformed cursor") from exc
+    if created.tzinfo is None:
+        raise InvalidRequest("malformed cursor")
+    return created, op_id
 
 
 async def list_operations(conn: AsyncConnection, *, state: str | None, limit: int,
@@ -84,13 +101,7 @@ async def list_operations(conn: AsyncConnection, *, state: str | None, limit: in
     if tenant is not None:
         q = q.where(operations.c.tenant == tenant)
     if cursor:
-        from datetime import datetime
-
-        created_s, op_id = _decode_cursor(cursor)
-        try:
-            created = datetime.fromisoformat(created_s)
-        except ValueError as exc:
-            raise InvalidRequest("malformed cursor") from exc
+        created, op_id = _decode_cursor(cursor)
         q = q.where(sa.or_(operations.c.created_at > created,
                            sa.and_(operations.c.created_at == created, operations.c.id > op_id)))
     rows = (await conn.execute(
