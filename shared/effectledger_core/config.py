@@ -61,6 +61,11 @@ class Settings(BaseSettings):
     # headers, or its whole body, within these is cut off (408 for the body).
     http_header_timeout_s: float = Field(default=10.0, gt=0)
     http_body_timeout_s: float = Field(default=30.0, gt=0)
+    # Per-tenant quotas (effectledger_core/quotas.py): 0 is off, the embedded default.
+    tenant_rate_per_s: float = Field(default=0.0, ge=0)
+    tenant_burst: int = Field(default=0, ge=0)
+    tenant_max_in_flight: int = Field(default=0, ge=0)
+    tenant_max_awaiting_approval: int = Field(default=0, ge=0)
     relay_batch_size: int = 256
     relay_poll_interval_s: float = 0.5
     relay_lease_s: float = 30.0

@@ -383,3 +383,40 @@ async def test_every_malformed_cursor_is_a_4xx_before_any_query(
     resp = await client.get("/v1/operations", params={"cursor": cursor},
                             headers=auth(OPERATOR))
     assert_error(resp, 422, "invalid_request")
+
+
+async def test_quotas_answer_429_with_retry_after_over_http_and_the_same_error_over_nats(
+        store: Store) -> None:
+    """Off by default; configured, a tenant over its rate, its in-flight or its
+    awaiting-approval bound is refused with nothing recorded, other tenants unaffected."""
+    from effectledger_core.quotas import QuotaLimits
+    from effectledger_ledger.messaging import Requests
+
+    counter = itertools.count(1)
+    limited = LedgerService(store=store, catalog=CATALOG, subjects=SUBJECTS, clock=lambda: NOW,
+                            ids=lambda: f"q{next(counter):05d}",
+                            quotas=QuotaLimits(rate_per_s=1e-3, burst=3, max_in_flight=100,
+                                               max_awaiting_approval=1))
+    app = create_app(limited, ready=_ready, auth=Authenticator(AGENTS, OPERATORS))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://ledger.test") as c:
+        await submit(c, AGENT_A, "payout")  # awaiting approval: the bound of 1 is reached
+        refused = await c.post("/v1/intents", headers=auth(AGENT_A),
+                               json={"tool": "payout", "arguments": {"q": 2}})
+        assert_error(refused, 429, "quota_exceeded")
+        assert refused.headers["Retry-After"] == "60"
+        assert refused.json()["error"]["details"]["limit"] == "awaiting_approval"
+        await submit(c, AGENT_B, "payout")  # another tenant's own bound
+        await submit(c, AGENT_A, "lookup")  # third of the burst of 3
+        over = await c.post("/v1/intents", headers=auth(AGENT_A),
+                            json={"tool": "lookup", "arguments": {"q": 3}})
+        assert_error(over, 429, "quota_exceeded")
+        assert int(over.headers["Retry-After"]) >= 1
+    listed = await limited.list_operations(state=None, limit=100, cursor=None,
+                                           tenant="tenant-a")
+    assert len(listed["items"]) == 2  # nothing recorded for the refusals
+
+    reply = json.loads(await Requests(limited).intent(json.dumps(
+        {"tool": "lookup", "arguments": {"q": 4}, "tenant": "tenant-a"}).encode()))
+    assert reply["ok"] is False and reply["error"]["code"] == "quota_exceeded"
+    assert reply["error"]["details"]["retry_after_s"] > 0

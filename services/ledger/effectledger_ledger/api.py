@@ -27,6 +27,7 @@ from effectledger_core.errors import (
 )
 from effectledger_core.limits import MAX_HTTP_BODY_BYTES, MAX_IDENTIFIER_BYTES
 from effectledger_core.messages import SubmitIntent, parse
+from effectledger_core.quotas import retry_after_header
 from effectledger_core.recovery import Conclusion, Review
 
 from . import console
@@ -129,6 +130,9 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
         if exc.http_status == 401:
             # RFC 9110: a 401 names the scheme the client must use.
             response.headers["WWW-Authenticate"] = 'Bearer realm="effectledger"'
+        wait = exc.details.get("retry_after_s")
+        if exc.http_status == 429 and isinstance(wait, int | float):
+            response.headers["Retry-After"] = retry_after_header(wait)
         return response
 
     @app.exception_handler(RequestValidationError)

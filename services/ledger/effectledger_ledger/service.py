@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.exc import IntegrityError
 
 from effectledger_core.argschema import check_arguments
-from effectledger_core.catalog import Catalog
+from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import UnknownTool
 from effectledger_core.failures import Failure
@@ -27,9 +27,10 @@ from effectledger_core.messages import (
     VerdictReached,
     WebhookReceived,
 )
+from effectledger_core.quotas import QuotaLimits, TenantRates, check_open, check_rate
 from effectledger_core.recovery import Assessment, Review, inspect_recovery, prepare_retry
 from effectledger_core.retry_policy import RetryBudget, RetryContext, RetryDecision, decide_retry
-from effectledger_core.states import State
+from effectledger_core.states import ACTIVE, State
 from effectledger_core.subjects import Subjects
 
 from .db import duplicates, reads
@@ -69,8 +70,11 @@ class LedgerService:
     # the app once NATS is connected. Without it every command goes through the relay.
     publisher: DirectPublisher | None = None
     direct_lease_s: float = 10.0
+    quotas: QuotaLimits = field(default_factory=QuotaLimits)  # all off unless configured
+    rates: TenantRates = field(init=False)
 
     def __post_init__(self) -> None:
+        self.rates = TenantRates(self.quotas.rate_per_s, self.quotas.burst)
         workers = self.batch_workers or 1
         self.writes = GroupCommit(self.store, name="ledger", max_batch=self.batch_max,
                                   workers=workers)
@@ -100,7 +104,9 @@ class LedgerService:
     async def submit(self, intent: SubmitIntent, *, actor: str = "agent") -> Submitted:
         # Unknown tool or arguments the tool can never be sent with: a clear error (422, with
         # the JSON pointer of each bad field) before any transaction, so nothing is enqueued.
-        check_arguments(self.catalog.get(intent.tool), intent.arguments)
+        tool = self.catalog.get(intent.tool)
+        check_arguments(tool, intent.arguments)
+        await self._admit(intent, tool)
         direct = self.publisher is not None and self.direct_lease_s > 0
         for _ in range(3):
             now = self.clock()
@@ -121,6 +127,31 @@ class LedgerService:
                     self.outbox_wake.set()
             return result
         raise RuntimeError("intent submission kept conflicting")
+
+    async def _admit(self, intent: SubmitIntent, tool: Tool) -> None:
+        """The tenant's quotas (HTTP and NATS intents both come here); QuotaExceeded if over.
+
+        The counts are read before the intent's own transaction, so concurrent submissions of
+        one tenant may overshoot a count limit by their number: a bound, not an exact cap."""
+        q = self.quotas
+        if not q.any:
+            return
+        check_rate(self.rates, intent.tenant, time.monotonic())
+        gated = q.max_awaiting_approval > 0 and tool.commit_policy == "approval"
+        if q.max_in_flight <= 0 and not gated:
+            return
+        async with self.store.transaction() as conn:
+            if q.max_in_flight > 0:
+                n = await reads.count_in_states(conn, intent.tenant, ACTIVE,
+                                                cap=q.max_in_flight)
+                check_open(q.max_in_flight, n, tenant=intent.tenant, what="in flight",
+                           retry_after_s=1.0)
+            if gated:
+                n = await reads.count_in_states(conn, intent.tenant,
+                                                {State.AWAITING_APPROVAL},
+                                                cap=q.max_awaiting_approval)
+                check_open(q.max_awaiting_approval, n, tenant=intent.tenant,
+                           what="awaiting approval", retry_after_s=60.0)
 
     async def claim(self, claim: ClaimAttempt) -> ClaimReply:
         for _ in range(3):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Collection
 from datetime import datetime
 from typing import Any
 
@@ -51,6 +52,17 @@ async def get_journal(conn: AsyncConnection, operation_id: str) -> list[dict[str
         sa.select(journal).where(journal.c.operation_id == operation_id)
         .order_by(journal.c.id))).mappings().all()
     return [_row(r) for r in rows]
+
+
+async def count_in_states(conn: AsyncConnection, tenant: str, states: Collection[State], *,
+                          cap: int) -> int:
+    """How many of the tenant's operations are in `states`, counting no further than `cap`
+    (a quota only needs to know whether the limit is reached)."""
+    sub = (sa.select(operations.c.id)
+           .where(operations.c.state.in_([s.value for s in states]),
+                  operations.c.tenant == tenant)
+           .limit(cap).subquery())
+    return int((await conn.execute(sa.select(sa.func.count()).select_from(sub))).scalar_one())
 
 
 async def _exists(conn: AsyncConnection, operation_id: str) -> None:
