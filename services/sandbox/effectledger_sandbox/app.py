@@ -56,6 +56,11 @@ def sandbox_state(app: Starlette) -> SandboxState:
     return state
 
 
+# JSON escapes of NUL and of an unpaired surrogate: valid JSON, not storable in PostgreSQL.
+HOSTILE_REFUSAL = (b'{"error": {"code": "invalid\\u0000argument", '
+                   b'"message": "refused \\u0000 \\ud800 here"}}')
+
+
 def error(status: int, code: str, message: str = "",
           headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message or code.replace("_", " ")}},
@@ -143,6 +148,11 @@ class _Api:
                 headers["Retry-After"] = before.retry_after
             self._refused(route, key, token, "injected_fault")
             return error(before.status, "injected_fault", "injected before apply", headers)
+        if before is not None and before.kind == "hostile_refusal":
+            entry["outcome"] = "fault:hostile_refusal"
+            self._refused(route, key, token, "injected_fault")
+            return Response(HOSTILE_REFUSAL, status_code=400, headers=headers,
+                            media_type="application/json")
         if before is not None and before.kind == "rate_limit":
             entry["outcome"] = "fault:rate_limit"
             headers["Retry-After"] = before.retry_after or "1"
@@ -220,6 +230,9 @@ class _Api:
             return DropConnection()
         if after.kind == "status_after_apply":
             return error(after.status, "injected_fault", "injected after apply", headers)
+        if after.kind == "hostile_answer":
+            answer = {**effect.to_json(), "id": f"{effect.id}\u0000x"}
+            return JSONResponse(answer, status_code=201, headers=headers)
         return SlowBodyResponse(effect.to_json(), status_code=201, headers=headers,
                                 seconds=after.seconds)
 
