@@ -17,6 +17,7 @@ from effectledger_bus.backoff import nak_backoff
 from effectledger_bus.delivery import Delivery, dead_letter, message_id
 from effectledger_bus.pull import PullConsumer
 from effectledger_bus.rpc import RequestServer
+from effectledger_core.commands import arguments_digest
 from effectledger_core.config import Settings
 from effectledger_core.errors import (
     EffectLedgerError,
@@ -58,7 +59,10 @@ def _summary(op: dict[str, Any], *, with_ref: bool) -> OperationSummary:
     return OperationSummary(id=op["id"], state=op["state"], epoch=op["epoch"],
                             operation_key=op["operation_key"], tool=op["tool"],
                             provider_ref=op.get("provider_ref") if with_ref else None,
-                            arguments_digest=op.get("arguments_digest"))
+                            # Of the arguments as stored, which is what every reconcile
+                            # command is rendered from (jsonb may rewrite a large number).
+                            arguments_digest=arguments_digest(op["arguments"])
+                            if "arguments" in op else op.get("arguments_digest"))
 
 
 class Requests:
