@@ -11,9 +11,9 @@ refuses what a role may not say:
   and reads and acks only its own consumer;
 - a reconciler (which also serves the webhook endpoint: it is the webhook ingress) publishes
   verdicts, webhooks and dead letters, reads operations, and reads and acks only its consumer;
-- an agent reaches only the intent and operation-read subjects of its own tenant
-  (`<prefix>.rpc.v1.intents.<tenant>`): the ledger takes the tenant from that subject, never
-  from the payload;
+- an agent reaches only the request subjects of its own tenant
+  (`<prefix>.rpc.v1.tenant.<tenant>.>`: intents, operation reads): the ledger takes the tenant
+  from that subject, never from the payload;
 - operator tools submit and read for any tenant and inspect (never change) streams;
 - `streams` is the apply step that creates and updates streams and consumers.
 
@@ -161,16 +161,15 @@ def reconciler(s: Subjects, reconciler_id: str | None, *,
 def agent(s: Subjects, tenant: str) -> Principal:
     user = f"agent-{token(tenant, 'tenant')}"  # a tenant named agent-x is still agent-agent-x
     return Principal(Role.AGENT, user, Permissions(
-        publish=(s.rpc_intents_for(tenant), s.rpc_operation_for(tenant)),
+        publish=(s.tenant_requests(tenant),),
         subscribe=(f"{inbox_prefix(user)}.>",)), scope=tenant)
 
 
 def operator(s: Subjects) -> Principal:
     user = "operator"
     return Principal(Role.OPERATOR, user, Permissions(
-        publish=(s.rpc_intents, s.rpc_intents_for("*"), s.rpc_operation,
-                 s.rpc_operation_for("*"), f"{JS_API}.INFO", f"{JS_API}.STREAM.NAMES",
-                 f"{JS_API}.STREAM.INFO.*", f"{JS_API}.CONSUMER.INFO.*.*",
+        publish=(s.rpc_intents, s.rpc_operation, s.tenant_requests("*"), f"{JS_API}.INFO",
+                 f"{JS_API}.STREAM.NAMES", f"{JS_API}.STREAM.INFO.*", f"{JS_API}.CONSUMER.INFO.*.*",
                  f"{JS_API}.CONSUMER.NAMES.*", f"{JS_API}.CONSUMER.LIST.*"),
         subscribe=(f"{inbox_prefix(user)}.>",)))
 

@@ -72,22 +72,19 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
     ]
 
 
-async def ensure_streams(js: JetStreamContext, settings: Settings, *,
-                         update: bool = False) -> None:
-    """Create missing streams; only the ledger (`update=True`) changes existing ones: NATS
-    permissions give the JetStream API's write side to the ledger alone."""
+async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:
+    """Create missing streams; never change an existing one. Changing streams is the JetStream
+    API's write side, which NATS permissions give to the ledger and the apply step only, so a
+    dispatcher or reconciler that tried would be refused (and wait forever for an answer)."""
     for cfg in stream_configs(settings):
-        await at_startup(partial(_ensure_stream, js, cfg, update))
+        await at_startup(partial(_ensure_stream, js, cfg))
 
 
-async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig, update: bool) -> None:
+async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
     try:
         await js.stream_info(cfg.name)  # type: ignore[arg-type]
     except NotFoundError:
         await js.add_stream(cfg)
-    else:
-        if update:
-            await js.update_stream(cfg)
 
 
 async def delete_streams(js: JetStreamContext, settings: Settings) -> None:

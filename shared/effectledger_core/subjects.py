@@ -77,13 +77,26 @@ class Subjects:
         """Intents naming their tenant in the payload: for trusted tools (operator role)."""
         return f"{self.prefix}.rpc.v1.intents"
 
-    # Tenant-bound request subjects: NATS permissions let an agent publish only on its own
-    # tenant's, and the ledger takes the tenant from the subject, never from the payload.
+    # Tenant-bound request subjects, all under `rpc.v1.tenant.<tenant>.`: NATS permissions let
+    # an agent publish only under its own tenant's, and the ledger takes the tenant from the
+    # subject, never from the payload. (A subtree of their own, so that no tenant name can
+    # collide with another request subject such as `rpc.v1.operation.wait`.)
+    def tenant_requests(self, tenant: str) -> str:
+        return f"{self.prefix}.rpc.v1.tenant.{tenant}.>"
+
     def rpc_intents_for(self, tenant: str) -> str:
-        return f"{self.prefix}.rpc.v1.intents.{tenant}"
+        return f"{self.prefix}.rpc.v1.tenant.{tenant}.intents"
 
     def rpc_operation_for(self, tenant: str) -> str:
-        return f"{self.prefix}.rpc.v1.operation.{tenant}"
+        return f"{self.prefix}.rpc.v1.tenant.{tenant}.operation"
+
+    def tenant_of(self, subject: str) -> str | None:
+        """The tenant a tenant-bound request subject names, or None."""
+        head = f"{self.prefix}.rpc.v1.tenant."
+        if not subject.startswith(head):
+            return None
+        tenant, dot, _rest = subject[len(head):].partition(".")
+        return tenant if tenant and dot else None
 
     def rpc_claim_by(self, dispatcher_id: str) -> str:
         """A dispatcher's own claim subject: the claim's holder is the subject's sender."""

@@ -35,7 +35,9 @@ def db_url(tmp_path: Path) -> str:
 
 @pytest.fixture
 async def broker(settings: Settings, tmp_path: Path) -> AsyncIterator[PrivateBroker]:
-    with private_broker(tmp_path, settings.subjects) as b:
+    # "evil" is a dispatcher's user that no running process holds: another service's
+    # credentials in an attacker's hands.
+    with private_broker(tmp_path, settings.subjects, dispatchers=("dispatcher", "evil")) as b:
         yield b
 
 
@@ -227,6 +229,55 @@ async def test_service_credentials_reach_only_their_own_subjects(
 
     await wait_until(rejected, 30, what="the outcome for an attempt not held to be rejected")
     await _unmoved(plane, op, before)
+
+
+async def test_another_dispatcher_cannot_fail_an_attempt_in_flight(
+        plane: Cluster, broker: PrivateBroker) -> None:
+    """The issue's eavesdropped claim: while the provider holds the real request, a dispatcher
+    that does not hold the claim reports the real attempt failed. On the holder's subject NATS
+    refuses it; in the holder's name on its own subject the ledger dead-letters it; in its own
+    name the ledger rejects it (not_the_claim_holder). The real outcome then lands: the
+    operation succeeds, applied exactly once."""
+    s = broker.subjects
+    held = await plane.sandbox.post("/_faults/append", json={
+        "match": {"route": "idempotent"}, "action": {"kind": "delay", "seconds": 4},
+        "times": 1})
+    assert held.status_code == 200, held.text
+    async with speaker(broker, "agent-acme") as acme:
+        reply = await acme.request(s.rpc_intents_for("acme"),
+                                   {"tool": "create_ticket", "arguments": {"title": "held"}})
+    op_id = reply["operation"]["id"]
+
+    async def in_flight() -> dict[str, Any] | None:
+        op = await plane.operation(op_id)
+        return op if op["state"] == "in_flight" and op["attempts"] else None
+
+    op = await wait_until(in_flight, 30, what="the attempt to be in flight")
+    attempt = op["attempts"][-1]["id"]
+
+    def failed(dispatcher_id: str) -> dict[str, Any]:
+        return {"schema_version": 1, "type": "attempt_failed", "operation_id": op_id,
+                "epoch": op["epoch"], "attempt_id": attempt, "dispatcher_id": dispatcher_id,
+                "at": NOW, "failure_class": "permanent", "code": "forged",
+                "message": "forged", "http_status": 400}
+
+    async with speaker(broker, "dispatcher-evil") as evil:
+        await evil.publish(s.outcome_by("dispatcher", "attempt_failed"), failed("dispatcher"))
+        await evil.refused(s.outcome_by("dispatcher", "attempt_failed"))
+        await evil.publish(s.outcome_by("evil", "attempt_failed"), failed("dispatcher"))
+        await evil.publish(s.outcome_by("evil", "attempt_failed"), failed("evil"))
+
+    async def not_the_holder() -> bool:
+        journal = await plane.journal(op_id)
+        return any(e["kind"] == "outcome_rejected"
+                   and e["detail"].get("reason") == "not_the_claim_holder" for e in journal)
+
+    await wait_until(not_the_holder, 30, what="the other dispatcher's outcome to be rejected")
+    done = await plane.wait_state(op_id, ["succeeded", "failed"], 60)
+    assert done["state"] == "succeeded"
+    assert (await plane.key_truth(done["operation_key"]))["applied"] == 1
+    letters = await plane.db_rows("SELECT error FROM dead_letters")
+    assert any("names dispatcher 'dispatcher'" in row["error"] for row in letters), letters
 
 
 def test_credential_files_are_private(broker: PrivateBroker) -> None:

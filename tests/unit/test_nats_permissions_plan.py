@@ -56,8 +56,9 @@ def test_each_dispatcher_publishes_outcomes_and_claims_only_under_its_own_id() -
 def test_an_agent_reaches_only_its_own_tenants_request_subjects() -> None:
     assert publishers(S.rpc_intents_for("acme")) == {"agent-acme", "operator"}
     assert publishers(S.rpc_operation_for("globex")) == {"agent-globex", "operator"}
-    assert sorted(PLANE.user("agent-acme").permissions.publish) == sorted(
-        [S.rpc_intents_for("acme"), S.rpc_operation_for("acme")])
+    assert PLANE.user("agent-acme").permissions.publish == (S.tenant_requests("acme"),)
+    assert publishers(S.rpc_intents) == {"operator"} and publishers(S.rpc_operation) == {
+        "operator", "reconciler-r1"}
     assert not may_subscribe("agent-acme", f"{S.prefix}.ledger.v1.verdict")
     assert not may_subscribe("agent-acme", "_INBOX.x")
     assert not may_subscribe("agent-acme", "_INBOX_agent-globex.x")
@@ -106,8 +107,10 @@ def test_the_configuration_names_every_user_with_its_password_and_no_anonymous_o
 def test_the_sender_is_read_back_from_the_subject() -> None:
     assert S.outcome_sender(S.outcome_by("d1", "attempt_failed")) == "d1"
     assert S.outcome_sender(S.outcome("attempt_failed")) is None
-    assert S.rpc_tail(S.rpc_intents_for("acme"), S.rpc_intents) == "acme"
-    assert S.rpc_tail(S.rpc_intents, S.rpc_intents) is None
+    assert S.tenant_of(S.rpc_intents_for("acme")) == "acme"
+    assert S.tenant_of(S.rpc_operation_for("acme")) == "acme"
+    assert S.tenant_of(S.rpc_intents) is None and S.tenant_of(f"{S.prefix}.rpc.v1.tenant.x") is None
+    assert S.rpc_tail(S.rpc_claim_by("d1"), S.rpc_claim) == "d1"
 
 
 def test_replicas_sharing_a_user_keep_every_boundary_but_speaking_for_each_other() -> None:

@@ -44,7 +44,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
 
     nc = await connect(settings, "effectledger-ledger-relay")
     js = nc.jetstream()
-    await ensure_streams(js, settings, update=True)
+    await ensure_streams(js, settings)
     if settings.direct_publish_lease_s > 0:
         service.publisher = DirectPublisher(js, service.writes, store, service.outbox_wake)
         service.direct_lease_s = settings.direct_publish_lease_s

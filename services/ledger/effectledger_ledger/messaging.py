@@ -86,7 +86,7 @@ class Requests:
         """An agent's intent on its tenant's subject: the tenant is the subject's, whatever the
         payload says (NATS lets an agent publish only on its own tenant's subject)."""
         try:
-            tenant = self.service.subjects.rpc_tail(subject, self.service.subjects.rpc_intents)
+            tenant = self.service.subjects.tenant_of(subject)
             intent = parse(SubmitIntent, raw)
             if tenant is None:
                 raise InvalidRequest(f"no tenant in subject {subject[:200]!r}")
@@ -103,7 +103,7 @@ class Requests:
     async def operation_for(self, subject: str, raw: bytes) -> bytes:
         """An agent's read: another tenant's operation reads exactly like a missing one."""
         try:
-            tenant = self.service.subjects.rpc_tail(subject, self.service.subjects.rpc_operation)
+            tenant = self.service.subjects.tenant_of(subject)
             query = parse(OperationQuery, raw)
             try:
                 op = await self.service.operation(query.operation_id)
@@ -153,8 +153,8 @@ async def serve_requests(nc: NatsClient, settings: Settings,
                          service: LedgerService) -> RequestServer:
     """Intents, claims and operation reads (request-reply), queue group `ledger`.
 
-    The subjects with a last token (`.intents.<tenant>`, `.operation.<tenant>`,
-    `.claim.<dispatcher id>`) bind the sender: NATS permissions let each principal publish only
+    The subjects naming a sender (`.tenant.<tenant>.intents`, `.tenant.<tenant>.operation`,
+    `.claim.<dispatcher id>`) bind it: NATS permissions let each principal publish only
     on its own. The plain subjects serve trusted callers (operator tools, older dispatchers)."""
     subjects, handlers = settings.subjects, Requests(service)
     server = RequestServer(nc)
