@@ -95,10 +95,16 @@ async def test_another_tenants_operation_reads_exactly_like_a_missing_one() -> N
 async def test_a_claim_is_granted_only_in_the_name_of_the_subjects_dispatcher() -> None:
     service = Service()
     requests = Requests(service)  # type: ignore[arg-type]
-    claim = ClaimAttempt(operation_id="op1", epoch=1, attempt_id="a1", dispatcher_id="d1")
+    claim = ClaimAttempt(operation_id="op1", epoch=1, attempt_id="a1", dispatcher_id="d1",
+                         tool="t", arguments_digest="sha256:a")
     ok = parse_answer(ClaimReply, await requests.claim_by(S.rpc_claim_by("d1"), encode(claim)))
     assert isinstance(ok, ClaimReply) and ok.status is ClaimStatus.GRANTED
     refused = parse_answer(ClaimReply, await requests.claim_by(S.rpc_claim_by("d2"),
                                                                encode(claim)))
+    assert isinstance(refused, ErrorReply) and refused.error.code == "invalid_request"
+    # On the sender-bound subject a claim must say which command it is for.
+    unnamed = claim.model_copy(update={"tool": None, "arguments_digest": None})
+    refused = parse_answer(ClaimReply, await requests.claim_by(S.rpc_claim_by("d1"),
+                                                               encode(unnamed)))
     assert isinstance(refused, ErrorReply) and refused.error.code == "invalid_request"
     assert service.claims == [claim]
