@@ -420,3 +420,18 @@ async def test_quotas_answer_429_with_retry_after_over_http_and_the_same_error_o
         {"tool": "lookup", "arguments": {"q": 4}, "tenant": "tenant-a"}).encode()))
     assert reply["ok"] is False and reply["error"]["code"] == "quota_exceeded"
     assert reply["error"]["details"]["retry_after_s"] > 0
+
+
+@pytest.mark.parametrize("text", ["a\u0000b", "x\ud800y"])
+async def test_operator_text_a_database_cannot_hold_is_a_422_and_changes_nothing(
+        client: httpx.AsyncClient, text: str) -> None:
+    gated = await submit(client, AGENT_A, "payout")
+    for path, body in (("reject", {"epoch": 1, "reason": text}),
+                       ("cancel", {"reason": text}),
+                       ("reject", {"epoch": 1, "operator": text})):
+        resp = await client.post(f"/v1/operations/{gated['id']}/{path}",
+                                  headers={**auth(OPERATOR), "content-type": "application/json"},
+                                  content=json.dumps({k: v for k, v in body.items()}))
+        assert_error(resp, 422, "invalid_request")
+    now = (await client.get(f"/v1/operations/{gated['id']}", headers=auth(OPERATOR))).json()
+    assert now["state"] == "awaiting_approval"

@@ -15,7 +15,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -36,8 +36,22 @@ from .service import LedgerService
 
 log = logging.getLogger(__name__)
 
-Bounded = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDENTIFIER_BYTES)]
-Text = Annotated[str, StringConstraints(max_length=MAX_IDENTIFIER_BYTES)]
+def _storable(value: str) -> str:
+    # Journaled as jsonb on PostgreSQL, which holds neither NUL nor an unpaired surrogate: a
+    # clear 422 here instead of a failed transaction (a 500).
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (no unpaired surrogates)") from None
+    return value
+
+
+Bounded = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDENTIFIER_BYTES),
+                    AfterValidator(_storable)]
+Text = Annotated[str, StringConstraints(max_length=MAX_IDENTIFIER_BYTES),
+                 AfterValidator(_storable)]
 
 
 class _Body(BaseModel):
