@@ -26,10 +26,20 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from effectledger_core.states import AT_REST
 from effectledger_obs import metrics
 
+from .db import duplicates
 from .db.rows import JournalRow
 from .db.schema import OUTBOX_PENDING, outbox
 
 log = logging.getLogger("effectledger.ledger.transitions")
+
+
+def _count_duplicate(tool: str, _matches: int) -> None:
+    metrics.inc(metrics.DUPLICATES_DETECTED, tool)  # tool names come from the catalog
+
+
+# Once per process: the duplicate detector reports each committed detection here.
+if _count_duplicate not in duplicates.observers:
+    duplicates.observers.append(_count_duplicate)
 
 _AT_REST = frozenset(s.value for s in AT_REST)
 NEW = "none"  # from_state of an operation's first journal entry

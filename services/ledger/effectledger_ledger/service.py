@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import IntegrityError
 
-from effectledger_core.catalog import Catalog
+from effectledger_core.argschema import check_arguments
+from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import EffectLedgerError, UnknownTool
 from effectledger_core.failures import Failure
@@ -26,13 +27,14 @@ from effectledger_core.messages import (
     VerdictReached,
     WebhookReceived,
 )
+from effectledger_core.quotas import QuotaLimits, TenantRates, check_open, check_rate
 from effectledger_core.recovery import Assessment, Review, inspect_recovery, prepare_retry
 from effectledger_core.retry_policy import RetryBudget, RetryContext, RetryDecision, decide_retry
-from effectledger_core.states import State
+from effectledger_core.states import ACTIVE, State
 from effectledger_core.subjects import Subjects
 from effectledger_obs import metrics, tracing
 
-from .db import reads
+from .db import duplicates, reads
 from .db import recovery as rec
 from .db.batch import GroupCommit
 from .db.claims import ClaimCall
@@ -72,10 +74,13 @@ class LedgerService:
     # the app once NATS is connected. Without it every command goes through the relay.
     publisher: DirectPublisher | None = None
     direct_lease_s: float = 10.0
+    quotas: QuotaLimits = field(default_factory=QuotaLimits)  # all off unless configured
+    rates: TenantRates = field(init=False)
     # Counts, times and logs committed transitions (observe.py), fed by the store.
     observer: Observer = field(default_factory=Observer)
 
     def __post_init__(self) -> None:
+        self.rates = TenantRates(self.quotas.rate_per_s, self.quotas.burst)
         workers = self.batch_workers or 1
         self.writes = GroupCommit(self.store, name="ledger", max_batch=self.batch_max,
                                   workers=workers)
@@ -118,7 +123,11 @@ class LedgerService:
         return result
 
     async def _submit(self, intent: SubmitIntent, *, actor: str) -> Submitted:
-        self.catalog.get(intent.tool)  # unknown tool: a clear error before any transaction
+        # Unknown tool or arguments the tool can never be sent with: a clear error (422, with
+        # the JSON pointer of each bad field) before any transaction, so nothing is enqueued.
+        tool = self.catalog.get(intent.tool)
+        check_arguments(tool, intent.arguments)
+        await self._admit(intent, tool)
         # The request's trace context, kept in the outbox row for whoever publishes it.
         traceparent = tracing.current_traceparent()
         direct = self.publisher is not None and self.direct_lease_s > 0
@@ -143,6 +152,31 @@ class LedgerService:
             return result
         raise RuntimeError("intent submission kept conflicting")
 
+    async def _admit(self, intent: SubmitIntent, tool: Tool) -> None:
+        """The tenant's quotas (HTTP and NATS intents both come here); QuotaExceeded if over.
+
+        The counts are read before the intent's own transaction, so concurrent submissions of
+        one tenant may overshoot a count limit by their number: a bound, not an exact cap."""
+        q = self.quotas
+        if not q.any:
+            return
+        check_rate(self.rates, intent.tenant, time.monotonic())
+        gated = q.max_awaiting_approval > 0 and tool.commit_policy == "approval"
+        if q.max_in_flight <= 0 and not gated:
+            return
+        async with self.store.transaction() as conn:
+            if q.max_in_flight > 0:
+                n = await reads.count_in_states(conn, intent.tenant, ACTIVE,
+                                                cap=q.max_in_flight)
+                check_open(q.max_in_flight, n, tenant=intent.tenant, what="in flight",
+                           retry_after_s=1.0)
+            if gated:
+                n = await reads.count_in_states(conn, intent.tenant,
+                                                {State.AWAITING_APPROVAL},
+                                                cap=q.max_awaiting_approval)
+                check_open(q.max_awaiting_approval, n, tenant=intent.tenant,
+                           what="awaiting approval", retry_after_s=60.0)
+
     async def claim(self, claim: ClaimAttempt) -> ClaimReply:
         for _ in range(3):
             try:
@@ -158,7 +192,8 @@ class LedgerService:
         follow_up = self.ids()  # the reconcile or retry command's outbox row, if one is due
         result = await self.writes.call(OutcomeCall(
             outcome, consumer=consumer, message_id=message_id, subjects=self.subjects,
-            now=self.clock(), ambiguous_outbox_id=follow_up, decide_retry=self.decide_retry))
+            now=self.clock(), ambiguous_outbox_id=follow_up, decide_retry=self.decide_retry,
+            webhook_binding=self.catalog.webhook_speaks_for))
         crash_point("ledger.inbox.after_commit")
         metrics.child(metrics.OUTCOMES, outcome.type, result.status).inc()
         if result.status == "duplicate":
@@ -186,13 +221,18 @@ class LedgerService:
         if result.to_state == State.PENDING:
             await self._keep_trace(follow_up)
             self.outbox_wake.set()
+        evidence = verdict.evidence
+        if result.status == "applied" and evidence is not None and (evidence.matches or 0) > 1:
+            op = await self.operation(verdict.operation_id)  # rare: one read for the label
+            duplicates.announce(op["tool"], evidence.matches or 0, verdict.operation_id)
         return result
 
     async def record_webhook(self, hook: WebhookReceived) -> Recorded:
         follow_up = self.ids()
         result = await self.store.run(
             record_webhook_txn, hook, now=self.clock(), subjects=self.subjects,
-            outbox_id=follow_up, decide_retry=self.decide_retry)
+            outbox_id=follow_up, decide_retry=self.decide_retry,
+            tools=self.catalog.webhook_tools(hook.provider))
         metrics.child(metrics.WEBHOOKS_RECORDED, result.status).inc()
         if result.status == "duplicate":
             metrics.child(metrics.INBOX_DUPLICATES, "webhook").inc()
@@ -220,7 +260,8 @@ class LedgerService:
 
         lost: int = await self.store.run(
             sweep_lost_outcomes_txn, now=self.clock(), older_than_s=older_than_s,
-            subjects=self.subjects, new_id=self.ids, decide_retry=self.decide_retry)
+            subjects=self.subjects, new_id=self.ids, decide_retry=self.decide_retry,
+            webhook_binding=self.catalog.webhook_speaks_for)
         metrics.LOST_OUTCOMES.inc(lost)
         return lost
 
