@@ -58,6 +58,10 @@ class Config:
     direct_processes: list[int] = field(default_factory=lambda: [1, 2, 4])
     peer_concurrencies: list[int] = field(default_factory=lambda: [16, 64])
     temporal: bool = True
+    peers: bool = True
+    half_rate: float | None = None  # a fixed rate for `half` (A/B runs); default max / 2
+    # EFFECTLEDGER_* settings for the ledger and the dispatchers (A/B runs of a setting).
+    service_env: dict[str, str] = field(default_factory=dict)
     pgbench_s: float = 10.0
     pgbench_clients: list[int] = field(default_factory=lambda: [8, 16, 32])
     faults: bool = True
@@ -99,8 +103,10 @@ class Runner:
             shutil.rmtree(work)
         self.stack = Stack(cfg.out_dir / "work", database_url=cfg.database_url,
                            nats_url=cfg.nats_url, provider_timeout_s=cfg.provider_timeout_s,
+                           ledger_env=dict(cfg.service_env),
                            dispatcher_env={"EFFECTLEDGER_DISPATCHER_CONCURRENCY":
-                                           str(cfg.dispatcher_concurrency)})
+                                           str(cfg.dispatcher_concurrency),
+                                           **cfg.service_env})
         self.results: dict[str, Any] = {"phases": [], "peers": [], "errors": []}
         self.submitted_ids: list[str] = []
         self.peak: dict[str, CpuSample] = {}
@@ -507,9 +513,10 @@ class Runner:
                 await self.set_latency(0)
                 top = await self.closed(lg, "max", {"dispatchers": cfg.dispatchers}, rep)
                 max_rate = top.get("ops_per_s") or 50.0
-                half = max(5.0, max_rate / 2)
+                half = cfg.half_rate or max(5.0, max_rate / 2)
                 await self.open(lg, "half", {"dispatchers": cfg.dispatchers}, half, rep)
-                await self.run_peers(rep, max_rate)
+                if cfg.peers:
+                    await self.run_peers(rep, max_rate)
                 for n in cfg.replicas:
                     st.scale_dispatchers(n)
                     await self.closed(lg, "replicas", {"dispatchers": n}, rep)
