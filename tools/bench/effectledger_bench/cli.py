@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--direct-processes", type=_ints,
                    help="process counts tried for the no-durability ceiling (1,2,4)")
     p.add_argument("--peer-concurrency", type=_ints,
-                   help="concurrencies tried for DBOS and Temporal (16,64)")
+                   help="concurrencies tried for DBOS and Temporal (8,16,64)")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
     p.add_argument("--profile", action="store_true",
                    help="run the py-spy profile even with --quick")

@@ -151,14 +151,20 @@ def plot_curve(phases: list[Phase], scenario: str, key: str, xlabel: str, out: P
     return out.name
 
 
-def _peer_values(results: dict[str, Any], name: str) -> list[float]:
-    """A peer's ops/s per repetition, at the best setting it ran with in that repetition."""
-    best: dict[int, float] = {}
+def _best_runs(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """A peer's fastest run in each repetition (the setting it is compared at)."""
+    best: dict[int, dict[str, Any]] = {}
     for p in results.get("peers", []):
         if p["peer"] == name and p.get("ops_per_s") is not None:
             rep = p.get("rep", 0)
-            best[rep] = max(best.get(rep, 0.0), p["ops_per_s"])
+            if rep not in best or p["ops_per_s"] > best[rep]["ops_per_s"]:
+                best[rep] = p
     return [best[r] for r in sorted(best)]
+
+
+def _peer_values(results: dict[str, Any], name: str) -> list[float]:
+    """A peer's ops/s per repetition, at the best setting it ran with in that repetition."""
+    return [p["ops_per_s"] for p in _best_runs(results, name)]
 
 
 PEER_MODES = {"dbos": ("direct", "queue"), "temporal": ("activity", "local")}
@@ -392,8 +398,8 @@ def render(results: dict[str, Any], out_dir: Path) -> str:
         if not vals:
             continue
         pm = med(vals)
-        lat = [(_get(p, "latency_ms.p99")) for p in results.get("peers", [])
-               if p["peer"] == name]
+        lat = [_get(p, "latency_ms.p99") for p in (
+            _best_runs(results, name) if name != "pgbench_limit" else [])]
         if name.startswith(("dbos_", "temporal_")):
             label += f", concurrency {_best_setting(results, name)}"
         rows.append([label, mmm(vals), mmm(lat),

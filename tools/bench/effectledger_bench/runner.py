@@ -56,7 +56,7 @@ class Config:
     # (a ratio must not come from a handicapped peer). The ceiling runs 1, 2, … processes, each
     # with a dispatcher's concurrency and pools; DBOS and Temporal try these concurrencies.
     direct_processes: list[int] = field(default_factory=lambda: [1, 2, 4])
-    peer_concurrencies: list[int] = field(default_factory=lambda: [16, 64])
+    peer_concurrencies: list[int] = field(default_factory=lambda: [8, 16, 64])
     temporal: bool = True
     peers: bool = True
     half_rate: float | None = None  # a fixed rate for `half` (A/B runs); default max / 2
@@ -82,7 +82,7 @@ class Config:
     def quick_defaults(cls, out_dir: Path) -> Config:
         return cls(out_dir=out_dir, quick=True, reps=1, duration_s=5.0, window=32,
                    backlogs=[0, 300], replicas=[1, 2], latencies_ms=[0, 10], peer_n=300,
-                   direct_processes=[1, 2], peer_concurrencies=[64], pgbench_s=4.0,
+                   direct_processes=[1, 2], peer_concurrencies=[16], pgbench_s=4.0,
                    pgbench_clients=[16], profile=False)
 
 
@@ -285,7 +285,10 @@ class Runner:
                 f"rep {rep + 1}")
             r = await asyncio.to_thread(
                 peer_direct.run_processes, st.catalog_path, TOOL,
-                {"EFFECTLEDGER_SANDBOX_API_KEY": st.api_key}, processes=procs, n=cfg.peer_n,
+                # At least 1500 calls: at the provider's rate a smaller run lasts well under
+                # a second, too short for a rate.
+                {"EFFECTLEDGER_SANDBOX_API_KEY": st.api_key}, processes=procs,
+                n=max(cfg.peer_n, 1500),
                 concurrency=cfg.dispatcher_concurrency, prefix=f"direct-r{rep}-{procs}-")
             self.add_peer("no_durability", rep, r, setting=procs)
         if st.pg is not None:
@@ -299,7 +302,8 @@ class Runner:
         if cfg.temporal:
             for mode in ("activity", "local"):
                 for conc in self.peer_settings(f"temporal_{mode}", cfg.peer_concurrencies, rep):
-                    log(f"peer: Temporal ({mode} activity), concurrency {conc}, rep {rep + 1}")
+                    what = "local activity" if mode == "local" else "activity"
+                    log(f"peer: Temporal ({what}), concurrency {conc}, rep {rep + 1}")
                     r = await asyncio.to_thread(
                         peers.temporal, st.workdir / f"temporal-r{rep}-{mode}-{conc}", endpoint,
                         st.api_key, mode=mode, n=cfg.peer_n, concurrency=conc,
