@@ -169,9 +169,9 @@ async def _main(args: argparse.Namespace, url: str, api_key: str) -> dict[str, A
     for name in CLIENTS:
         mine = [x for x in rounds if x["client"] == name]
         summary[name] = {
-            "client_cpu_ms_per_call_median": statistics.median(
-                x["client_cpu_ms_per_call"] for x in mine),
-            "ops_per_s_median": statistics.median(x["ops_per_s"] for x in mine),
+            "client_cpu_ms_per_call_median": round(statistics.median(
+                x["client_cpu_ms_per_call"] for x in mine), 3),
+            "ops_per_s_median": round(statistics.median(x["ops_per_s"] for x in mine), 1),
             "errors": sum(x["errors"] for x in mine)}
     return summary
 
