@@ -53,6 +53,10 @@ _CHANNELS: list[tuple[str, str, str, list[type[BaseModel]], str]] = [
     ("operation", "rpc_operation", "receive", [],
      "Request-reply, read-only: {\"operation_id\"} → {ok, operation: {id, state, epoch, "
      "operation_key, tool, provider_ref}}. Used by reconcilers before deciding."),
+    ("operation_wait", "rpc_operation_wait", "receive", [],
+     "Request-reply, read-only: {\"operation_id\", \"wait_s\"} → the same reply as "
+     "'operation', sent once the operation is settled (succeeded, failed, cancelled, "
+     "needs_review, awaiting_approval) or when wait_s (capped by the ledger) is over."),
 ]
 
 

@@ -64,6 +64,12 @@ class Subjects:
         """Read-only: `{"operation_id": ...}` → `{"ok": true, "operation": {state, epoch, ...}}`."""
         return f"{self.prefix}.rpc.v1.operation"
 
+    @property
+    def rpc_operation_wait(self) -> str:
+        """`{"operation_id", "wait_s"}` → the same reply once the operation is settled (at rest
+        or awaiting approval) or the wait (capped by the ledger) is over."""
+        return f"{self.prefix}.rpc.v1.operation.wait"
+
     # streams
     @property
     def dispatch_stream(self) -> str:

@@ -33,7 +33,8 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         await upgrade_when_reachable(store, wait_s=settings.db_startup_wait_s)
     service = LedgerService(store=store, catalog=catalog, subjects=settings.subjects,
                             batch_max=settings.db_batch_max,
-                            batch_workers=settings.db_batch_workers)
+                            batch_workers=settings.db_batch_workers,
+                            wait_recheck_s=settings.wait_recheck_s)
 
     nc = await connect(settings, "effectledger-ledger-relay")
     js = nc.jetstream()
@@ -63,7 +64,8 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
                 "relay": not any(t.done() for t in tasks[:3])}
 
     app = create_app(service, ready=ready,
-                     auth=Authenticator(settings.agent_tokens, settings.operator_tokens))
+                     auth=Authenticator(settings.agent_tokens, settings.operator_tokens),
+                     max_wait_s=settings.wait_max_s)
     server = uvicorn.Server(uvicorn.Config(
         app, host=settings.ledger_host, port=settings.ledger_port, log_level="warning",
         access_log=False, lifespan="off"))

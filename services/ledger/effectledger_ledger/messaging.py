@@ -49,8 +49,9 @@ class Requests:
     """The ledger's request-reply handlers: payload bytes in, reply bytes out, never raising
     for bad input (served by effectledger_bus.rpc on plain nats-py subscriptions)."""
 
-    def __init__(self, service: LedgerService) -> None:
+    def __init__(self, service: LedgerService, *, max_wait_s: float = 60.0) -> None:
         self.service = service
+        self.max_wait_s = max_wait_s
 
     async def intent(self, raw: bytes) -> bytes:
         try:
@@ -72,13 +73,27 @@ class Requests:
             return _error_reply(exc).encode()
 
     async def operation(self, raw: bytes) -> bytes:
+        return await self._operation(raw, waits=False)
+
+    async def operation_wait(self, raw: bytes) -> bytes:
+        """Like `operation`, answered once the operation is settled or `wait_s` is over."""
+        return await self._operation(raw, waits=True)
+
+    async def _operation(self, raw: bytes, *, waits: bool) -> bytes:
         try:
             query = json.loads(raw)
             # .get: an object without the field must get an error reply, not a KeyError.
             op_id = query.get("operation_id") if isinstance(query, dict) else None
             if not isinstance(op_id, str) or not 0 < len(op_id) <= 1024:
                 raise InvalidRequest("expected {\"operation_id\": \"...\"}")
-            op = await self.service.operation(op_id)
+            wait_s = query.get("wait_s", 0) if waits else 0
+            if isinstance(wait_s, bool) or not isinstance(wait_s, int | float) or wait_s < 0:
+                raise InvalidRequest("wait_s must be a non-negative number of seconds")
+            if wait_s > 0:
+                op = await self.service.wait_operation(op_id, min(float(wait_s),
+                                                                  self.max_wait_s))
+            else:
+                op = await self.service.operation(op_id)
         except EffectLedgerError as exc:
             return _error_reply(exc).encode()
         except (ValueError, RecursionError):
@@ -92,12 +107,15 @@ class Requests:
 async def serve_requests(nc: NatsClient, settings: Settings,
                          service: LedgerService) -> RequestServer:
     """Intents, claims and operation reads (request-reply), queue group `ledger`."""
-    subjects, handlers = settings.subjects, Requests(service)
+    subjects, handlers = settings.subjects, Requests(service, max_wait_s=settings.wait_max_s)
     server = RequestServer(nc)
     await server.serve(subjects.rpc_intents, handlers.intent, queue="ledger", concurrency=256)
     await server.serve(subjects.rpc_claim, handlers.claim, queue="ledger", concurrency=256)
     await server.serve(subjects.rpc_operation, handlers.operation, queue="ledger",
                        concurrency=16)
+    # Waits sleep on the in-process notifier, not on a database connection: many may be open.
+    await server.serve(subjects.rpc_operation_wait, handlers.operation_wait, queue="ledger",
+                       concurrency=16384)
     return server
 
 

@@ -29,6 +29,7 @@ from effectledger_core.messages import (
 from effectledger_core.recovery import Assessment, Review, inspect_recovery, prepare_retry
 from effectledger_core.retry_policy import RetryBudget, RetryContext, RetryDecision, decide_retry
 from effectledger_core.subjects import Subjects
+from effectledger_core.waiting import wait_over
 
 from .db import reads
 from .db import recovery as rec
@@ -38,6 +39,8 @@ from .db.intents import Submitted, submit_intent_txn
 from .db.outcomes import record_dead_letter_txn, record_outcome_txn
 from .db.resolution import Recorded, record_verdict_txn, record_webhook_txn
 from .db.store import Store
+from .db.watch import states_of
+from .waiters import Waiters
 
 if TYPE_CHECKING:
     from .relay import DirectPublisher
@@ -64,13 +67,18 @@ class LedgerService:
     # the app once NATS is connected. Without it every command goes through the relay.
     publisher: DirectPublisher | None = None
     direct_lease_s: float = 10.0
+    # Submit-and-wait: signalled after each commit that moves an operation (waiters.py).
+    waiters: Waiters = field(init=False)
+    wait_recheck_s: float = 2.0
 
     def __post_init__(self) -> None:
         workers = self.batch_workers or 1
         self.writes = GroupCommit(self.store, name="ledger", max_batch=self.batch_max,
                                   workers=workers)
+        self.waiters = Waiters(self._states_of, recheck_s=self.wait_recheck_s)
 
     async def close(self) -> None:
+        await self.waiters.close()
         if self.publisher is not None:
             await self.publisher.close()
         await self.writes.close()
@@ -119,7 +127,9 @@ class LedgerService:
     async def claim(self, claim: ClaimAttempt) -> ClaimReply:
         for _ in range(3):
             try:
-                return await self.writes.run(claim_txn, claim, now=self.clock())
+                reply = await self.writes.run(claim_txn, claim, now=self.clock())
+                self.waiters.changed(claim.operation_id)
+                return reply
             except IntegrityError:
                 continue  # a concurrent claim for this epoch won; re-read answers "already"
         raise RuntimeError("claim kept conflicting")
@@ -131,6 +141,7 @@ class LedgerService:
             subjects=self.subjects, now=self.clock(), ambiguous_outbox_id=self.ids(),
             decide_retry=self.decide_retry)
         crash_point("ledger.inbox.after_commit")
+        self.waiters.changed(outcome.operation_id)
         if result.to_state in ("ambiguous", "pending"):
             self.outbox_wake.set()
         if result.status == "rejected":
@@ -143,6 +154,7 @@ class LedgerService:
             record_verdict_txn, verdict, consumer=consumer, message_id=message_id,
             subjects=self.subjects, now=self.clock(), outbox_id=self.ids(),
             decide_retry=self.decide_retry)
+        self.waiters.changed(verdict.operation_id)
         if result.to_state == "pending":
             self.outbox_wake.set()
         return result
@@ -171,6 +183,25 @@ class LedgerService:
     async def operation(self, operation_id: str) -> dict[str, Any]:
         async with self.store.transaction() as conn:
             return await reads.get_operation(conn, operation_id)
+
+    async def wait_operation(self, operation_id: str, wait_s: float, *,
+                             changed_from: str | None = None) -> dict[str, Any]:
+        """The operation once it is settled (or, with `changed_from`, once its state is no
+        longer that one), else after `wait_s` as it is then. Woken by commits, not polling."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        with self.waiters.watch(operation_id) as watch:  # before the read: no missed change
+            while True:
+                op = await self.operation(operation_id)
+                watch.seen = op["state"]
+                remaining = deadline - loop.time()
+                if remaining <= 0 or wait_over(op["state"], changed_from):
+                    return op
+                await watch.sleep(remaining)
+
+    async def _states_of(self, operation_ids: list[str]) -> dict[str, str]:
+        async with self.store.transaction() as conn:
+            return await states_of(conn, operation_ids)
 
     async def journal(self, operation_id: str) -> list[dict[str, Any]]:
         async with self.store.transaction() as conn:
@@ -203,17 +234,22 @@ class LedgerService:
         op = await self.store.run(rec.approve_txn, operation_id, epoch=epoch,
                                   arguments_digest=arguments_digest, operator=operator,
                                   subjects=self.subjects, outbox_id=self.ids(), now=self.clock())
+        self.waiters.changed(operation_id)
         self.outbox_wake.set()
         return op
 
     async def reject(self, operation_id: str, *, epoch: int, operator: str,
                      reason: str) -> dict[str, Any]:
-        return await self.store.run(rec.reject_txn, operation_id, epoch=epoch, operator=operator,
-                                    reason=reason, subjects=self.subjects, now=self.clock())
+        op = await self.store.run(rec.reject_txn, operation_id, epoch=epoch, operator=operator,
+                                  reason=reason, subjects=self.subjects, now=self.clock())
+        self.waiters.changed(operation_id)
+        return op
 
     async def cancel(self, operation_id: str, *, operator: str, reason: str) -> dict[str, Any]:
-        return await self.store.run(rec.cancel_txn, operation_id, operator=operator,
-                                    reason=reason, subjects=self.subjects, now=self.clock())
+        op = await self.store.run(rec.cancel_txn, operation_id, operator=operator,
+                                  reason=reason, subjects=self.subjects, now=self.clock())
+        self.waiters.changed(operation_id)
+        return op
 
     async def inspect(self, operation_id: str) -> Assessment:
         async with self.store.transaction() as conn:
@@ -240,6 +276,7 @@ class LedgerService:
                                          subjects=self.subjects, outbox_id=self.ids(),
                                          now=self.clock())
         if admission.admitted:
+            self.waiters.changed((admission.operation or {}).get("id"))
             self.outbox_wake.set()
         return admission
 
@@ -248,9 +285,11 @@ class LedgerService:
     async def review(self, operation_id: str, review: Review) -> dict[str, Any]:
         from .db.reviews import record_review_txn
 
-        return await self.store.run(record_review_txn, operation_id, review=review,
-                                    review_id=self.ids(), subjects=self.subjects,
-                                    now=self.clock())
+        op = await self.store.run(record_review_txn, operation_id, review=review,
+                                  review_id=self.ids(), subjects=self.subjects,
+                                  now=self.clock())
+        self.waiters.changed(operation_id)
+        return op
 
     async def review_queue(self, limit: int = 100) -> list[dict[str, Any]]:
         from .db.reviews import review_queue
