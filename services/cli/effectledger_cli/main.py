@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_chaos_arguments(sub.add_parser(
         "chaos", help="the proving ground: a seeded fault-injection run against real processes"))
 
+    from effectledger_mcp.cli import add_arguments as add_mcp_arguments
+
+    add_mcp_arguments(sub.add_parser(
+        "mcp", help="serve the catalog to MCP agents (stdio, or --http HOST:PORT)"))
+
     for name, help_ in (("submit", "submit an intent"), ("show", "show an operation"),
                         ("list", "list operations"),
                         ("approve", "approve an operation awaiting approval (operator)"),
@@ -128,11 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--task", help="task id scoping the key")
             p.add_argument("--tenant", default=None)
             p.add_argument("--wait", type=float, default=0.0,
-                           help="seconds to wait for the operation to come to rest")
+                           help="seconds to wait for the operation to settle (at rest or "
+                                "awaiting approval); exit code says how it ended")
         elif name == "show":
             p.add_argument("operation_id")
             p.add_argument("--journal", action="store_true")
             p.add_argument("--receipt", action="store_true")
+            p.add_argument("--wait", type=float, default=0.0,
+                           help="seconds to wait for the operation to settle")
         elif name == "review":
             p.add_argument("operation_id", nargs="?", help="omit to list the review queue")
             p.add_argument("--conclusion", choices=["not_executed", "completed", "uncertain"])
@@ -186,6 +194,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from effectledger_bench.cli import run as run_bench
 
         return run_bench(args)
+    if cmd == "mcp":
+        from effectledger_mcp.cli import run as run_mcp
+
+        return run_mcp(args)
     if cmd in ("submit", "show", "list", "approve", "reject", "cancel", "retry", "review"):
         from . import client
 

@@ -1,0 +1,190 @@
+"""The MCP front door (issue 13) with the official `mcp` client against a real stack: the
+ledger, a dispatcher, the reconciler and the sandbox provider as processes, the MCP server
+over stdio and over streamable HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from mcp import ClientSession, StdioServerParameters, stdio_client
+from mcp.client.streamable_http import streamable_http_client
+from mcp.shared.exceptions import MCPError
+
+from effectledger_cli.embedded import free_port
+from tests.support.cluster import Cluster, wait_until
+
+pytestmark = pytest.mark.slow
+CATALOG_TOOLS = {"create_ticket", "send_email", "charge_card", "fast_ticket", "fast_lookup",
+                 "fast_email", "fast_post", "fast_page", "fast_wire"}
+
+
+def _env(c: Cluster) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECTLEDGER_")}
+    env["EFFECTLEDGER_LEDGER_URL"] = c.ledger_url
+    return env
+
+
+@asynccontextmanager
+async def stdio_session(c: Cluster) -> AsyncIterator[ClientSession]:
+    params = StdioServerParameters(
+        command=sys.executable, args=["-m", "effectledger_cli", "mcp", "--wait", "20"],
+        env=_env(c), cwd=str(c.workdir))
+    with open(c.logs / "mcp-stdio.log", "w") as errlog:
+        async with stdio_client(params, errlog=errlog) as (read, write), \
+                ClientSession(read, write) as session:
+            await session.initialize()
+            yield session
+
+
+async def _up(make_cluster: Callable[..., Cluster]) -> Cluster:
+    c = make_cluster()
+    await c.start()
+    await c.start_reconciler()
+    return c
+
+
+async def _fault(c: Cluster, route: str, action: dict[str, Any]) -> None:
+    resp = await c.sandbox.post("/_faults/append", json={
+        "match": {"route": route}, "action": action, "times": 1})
+    assert resp.status_code == 200, resp.text
+
+
+async def _operations(c: Cluster) -> int:
+    return sum((await c.stats())["operations"].values())
+
+
+async def test_mcp_over_stdio_lists_calls_and_never_applies_twice(
+        make_cluster: Callable[..., Cluster]) -> None:
+    """tools/list carries schemas and annotations; a call succeeds with progress; a call the
+    client gave up on and sent again is the same operation with one effect; a lost provider
+    response is "outcome unknown, do not retry" (not an error) with no second effect; invalid
+    arguments are an MCP error naming the field with nothing enqueued; an approval-gated tool
+    reports awaiting_approval."""
+    c = await _up(make_cluster)
+    async with stdio_session(c) as mcp:
+        listed = {t.name: t for t in (await mcp.list_tools()).tools}
+        assert set(listed) == CATALOG_TOOLS
+        assert listed["charge_card"].input_schema["required"] == ["amount", "currency"]
+        hints = {n: t.annotations for n, t in listed.items()}
+        assert hints["fast_lookup"] is not None and hints["fast_lookup"].read_only_hint
+        ticket = hints["create_ticket"]
+        assert ticket is not None and ticket.idempotent_hint and not ticket.read_only_hint
+        email = hints["send_email"]
+        assert email is not None and email.destructive_hint and not email.idempotent_hint
+
+        # A call, with progress notifications while the operation moves.
+        seen: list[str] = []
+
+        async def progress(_p: float, _t: float | None, message: str | None) -> None:
+            seen.append(message or "")
+
+        done = await mcp.call_tool("create_ticket", {"title": "from mcp"},
+                                   progress_callback=progress)
+        data = done.structured_content
+        assert not done.is_error and data["state"] == "succeeded", data
+        assert data["receipt"]["digests"]["request"].startswith("sha256:")
+        assert seen and seen[-1] == "state: succeeded", seen
+
+        # The client loses the answer (cancels) and calls again: same operation, one effect.
+        await _fault(c, "idempotent", {"kind": "delay", "seconds": 2})
+        before = await _operations(c)
+        lost = asyncio.create_task(mcp.call_tool(
+            "charge_card", {"amount": 7, "currency": "EUR"},
+            meta={"effectledger/idempotencyKey": "mcp-retry-1"}))
+        await wait_until(lambda: _grew(c, before), 20, what="the first call's operation")
+        lost.cancel()
+        again = await mcp.call_tool("charge_card", {"amount": 7, "currency": "EUR"},
+                                    meta={"effectledger/idempotencyKey": "mcp-retry-1"})
+        assert again.structured_content["state"] == "succeeded"
+        assert await _operations(c) == before + 1
+        op = await c.operation(again.structured_content["operation_id"])
+        assert (await c.key_truth(op["operation_key"]))["applied"] == 1
+
+        # The provider applies the effect and the answer is lost: unknown, do not retry.
+        await _fault(c, "plainpager", {"kind": "drop_after_apply"})
+        unknown = await mcp.call_tool("fast_page", {"text": "page ops"})
+        info = unknown.structured_content
+        assert not unknown.is_error and info["do_not_retry"] is True, info
+        assert info["state"] in ("ambiguous", "needs_review") and info["outcome"] == "unknown"
+        text = unknown.content[0].text  # type: ignore[union-attr]
+        assert "UNKNOWN" in text and "Do NOT retry" in text
+        retried = await mcp.call_tool("fast_page", {"text": "page ops"})
+        assert retried.structured_content["operation_id"] == info["operation_id"]
+        op = await c.operation(info["operation_id"])
+        assert (await c.key_truth(op["operation_key"]))["applied"] == 1
+
+        # Invalid arguments: an MCP error naming the field, nothing enqueued.
+        before = await _operations(c)
+        with pytest.raises(MCPError, match="currency"):
+            await mcp.call_tool("charge_card", {"amount": 5})
+        assert await _operations(c) == before
+
+        # An approval-gated tool says so, and the same call waits on the same operation.
+        gated = await mcp.call_tool("fast_wire", {"amount": 100})
+        assert gated.structured_content["state"] == "awaiting_approval"
+        assert not gated.is_error
+        same = await mcp.call_tool("fast_wire", {"amount": 100})
+        assert same.structured_content["operation_id"] == gated.structured_content[
+            "operation_id"]
+
+
+async def _grew(c: Cluster, before: int) -> bool:
+    return await _operations(c) > before
+
+
+@asynccontextmanager
+async def http_server(c: Cluster) -> AsyncIterator[str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/mcp"
+    log = c.logs / "mcp-http.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "effectledger_cli", "mcp", "--http", f"127.0.0.1:{port}",
+             "--wait", "20"], env=_env(c), cwd=c.workdir, stdout=out,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        async def up() -> bool:
+            assert proc.poll() is None, Path(log).read_text()
+            try:
+                async with httpx.AsyncClient() as http:
+                    await http.get(url, timeout=1.0)
+                return True
+            except httpx.TransportError:
+                return False
+
+        await wait_until(up, 30, interval=0.1, what="the MCP HTTP server")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+async def test_mcp_over_streamable_http_calls_once(
+        make_cluster: Callable[..., Cluster]) -> None:
+    """Over streamable HTTP: the catalog is listed, a call succeeds, and the same call again
+    returns the same operation with one effect in the provider's ground truth."""
+    c = await _up(make_cluster)
+    async with http_server(c) as url, streamable_http_client(url) as (read, write), \
+            ClientSession(read, write) as mcp:
+        await mcp.initialize()
+        assert {t.name for t in (await mcp.list_tools()).tools} == CATALOG_TOOLS
+        first = await mcp.call_tool("create_ticket", {"title": "over http"})
+        assert first.structured_content["state"] == "succeeded", first
+        second = await mcp.call_tool("create_ticket", {"title": "over http"})
+        assert second.structured_content["operation_id"] == first.structured_content[
+            "operation_id"]
+        op = await c.operation(first.structured_content["operation_id"])
+        assert (await c.key_truth(op["operation_key"]))["applied"] == 1
