@@ -11,7 +11,7 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import httpx
 import pytest
@@ -38,11 +38,26 @@ async def stdio_session(c: Cluster) -> AsyncIterator[ClientSession]:
     params = StdioServerParameters(
         command=sys.executable, args=["-m", "effectledger_cli", "mcp", "--wait", "20"],
         env=_env(c), cwd=str(c.workdir))
-    with open(c.logs / "mcp-stdio.log", "w") as errlog:
+    errlog = _open_log(c.logs / "mcp-stdio.log")
+    try:
         async with stdio_client(params, errlog=errlog) as (read, write), \
                 ClientSession(read, write) as session:
             await session.initialize()
             yield session
+    finally:
+        errlog.close()
+
+
+def _open_log(path: Path) -> TextIO:
+    return open(path, "w")  # closed by the caller once the server is gone
+
+
+def _spawn_http(c: Cluster, port: int, log: Path) -> subprocess.Popen[bytes]:
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "effectledger_cli", "mcp", "--http", f"127.0.0.1:{port}",
+             "--wait", "20"], env=_env(c), cwd=c.workdir, stdout=out,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
 async def _up(make_cluster: Callable[..., Cluster]) -> Cluster:
@@ -146,14 +161,10 @@ async def http_server(c: Cluster) -> AsyncIterator[str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}/mcp"
     log = c.logs / "mcp-http.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "effectledger_cli", "mcp", "--http", f"127.0.0.1:{port}",
-             "--wait", "20"], env=_env(c), cwd=c.workdir, stdout=out,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc = _spawn_http(c, port, log)
     try:
         async def up() -> bool:
-            assert proc.poll() is None, Path(log).read_text()
+            assert proc.poll() is None, "the MCP server exited; see " + str(log)
             try:
                 async with httpx.AsyncClient() as http:
                     await http.get(url, timeout=1.0)
