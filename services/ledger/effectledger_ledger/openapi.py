@@ -27,11 +27,12 @@ WAIT_DOC = ("how long to wait for the operation to settle (succeeded, failed, ca
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    """`responses=` entries for these statuses, each `{"error": {code, message, details}}`."""
+    """`responses=` entries for these statuses, each `{"error": {code, message, details}}`.
+    Every authenticated route may answer 401 (credentials) and 422 (a malformed parameter)."""
     return {status: {"model": ErrorResponse,
                      "description": "error codes: " + ", ".join(
                          f"`{c}`" for c in ERROR_CODES[status])}
-            for status in statuses}
+            for status in sorted({401, 422, *statuses})}
 
 
 def submit_intent_body() -> dict[str, Any]:
