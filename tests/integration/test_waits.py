@@ -154,3 +154,23 @@ async def test_recheck_wakes_a_wait_for_a_change_made_elsewhere(
     assert resp.json()["state"] == "succeeded"
     assert not waits[1].done()
     waits[1].cancel()
+
+
+async def test_waits_starting_together_share_their_state_reads(
+        svc: LedgerService, client: httpx.AsyncClient) -> None:
+    """Two hundred waits arriving at once read their states in a handful of batched queries,
+    not one query each: the connection pool stays free for everyone else."""
+    ops = [await _submit(client) for _ in range(200)]
+    before = svc.waiters.state_queries
+    waits = [asyncio.create_task(svc.wait_operation(o["id"], 30)) for o in ops]
+    await _waiting(svc, 200)
+    await wait_until(lambda: svc.waiters.state_queries > before, 10, interval=0.01,
+                     what="the batched read")
+    assert svc.waiters.state_queries - before <= 5
+    await svc.claim(_claim(ops[0]["id"]))
+    await svc.record_outcome(_success(ops[0]["id"]), consumer="ledger", message_id="m9")
+    assert (await asyncio.wait_for(waits[0], 10))["state"] == "succeeded"
+    for w in waits[1:]:
+        w.cancel()
+    await asyncio.gather(*waits[1:], return_exceptions=True)
+    assert len(svc.waiters) == 0

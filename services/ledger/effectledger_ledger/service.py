@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 
 from effectledger_core.catalog import Catalog
 from effectledger_core.crash import crash_point
-from effectledger_core.errors import UnknownTool
+from effectledger_core.errors import NotFound, UnknownTool
 from effectledger_core.failures import Failure
 from effectledger_core.ids import Clock, IdFactory, new_id, utcnow
 from effectledger_core.messages import (
@@ -187,16 +187,19 @@ class LedgerService:
     async def wait_operation(self, operation_id: str, wait_s: float, *,
                              changed_from: str | None = None) -> dict[str, Any]:
         """The operation once it is settled (or, with `changed_from`, once its state is no
-        longer that one), else after `wait_s` as it is then. Woken by commits, not polling."""
+        longer that one), else after `wait_s` as it is then. Woken by commits, not polling;
+        while it waits only its state is read (batched with other waits, waiters.py)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         with self.waiters.watch(operation_id) as watch:  # before the read: no missed change
             while True:
-                op = await self.operation(operation_id)
-                watch.seen = op["state"]
+                state = await self.waiters.state(operation_id)
+                if state is None:
+                    raise NotFound(f"operation {operation_id!r} not found")
+                watch.seen = state
                 remaining = deadline - loop.time()
-                if remaining <= 0 or wait_over(op["state"], changed_from):
-                    return op
+                if remaining <= 0 or wait_over(state, changed_from):
+                    return await self.operation(operation_id)
                 await watch.sleep(remaining)
 
     async def _states_of(self, operation_ids: list[str]) -> dict[str, str]:
