@@ -181,7 +181,7 @@ async def run(stack: Stack, n: int, count: int) -> dict[str, Any]:
     else:
         result["dbos"] = peer or "not installed (pip install '.[bench]')"
     stack.stop("dispatcher-1")
-    result["waiters"] = await waiters(stack, count, wait_s=120)
+    result["waiters"] = await waiters(stack, count, wait_s=600)
     return result
 
 
@@ -194,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="effectledger-agentwait-") as tmp:
-        stack = Stack(Path(tmp), database_url=args.database_url, nats_url=args.nats_url)
+        # Waits longer than the default cap (60 s): the drain of W operations may take longer.
+        stack = Stack(Path(tmp), database_url=args.database_url, nats_url=args.nats_url,
+                      ledger_env={"EFFECTLEDGER_WAIT_MAX_S": "900"})
         try:
             stack.start(dispatchers=1)
             result = asyncio.run(run(stack, args.n, args.waiters))
