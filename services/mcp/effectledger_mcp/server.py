@@ -9,6 +9,7 @@ time, with their own JSON schemas and annotations, and a call needs the raw requ
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,17 +31,27 @@ DEFAULT_WAIT_S = 30.0
 class Tools:
     """The two handlers, on one ledger client."""
 
-    def __init__(self, client: AsyncClient, *, wait_s: float = DEFAULT_WAIT_S) -> None:
+    def __init__(self, client: AsyncClient, *, wait_s: float = DEFAULT_WAIT_S,
+                 catalog_ttl_s: float = 10.0) -> None:
         self.client = client
         self.wait_s = wait_s
+        self.catalog_ttl_s = catalog_ttl_s
+        self._cached: tuple[float, dict[str, dict[str, Any]]] | None = None
 
     async def _catalog(self) -> dict[str, dict[str, Any]]:
+        # The catalog changes only when the ledger restarts with another one: a call need not
+        # fetch it again each time (the ledger still checks every intent against its own).
+        now = time.monotonic()
+        if self._cached is not None and now - self._cached[0] < self.catalog_ttl_s:
+            return self._cached[1]
         try:
             listing = await self.client.tools()
         except LedgerError as exc:
             raise MCPError(types.INTERNAL_ERROR, f"the ledger did not list its tools: {exc}",
                            ) from exc
-        return {str(t["name"]): t for t in listing.tools}
+        tools = {str(t["name"]): t for t in listing.tools}
+        self._cached = (now, tools)
+        return tools
 
     async def list_tools(self, ctx: ServerRequestContext[Any],
                          params: types.PaginatedRequestParams | None) -> types.ListToolsResult:
