@@ -1,0 +1,110 @@
+"""The provider's answer, kept for the agent: bounded, scrubbed, optionally narrowed.
+
+A model can only use what its tool produced if it sees it: the created ticket, the charge. The
+dispatcher keeps the response body of a success (and the reconciler the readback's answer)
+through `keep_result`:
+
+- JSON is parsed, and the tool's `result_path` (RFC 9535 JSONPath) keeps only the part a model
+  needs: one match is the value itself, several are a list, none is "nothing matched".
+- Text is kept as text, cut at the limit (`truncated`). A JSON answer is never cut (half a
+  document is not JSON): above the limit its value is omitted and the result says why.
+- Bytes that are not UTF-8 are omitted (`binary`).
+- Every string is scrubbed like every provider string: values the request carried in its
+  headers (credentials) become `[redacted]`, and NUL (which PostgreSQL cannot store) becomes
+  U+FFFD.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import jsonpath_rfc9535 as jsonpath
+from pydantic import BaseModel, ConfigDict
+
+MAX_RESULT_BYTES = 64 * 1024
+REDACTED = "[redacted]"
+_MIN_SECRET = 4  # shorter header values ("1", "json") would blot out ordinary text
+
+
+class ProviderResult(BaseModel):
+    """What the provider answered, as the ledger keeps it (`result` of an operation)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    kind: Literal["json", "text"]
+    value: Any = None
+    truncated: bool = False
+    omitted: str | None = None  # why there is no value: too_large, binary, no_match
+    bytes: int = 0  # size of the body as received
+
+
+def check_result_path(path: str) -> str:
+    """A catalog's `result_path`, or ValueError saying what is wrong with it."""
+    try:
+        jsonpath.compile(path)
+    except jsonpath.JSONPathError as exc:
+        raise ValueError(f"not a JSONPath (RFC 9535): {exc}") from exc
+    return path
+
+
+def _scrub_text(text: str, secrets: list[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, REDACTED)
+    return text.replace("\x00", "\ufffd")
+
+
+def _scrub(value: Any, secrets: list[str]) -> Any:
+    if isinstance(value, str):
+        return _scrub_text(value, secrets)
+    if isinstance(value, list):
+        return [_scrub(v, secrets) for v in value]
+    if isinstance(value, dict):
+        return {_scrub_text(k, secrets): _scrub(v, secrets) for k, v in value.items()}
+    return value
+
+
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _is_json(content_type: str | None) -> bool:
+    ct = (content_type or "").split(";")[0].strip().lower()
+    return ct == "application/json" or ct.endswith("+json")
+
+
+def keep_result(body: bytes, content_type: str | None, *, limit: int = MAX_RESULT_BYTES,
+                path: str | None = None, secrets: Iterable[str] = ()) -> ProviderResult | None:
+    """The part of a provider's answer worth keeping; None for an empty body."""
+    if not body:
+        return None
+    hidden = sorted({s for s in secrets if len(s) >= _MIN_SECRET}, key=len, reverse=True)
+    size = len(body)
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return ProviderResult(kind="text", omitted="binary", bytes=size)
+    if _is_json(content_type) or path is not None:
+        try:
+            value = json.loads(text, parse_constant=_no_constants)
+        except (ValueError, RecursionError):
+            value = None
+        else:
+            return _json_result(_scrub(value, hidden), path, limit, size)
+    kept = _scrub_text(text, hidden)
+    raw = kept.encode()
+    if len(raw) <= limit:
+        return ProviderResult(kind="text", value=kept, bytes=size)
+    cut = raw[:limit].decode("utf-8", errors="ignore")  # never half a character
+    return ProviderResult(kind="text", value=cut, truncated=True, bytes=size)
+
+
+def _json_result(value: Any, path: str | None, limit: int, size: int) -> ProviderResult:
+    if path is not None:
+        matches = jsonpath.find(path, value).values()
+        if not matches:
+            return ProviderResult(kind="json", omitted="no_match", bytes=size)
+        value = matches[0] if len(matches) == 1 else matches
+    if len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()) > limit:
+        return ProviderResult(kind="json", omitted="too_large", bytes=size)
+    return ProviderResult(kind="json", value=value, bytes=size)
