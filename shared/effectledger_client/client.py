@@ -85,12 +85,13 @@ class Client:
     def get(self, operation_id: str) -> OperationView:
         return self._send(c.get(operation_id))
 
-    def wait(self, operation_id: str, timeout_s: float, *,
-             on_change: OnChange | None = None) -> OperationView:
+    def wait(self, operation_id: str, timeout_s: float, *, on_change: OnChange | None = None,
+             current: OperationView | None = None) -> OperationView:
         """The operation once settled (at rest or awaiting approval), else after `timeout_s`
-        as it is then (check `.settled`). `on_change` sees every state it passes through."""
+        as it is then (check `.settled`). `on_change` sees every state it passes through.
+        `current`: the operation as the caller last saw it (saves a first read)."""
         deadline = time.monotonic() + timeout_s
-        op = self.get(operation_id)
+        op = current or self.get(operation_id)
         while True:
             if on_change is not None:
                 on_change(op)
@@ -202,10 +203,10 @@ class AsyncClient:
         return await self._send(c.get(operation_id))
 
     async def wait(self, operation_id: str, timeout_s: float, *,
-                   on_change: Callable[[OperationView], Awaitable[Any] | Any] | None = None
-                   ) -> OperationView:
+                   on_change: Callable[[OperationView], Awaitable[Any] | Any] | None = None,
+                   current: OperationView | None = None) -> OperationView:
         deadline = time.monotonic() + timeout_s
-        op = await self.get(operation_id)
+        op = current or await self.get(operation_id)
         while True:
             if on_change is not None:
                 result = on_change(op)

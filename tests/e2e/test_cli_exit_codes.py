@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pty
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -26,14 +28,40 @@ pytestmark = pytest.mark.slow
 
 
 async def _cli(c: Cluster, *args: str) -> tuple[int, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECTLEDGER_")}
-    env["EFFECTLEDGER_LEDGER_URL"] = c.ledger_url
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "effectledger_cli", *args, env=env,
+        sys.executable, "-m", "effectledger_cli", *args, env=_env(c),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await proc.communicate()
     assert proc.returncode is not None
     return proc.returncode, (json.loads(out) if out.strip() else err.decode())
+
+
+def _env(c: Cluster) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECTLEDGER_")}
+    env["EFFECTLEDGER_LEDGER_URL"] = c.ledger_url
+    return env
+
+
+def _cli_on_a_terminal(c: Cluster, *args: str) -> tuple[int, str]:
+    """Run the CLI with stderr on a pseudo-terminal; returns its exit code and what the
+    terminal showed."""
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "effectledger_cli", *args], env=_env(c),
+                              stdout=subprocess.DEVNULL, stderr=slave, timeout=60)
+    finally:
+        os.close(slave)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: the terminal's other end is closed and drained
+            break
+        if not chunk:
+            break
+        shown += chunk
+    os.close(master)
+    return proc.returncode, shown.decode(errors="replace")
 
 
 async def _fault(c: Cluster, route: str, action: dict[str, Any]) -> None:
@@ -71,3 +99,11 @@ async def test_submit_wait_exit_codes(make_cluster: Callable[..., Cluster]) -> N
 
     code, err = await _cli(c, "show", "no-such-operation")
     assert code == EXIT_ERROR and "not_found" in err
+
+    # On a terminal, --wait shows each state as it comes.
+    code, shown = await asyncio.to_thread(
+        _cli_on_a_terminal, c, "submit", "create_ticket", "--args", '{"title": "tty"}',
+        "--wait", "20")
+    assert code == EXIT_OK
+    states = [line.split()[-1] for line in shown.splitlines() if line.strip()]
+    assert states[-1] == "succeeded" and len(states) >= 2, shown

@@ -62,9 +62,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_ERROR
 
 
-def _wait(client: Client, op: OperationView, wait_s: float) -> int:
-    progress = _Progress() if sys.stderr.isatty() else None
-    op = client.wait(op.id, wait_s, on_change=progress)
+def _wait(client: Client, op: OperationView, wait_s: float,
+          progress: _Progress | None) -> int:
+    op = client.wait(op.id, wait_s, on_change=progress, current=op)
     _print(op)
     return exit_code(op)
 
@@ -79,10 +79,16 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         if not isinstance(arguments, dict):
             print("effectledger: --args must be a JSON object", file=sys.stderr)
             return EXIT_USAGE
+        # On a terminal each state is shown as it comes (waits that end at every change);
+        # otherwise the submission itself waits, and one request usually answers it all.
+        progress = _Progress() if args.wait > 0 and sys.stderr.isatty() else None
+        started = time.monotonic()
         submitted = client.submit(args.tool, arguments, idempotency_key=args.key,
-                                  task_id=args.task, tenant=args.tenant)
+                                  task_id=args.task, tenant=args.tenant,
+                                  wait_s=args.wait if progress is None else None)
         if args.wait > 0:
-            return _wait(client, submitted.operation, args.wait)
+            left = max(0.0, args.wait - (time.monotonic() - started))
+            return _wait(client, submitted.operation, left, progress)
         _print(submitted.operation)
         return EXIT_OK
     if args.command == "show":
@@ -91,7 +97,8 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         elif args.receipt:
             _print(client.receipt(args.operation_id))
         elif getattr(args, "wait", 0) > 0:
-            return _wait(client, client.get(args.operation_id), args.wait)
+            progress = _Progress() if sys.stderr.isatty() else None
+            return _wait(client, client.get(args.operation_id), args.wait, progress)
         else:
             _print(client.get(args.operation_id))
         return EXIT_OK
