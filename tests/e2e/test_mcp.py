@@ -11,18 +11,23 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import httpx
+import httpx2
 import pytest
 from mcp import ClientSession, StdioServerParameters, stdio_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared.exceptions import MCPError
+from mcp_types import RequestParamsMeta
 
 from effectledger_cli.embedded import free_port
 from tests.support.cluster import Cluster, wait_until
 
 pytestmark = pytest.mark.slow
+MCP_TOKEN = "mcp-test-token"
+# The documented fallback for SEP-3182's idempotencyKey: the key in `_meta`.
+RETRY_KEY = cast(RequestParamsMeta, {"effectledger/idempotencyKey": "mcp-retry-1"})
 CATALOG_TOOLS = {"create_ticket", "send_email", "charge_card", "fast_ticket", "fast_lookup",
                  "fast_email", "fast_post", "fast_page", "fast_wire"}
 
@@ -56,8 +61,8 @@ def _spawn_http(c: Cluster, port: int, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
         return subprocess.Popen(
             [sys.executable, "-m", "effectledger_cli", "mcp", "--http", f"127.0.0.1:{port}",
-             "--wait", "20"], env=_env(c), cwd=c.workdir, stdout=out,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+             "--wait", "20"], env={**_env(c), "EFFECTLEDGER_MCP_TOKEN": MCP_TOKEN},
+            cwd=c.workdir, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
 async def _up(make_cluster: Callable[..., Cluster]) -> Cluster:
@@ -99,7 +104,7 @@ async def test_mcp_over_stdio_lists_calls_and_never_applies_twice(
         # A call, with progress notifications while the operation moves.
         seen: list[str] = []
 
-        async def progress(_p: float, _t: float | None, message: str | None) -> None:
+        async def progress(progress: float, total: float | None, message: str | None) -> None:
             seen.append(message or "")
 
         done = await mcp.call_tool("create_ticket", {"title": "from mcp"},
@@ -114,11 +119,11 @@ async def test_mcp_over_stdio_lists_calls_and_never_applies_twice(
         before = await _operations(c)
         lost = asyncio.create_task(mcp.call_tool(
             "charge_card", {"amount": 7, "currency": "EUR"},
-            meta={"effectledger/idempotencyKey": "mcp-retry-1"}))
+            meta=RETRY_KEY))
         await wait_until(lambda: _grew(c, before), 20, what="the first call's operation")
         lost.cancel()
         again = await mcp.call_tool("charge_card", {"amount": 7, "currency": "EUR"},
-                                    meta={"effectledger/idempotencyKey": "mcp-retry-1"})
+                                    meta=RETRY_KEY)
         assert again.structured_content["state"] == "succeeded"
         assert await _operations(c) == before + 1
         op = await c.operation(again.structured_content["operation_id"])
@@ -185,17 +190,28 @@ async def http_server(c: Cluster) -> AsyncIterator[str]:
 
 async def test_mcp_over_streamable_http_calls_once(
         make_cluster: Callable[..., Cluster]) -> None:
-    """Over streamable HTTP: the catalog is listed, a call succeeds, and the same call again
-    returns the same operation with one effect in the provider's ground truth."""
+    """Over streamable HTTP (behind its bearer token): the catalog is listed, a call succeeds,
+    and the same call again returns the same operation with one effect in the provider's
+    ground truth. Without the token the endpoint answers 401."""
     c = await _up(make_cluster)
-    async with http_server(c) as url, streamable_http_client(url) as (read, write), \
-            ClientSession(read, write) as mcp:
-        await mcp.initialize()
-        assert {t.name for t in (await mcp.list_tools()).tools} == CATALOG_TOOLS
-        first = await mcp.call_tool("create_ticket", {"title": "over http"})
-        assert first.structured_content["state"] == "succeeded", first
-        second = await mcp.call_tool("create_ticket", {"title": "over http"})
-        assert second.structured_content["operation_id"] == first.structured_content[
-            "operation_id"]
-        op = await c.operation(first.structured_content["operation_id"])
-        assert (await c.key_truth(op["operation_key"]))["applied"] == 1
+    async with http_server(c) as url:
+        async with httpx.AsyncClient() as plain:
+            assert (await plain.post(url, json={})).status_code == 401
+        # The SDK's own HTTP client library, as its transport expects.
+        http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {MCP_TOKEN}"},
+                                  timeout=httpx2.Timeout(30.0, read=300.0))
+        async with http, streamable_http_client(url, http_client=http) as (read, write), \
+                ClientSession(read, write) as mcp:
+            await _call_twice(c, mcp)
+
+
+async def _call_twice(c: Cluster, mcp: ClientSession) -> None:
+    await mcp.initialize()
+    assert {t.name for t in (await mcp.list_tools()).tools} == CATALOG_TOOLS
+    first = await mcp.call_tool("create_ticket", {"title": "over http"})
+    assert first.structured_content["state"] == "succeeded", first
+    second = await mcp.call_tool("create_ticket", {"title": "over http"})
+    assert second.structured_content["operation_id"] == first.structured_content[
+        "operation_id"]
+    op = await c.operation(first.structured_content["operation_id"])
+    assert (await c.key_truth(op["operation_key"]))["applied"] == 1

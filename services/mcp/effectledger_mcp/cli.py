@@ -11,6 +11,8 @@ from effectledger_client import AsyncClient
 
 from .server import DEFAULT_WAIT_S, serve_http, serve_stdio
 
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ledger-url", default=os.environ.get("EFFECTLEDGER_LEDGER_URL",
@@ -29,7 +31,13 @@ def run(args: argparse.Namespace) -> int:
         if not host or not port.isdigit():
             print("effectledger mcp: --http needs HOST:PORT", file=sys.stderr)
             return 2
-        asyncio.run(serve_http(client, host, int(port), wait_s=args.wait))
+        token = os.environ.get("EFFECTLEDGER_MCP_TOKEN") or None
+        if token is None and host.strip("[]") not in LOOPBACK:
+            # Whoever reaches the endpoint acts as this tenant's agent: never open by default.
+            print(f"effectledger mcp: serving on {host} needs EFFECTLEDGER_MCP_TOKEN (clients "
+                  "then send it as a bearer token)", file=sys.stderr)
+            return 2
+        asyncio.run(serve_http(client, host, int(port), wait_s=args.wait, token=token))
     else:
         asyncio.run(serve_stdio(client, wait_s=args.wait))
     return 0

@@ -8,6 +8,7 @@ time, with their own JSON schemas and annotations, and a call needs the raw requ
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import Mapping
@@ -139,10 +140,34 @@ async def serve_stdio(client: AsyncClient, *, wait_s: float = DEFAULT_WAIT_S) ->
 
 
 async def serve_http(client: AsyncClient, host: str, port: int, *,
-                     wait_s: float = DEFAULT_WAIT_S) -> None:
+                     wait_s: float = DEFAULT_WAIT_S, token: str | None = None) -> None:
     import uvicorn
 
-    app = build_server(client, wait_s=wait_s).streamable_http_app(host=host)
+    app: Any = build_server(client, wait_s=wait_s).streamable_http_app(host=host)
+    if token:
+        app = BearerGate(app, token)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
     print(f"mcp ready: http://{host}:{port}/mcp", flush=True)
     await server.serve()
+
+
+class BearerGate:
+    """Lets through only HTTP requests carrying `Authorization: Bearer <token>`: whoever
+    reaches this endpoint acts with the tenant's ledger token, so on anything but localhost
+    the endpoint needs its own credential."""
+
+    def __init__(self, app: Any, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await send({"type": "http.response.start", "status": 401, "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"www-authenticate", b'Bearer realm="effectledger-mcp"')]})
+                await send({"type": "http.response.body",
+                            "body": b'{"error": "a bearer token is required"}'})
+                return
+        await self.app(scope, receive, send)
