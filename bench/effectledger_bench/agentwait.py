@@ -55,17 +55,38 @@ async def bare_calls(stack: Stack, n: int) -> list[float]:
     return lat
 
 
-async def submit_and_wait(stack: Stack, n: int, tag: str) -> list[float]:
+async def submit_and_wait(stack: Stack, n: int, tag: str,
+                          stages: list[dict[str, float]] | None = None) -> list[float]:
+    """Latencies (ms); with `stages`, also where each operation's time went, from the
+    ledger's journal timestamps (same machine, same clock)."""
     lat = []
     async with AsyncClient(stack.ledger_url, token="") as client:
         for i in range(n):
-            t = time.perf_counter()
+            t, wall = time.perf_counter(), time.time()
             done = await client.submit(TOOL, {"title": f"{tag} {i}"},
                                        idempotency_key=f"{tag}-{i}", wait_s=10)
+            end_wall = time.time()
             if done.operation.state != "succeeded":
                 raise RuntimeError(f"operation ended {done.operation.state}")
             lat.append((time.perf_counter() - t) * 1000)
+            if stages is not None:
+                journal = await client.journal(done.operation.id)
+                at = {e.kind: e.at.timestamp() for e in journal.entries}
+                if {"intent_accepted", "attempt_claimed", "outcome_recorded"} <= set(at):
+                    stages.append({
+                        "submit_to_intent_commit": at["intent_accepted"] - wall,
+                        "intent_to_claim": at["attempt_claimed"] - at["intent_accepted"],
+                        "claim_to_outcome": at["outcome_recorded"] - at["attempt_claimed"],
+                        "outcome_to_answer": end_wall - at["outcome_recorded"]})
     return lat
+
+
+def _stage_medians(stages: list[dict[str, float]]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for name in (stages[0] if stages else {}):
+        p50 = percentile([s[name] * 1000 for s in stages], 50)
+        out[name] = round(p50, 2) if p50 is not None else None
+    return out
 
 
 def dbos_figures(stack: Stack, n: int) -> dict[str, Any] | None:
@@ -169,10 +190,14 @@ async def run(stack: Stack, n: int, count: int) -> dict[str, Any]:
     await bare_calls(stack, 30)
     bare = await bare_calls(stack, n)
     sw = await submit_and_wait(stack, n, "run")
+    stages: list[dict[str, float]] = []
+    await submit_and_wait(stack, min(n, 100), "stages", stages)
     b, s = _ms(bare), _ms(sw)
     result: dict[str, Any] = {
         "n": n, "bare_provider_ms": b, "submit_and_wait_ms": s,
-        "overhead_ms": {k: round((s[k] or 0) - (b[k] or 0), 2) for k in b}}
+        "overhead_ms": {k: round((s[k] or 0) - (b[k] or 0), 2) for k in b},
+        # Journal times are taken when each transaction is built, just before its commit.
+        "stage_p50_ms": _stage_medians(stages)}
     peer = dbos_figures(stack, n)
     if peer is not None and "latency_ms" in peer:
         lat = peer["latency_ms"]
@@ -180,8 +205,9 @@ async def run(stack: Stack, n: int, count: int) -> dict[str, Any]:
         result["dbos_overhead_ms"] = {k: round(lat[k] - (b[k] or 0), 2) for k in ("p50", "p99")}
     else:
         result["dbos"] = peer or "not installed (pip install '.[bench]')"
-    stack.stop("dispatcher-1")
-    result["waiters"] = await waiters(stack, count, wait_s=600)
+    if count > 0:
+        stack.stop("dispatcher-1")
+        result["waiters"] = await waiters(stack, count, wait_s=600)
     return result
 
 

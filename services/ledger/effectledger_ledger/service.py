@@ -20,6 +20,7 @@ from effectledger_core.ids import Clock, IdFactory, new_id, utcnow
 from effectledger_core.messages import (
     ClaimAttempt,
     ClaimReply,
+    ClaimStatus,
     DeadLetter,
     Outcome,
     SubmitIntent,
@@ -128,7 +129,8 @@ class LedgerService:
         for _ in range(3):
             try:
                 reply = await self.writes.run(claim_txn, claim, now=self.clock())
-                self.waiters.changed(claim.operation_id)
+                if reply.status is ClaimStatus.GRANTED:
+                    self.waiters.changed(claim.operation_id, "in_flight")
                 return reply
             except IntegrityError:
                 continue  # a concurrent claim for this epoch won; re-read answers "already"
@@ -141,7 +143,8 @@ class LedgerService:
             subjects=self.subjects, now=self.clock(), ambiguous_outbox_id=self.ids(),
             decide_retry=self.decide_retry)
         crash_point("ledger.inbox.after_commit")
-        self.waiters.changed(outcome.operation_id)
+        self.waiters.changed(outcome.operation_id,
+                             result.to_state if result.status == "applied" else None)
         if result.to_state in ("ambiguous", "pending"):
             self.outbox_wake.set()
         if result.status == "rejected":
@@ -154,7 +157,8 @@ class LedgerService:
             record_verdict_txn, verdict, consumer=consumer, message_id=message_id,
             subjects=self.subjects, now=self.clock(), outbox_id=self.ids(),
             decide_retry=self.decide_retry)
-        self.waiters.changed(verdict.operation_id)
+        self.waiters.changed(verdict.operation_id,
+                             result.to_state if result.status == "applied" else None)
         if result.to_state == "pending":
             self.outbox_wake.set()
         return result
@@ -193,7 +197,7 @@ class LedgerService:
         deadline = loop.time() + wait_s
         with self.waiters.watch(operation_id) as watch:  # before the read: no missed change
             while True:
-                state = await self.waiters.state(operation_id)
+                state = watch.take_told() or await self.waiters.state(operation_id)
                 if state is None:
                     raise NotFound(f"operation {operation_id!r} not found")
                 watch.seen = state

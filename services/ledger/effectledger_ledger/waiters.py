@@ -37,7 +37,13 @@ class Watch:
 
     operation_id: str
     seen: str | None = None  # the state this waiter last read
+    # The state the waking commit produced, when the signaller knew it: saves a read.
+    told: str | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def take_told(self) -> str | None:
+        told, self.told = self.told, None
+        return told
 
     async def sleep(self, timeout_s: float) -> bool:
         """Sleep until woken or `timeout_s`; True when woken. (`asyncio.timeout`, unlike
@@ -114,12 +120,15 @@ class Waiters:
                         if not f.done():
                             f.set_result(states.get(op_id))
 
-    def changed(self, operation_id: str | None) -> None:
-        """The operation's row changed and the change is committed: wake its waiters."""
+    def changed(self, operation_id: str | None, state: str | None = None) -> None:
+        """The operation's row changed and the change is committed: wake its waiters.
+        `state`: the state that commit left it in, when known (the waiters need not read it;
+        signals come in commit order, so the last one told is the latest)."""
         if operation_id is None:
             return
         for w in self._by_op.get(operation_id, ()):
             self.wakeups += 1
+            w.told = state
             w.event.set()
 
     def _start_recheck(self) -> None:
