@@ -7,7 +7,8 @@ through `keep_result`:
 - JSON is parsed, and the tool's `result_path` (RFC 9535 JSONPath) keeps only the part a model
   needs: one match is the value itself, several are a list, none is "nothing matched".
 - Text is kept as text, cut at the limit (`truncated`). A JSON answer is never cut (half a
-  document is not JSON): above the limit its value is omitted and the result says why.
+  document is not JSON): above the limit its value is omitted and the result says why. The
+  limit bounds the value as JSON (escapes included), which is what messages and rows carry.
 - Bytes that are not UTF-8 are omitted (`binary`).
 - Every string is scrubbed like every provider string: values the request carried in its
   headers (credentials) become `[redacted]`, and NUL (which PostgreSQL cannot store) becomes
@@ -92,11 +93,19 @@ def keep_result(body: bytes, content_type: str | None, *, limit: int = MAX_RESUL
         else:
             return _json_result(_scrub(value, hidden), path, limit, size)
     kept = _scrub_text(text, hidden)
-    raw = kept.encode()
-    if len(raw) <= limit:
+    if _encoded(kept) <= limit:
         return ProviderResult(kind="text", value=kept, bytes=size)
-    cut = raw[:limit].decode("utf-8", errors="ignore")  # never half a character
+    # Cut by whole characters until the JSON-encoded text (what a message and a row carry,
+    # escapes included) fits the limit.
+    cut = kept.encode()[:limit].decode("utf-8", errors="ignore")
+    while cut and (n := _encoded(cut)) > limit:
+        cut = cut[:min(len(cut) - 1, len(cut) * limit // n)]
     return ProviderResult(kind="text", value=cut, truncated=True, bytes=size)
+
+
+def _encoded(value: Any) -> int:
+    """The size of `value` in JSON (UTF-8, escapes included): the bound that matters."""
+    return len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode())
 
 
 def _json_result(value: Any, path: str | None, limit: int, size: int) -> ProviderResult:
@@ -105,6 +114,6 @@ def _json_result(value: Any, path: str | None, limit: int, size: int) -> Provide
         if not matches:
             return ProviderResult(kind="json", omitted="no_match", bytes=size)
         value = matches[0] if len(matches) == 1 else matches
-    if len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode()) > limit:
+    if _encoded(value) > limit:
         return ProviderResult(kind="json", omitted="too_large", bytes=size)
     return ProviderResult(kind="json", value=value, bytes=size)

@@ -30,8 +30,14 @@ def test_result_path_keeps_only_the_part_a_model_needs() -> None:
 
 
 def test_text_is_cut_at_the_limit_on_a_character_boundary() -> None:
-    kept = keep_result(("é" * 100).encode(), "text/plain", limit=11)
+    kept = keep_result(("é" * 100).encode(), "text/plain", limit=13)
     assert kept is not None and kept.truncated and kept.value == "é" * 5 and kept.bytes == 200
+
+
+def test_the_limit_bounds_the_text_as_json_escapes_included() -> None:
+    kept = keep_result("\u0001".encode() * 1000, "text/plain", limit=100)
+    assert kept is not None and kept.truncated and kept.value
+    assert len(json.dumps(kept.value, ensure_ascii=False).encode()) <= 100
 
 
 def test_json_over_the_limit_is_omitted_not_cut() -> None:
