@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from .results import ProviderResult
 from .waiting import is_settled
 
 
@@ -57,6 +58,9 @@ class OperationView(_View):
     response_digest: str | None = None
     last_outcome: dict[str, Any] | None = None
     evidence: dict[str, Any] | None = None
+    # The provider's answer (bounded, scrubbed, narrowed by the tool's result_path): from the
+    # successful response, or from the readback that found the effect.
+    result: ProviderResult | None = None
     attempts: list[AttemptView] = []
 
     @property
@@ -132,6 +136,7 @@ class Receipt(_View):
     recovery_decision: RecoveryView
     guidance: str | None = None
     open_uncertainties: list[str]
+    result: ProviderResult | None = None
 
 
 class Admission(_View):

@@ -84,10 +84,19 @@ def _receipt(state: str, guidance: str | None = None) -> Receipt:
         "guidance": guidance, "open_uncertainties": []})
 
 
-def test_success_is_a_result_with_the_provider_reference() -> None:
-    text, data, is_error = render(_op("succeeded", provider_ref="tk_1"), _receipt("succeeded"))
+def test_success_is_a_result_with_the_provider_reference_and_answer() -> None:
+    answer = {"kind": "json", "value": {"id": "tk_1", "url": "https://t/1"}, "bytes": 40}
+    text, data, is_error = render(_op("succeeded", provider_ref="tk_1", result=answer),
+                                  _receipt("succeeded"))
     assert not is_error and data["outcome"] == "succeeded" and "tk_1" in text
+    assert data["result"] == {"id": "tk_1", "url": "https://t/1"} and "https://t/1" in text
     assert data["receipt"]["digests"]["request"] == "b"
+
+
+def test_a_cut_answer_says_so() -> None:
+    answer = {"kind": "json", "omitted": "too_large", "bytes": 10**6}
+    _, data, _ = render(_op("succeeded", result=answer), None)
+    assert data["result"] is None and data["result_note"] == "omitted: too_large"
 
 
 @pytest.mark.parametrize("state", ["ambiguous", "awaiting_confirmation", "needs_review"])

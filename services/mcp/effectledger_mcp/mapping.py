@@ -106,10 +106,14 @@ _NEXT = {
 def render(op: OperationView, receipt: Receipt | None) -> tuple[str, dict[str, Any], bool]:
     """(text for the model, structured content, isError) for an operation after a wait."""
     state = op.state
-    result = getattr(op, "result", None)  # the provider's answer, when the ledger keeps it
+    kept = op.result  # the provider's answer, as the ledger keeps it
+    result = kept.value if kept is not None else None
     data: dict[str, Any] = {"state": state, "operation_id": op.id, "tool": op.tool,
                             "epoch": op.epoch, "provider_ref": op.provider_ref,
                             "result": result, "do_not_retry": False}
+    if kept is not None and (kept.truncated or kept.omitted):
+        data["result_note"] = ("truncated" if kept.truncated
+                               else f"omitted: {kept.omitted}")
     if receipt is not None:
         data["receipt"] = {"digests": receipt.digests.model_dump(mode="json"),
                            "provider_request_ref": receipt.provider_request_ref,
@@ -121,7 +125,8 @@ def render(op: OperationView, receipt: Receipt | None) -> tuple[str, dict[str, A
         if op.provider_ref:
             text += f" Provider reference: {op.provider_ref}."
         if result is not None:
-            text += " Result: " + json.dumps(result, sort_keys=True)
+            text += " Result: " + (result if isinstance(result, str)
+                                   else json.dumps(result, sort_keys=True))
         return text, data, False
     if state in ("failed", "cancelled"):
         data["outcome"] = state
