@@ -42,6 +42,7 @@ from effectledger_core.views import (
 )
 from effectledger_core.waiting import DEFAULT_MAX_WAIT_S, parse_wait
 
+from . import console
 from .auth import Authenticator, Forbidden, Principal, check_tenant, operator_name
 from .openapi import WAIT_DOC, errors, submit_intent_body
 from .service import LedgerService
@@ -301,6 +302,8 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
                              "auth": "enabled" if authenticator.enabled else "disabled"},
                             status_code=200 if ok else 503)
 
+    # The operator console at /console, and /docs from its vendored Swagger UI (no CDN).
+    console.mount(app, service, authenticator)
     return app
 
 

@@ -37,16 +37,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from effectledger_bus import msgids
+from effectledger_bus.publish import Publisher
+from effectledger_core import unsafe
 from effectledger_core.errors import BrokerUnavailable
 from effectledger_core.ids import Clock, utcnow
 from effectledger_core.messages import WebhookReceived, encode
 from effectledger_core.subjects import Subjects
 
-from .publisher import Publisher
 from .signatures import Verified, WebhookRejected, WebhookVerifier
 
 log = logging.getLogger(__name__)
-SKIP_VERIFICATION_ENV = "EFFECTLEDGER_UNSAFE_SKIP_WEBHOOK_VERIFICATION"
+SKIP_VERIFICATION_ENV = unsafe.SKIP_WEBHOOK_VERIFICATION.env
 Outcome = Literal["applied", "not_applied", "pending", "unknown"]
 EVENT_OUTCOMES: dict[str, Outcome] = {
     "effect.applied": "applied",
@@ -141,7 +143,7 @@ class _Ingest:
         if not verified.verified:
             log.warning("UNSAFE: webhook %r from %r accepted WITHOUT signature verification",
                         verified.webhook_id, provider)
-        msg_id = f"webhook:{provider}:{verified.webhook_id}"
+        msg_id = msgids.webhook(provider, verified.webhook_id)
         try:
             duplicate = await self.publisher.publish(self.subjects.webhook, encode(message),
                                                      msg_id=msg_id)
@@ -176,9 +178,7 @@ def create_app(*, verifier: WebhookVerifier, publisher: Publisher, subjects: Sub
                ready: Ready | None = None) -> Starlette:
     """The reconciler's HTTP app: webhook ingestion and health."""
     if verifier.skip_verification:
-        log.critical("UNSAFE: %s is set: webhook signatures and timestamps are NOT verified; "
-                     "anyone can forge provider evidence. Never use this outside tests.",
-                     SKIP_VERIFICATION_ENV)
+        unsafe.announce(unsafe.SKIP_WEBHOOK_VERIFICATION, log)
     ingest = _Ingest(verifier, publisher, subjects, clock, max_body_bytes, ready)
     app = Starlette(routes=[
         Route("/v1/webhooks/{provider}", ingest.receive, methods=["POST"]),

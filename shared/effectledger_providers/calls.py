@@ -1,0 +1,330 @@
+"""Provider calls: exactly one HTTP attempt, classified without guessing; and readback.
+
+A timeout is not a failure: the provider may have applied the effect and lost the answer. So an
+outcome is `AttemptFailed` only when it is known that nothing was applied (a definitive refusal,
+or the request never left this process); whenever it may have been applied it is
+`OutcomeAmbiguous` and goes to reconciliation.
+
+Classification. What an HTTP status means is decided by the adapter
+(`adapters.classify_http` by default), whose status → failure-class table is
+`effectledger_core.failures.HTTP_STATUS_CLASSES`; a 2xx is `AttemptSucceeded` (or
+`AttemptAccepted`), a 409 under our own idempotency key and any other 5xx are `OutcomeAmbiguous`.
+What happens without a usable status line is decided here:
+
+| what happened                                  | outcome                                   |
+|------------------------------------------------|-------------------------------------------|
+| 2xx whose body cannot be read fully            | OutcomeAmbiguous invalid_response         |
+| refused / DNS / connect timeout                | AttemptFailed transient connect_failed    |
+| no pooled connection became free               | AttemptFailed transient pool_timeout      |
+| timeout after connecting (httpx or deadline)   | OutcomeAmbiguous timeout                  |
+| connection lost after connecting               | OutcomeAmbiguous connection_lost          |
+| request cannot be built (template, env var)    | AttemptFailed invalid_argument,           |
+|                                                | code request_build_failed                 |
+
+`code` is the provider's JSON `error.code` if given, else `http_<status>`. Messages are bounded
+and scrubbed of every value the request carried in its headers (credentials).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import email.utils
+import hashlib
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from typing import Any
+
+import httpx
+
+from effectledger_core.catalog import ENV_REF, Tool
+from effectledger_core.failures import Failure, Idempotency
+from effectledger_core.ids import Clock, utcnow
+from effectledger_core.limits import MAX_HTTP_BODY_BYTES, MAX_PROVIDER_REF_BYTES
+from effectledger_core.messages import (
+    AttemptAccepted,
+    AttemptFailed,
+    AttemptSucceeded,
+    DispatchAttempt,
+    FailureClass,
+    Outcome,
+    OutcomeAmbiguous,
+)
+
+from .adapters import Classified, ProviderAdapter, ReadbackResult, load_adapter
+
+__all__ = ["ReadbackResult", "call_provider", "make_client", "make_clients", "parse_retry_after",
+           "readback"]
+
+MAX_MESSAGE_CHARS = 1000
+MAX_CODE_CHARS = 128
+# Connect and pool waits get a share of the deadline, so a hanging connect ends as httpx's
+# ConnectTimeout (known: nothing sent) rather than as the overall deadline (must be ambiguous).
+CONNECT_SHARE = 0.8
+_NOT_SECRET = frozenset({"host", "content-type", "content-length", "accept", "accept-encoding",
+                         "connection", "user-agent", "transfer-encoding"})
+
+
+def make_client(max_connections: int = 200) -> httpx.AsyncClient:
+    """A client for provider calls: bounded pool, no redirects followed, no transport retries."""
+    # Idle connections expire before the provider's own keep-alive closes them (5 s for uvicorn
+    # and Node): a request written on a connection the server is closing at that instant is
+    # lost without an answer, which is ambiguous, so that race must not be run at all.
+    limits = httpx.Limits(max_connections=max_connections,
+                          max_keepalive_connections=min(max_connections, 50),
+                          keepalive_expiry=2.0)
+    return httpx.AsyncClient(
+        transport=httpx.AsyncHTTPTransport(retries=0, limits=limits),
+        follow_redirects=False, timeout=httpx.Timeout(10.0))
+
+
+def make_clients(max_connections: int, per_client: int = 8) -> list[httpx.AsyncClient]:
+    """Several small clients to spread a dispatcher's calls over (round robin).
+
+    httpcore checks every pooled connection on every request (`has_expired` polls each idle
+    socket), so one pool of 100+ connections costs a syscall per connection per call: about a
+    fifth of a dispatcher's CPU in the benchmark profile. Pools of `per_client` keep that
+    check short; together they allow `max_connections`.
+    """
+    shards = max(1, -(-max_connections // per_client))
+    return [make_client(max_connections=per_client * 2) for _ in range(shards)]
+
+
+def parse_retry_after(value: str, now: datetime) -> float | None:
+    """Seconds to wait from a `Retry-After` value (delta-seconds or HTTP-date); None if invalid.
+
+    An HTTP-date is taken relative to `now` (the injected clock); a time in the past gives 0.
+    """
+    text = value.strip()
+    if not text:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(text)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        if now.tzinfo is None:
+            now = now.replace(tzinfo=UTC)
+        seconds = (when - now).total_seconds()
+    return max(0.0, seconds) if math.isfinite(seconds) else None
+
+
+class _Body:
+    """Digests every byte received; keeps a bounded prefix for reading the answer."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+        self.prefix = bytearray()
+
+    async def read(self, response: httpx.Response) -> None:
+        async for chunk in response.aiter_bytes():
+            self._hash.update(chunk)
+            room = MAX_HTTP_BODY_BYTES - len(self.prefix)
+            if room > 0:
+                self.prefix += chunk[:room]
+
+    @property
+    def digest(self) -> str:
+        return "sha256:" + self._hash.hexdigest()
+
+
+@dataclass
+class _Exchange:
+    response: httpx.Response | None = None  # set as soon as the status line arrived
+    body: _Body = field(default_factory=_Body)
+    error: Exception | None = None
+
+    def buffered(self) -> httpx.Response:
+        """The answer with its (bounded, decoded) body in memory, for adapters to read."""
+        assert self.response is not None
+        drop = {"content-encoding", "content-length", "transfer-encoding"}
+        headers = [(k, v) for k, v in self.response.headers.multi_items() if k.lower() not in drop]
+        return httpx.Response(self.response.status_code, headers=headers,
+                              content=bytes(self.body.prefix), request=self.response.request)
+
+
+async def _exchange(client: httpx.AsyncClient, request: httpx.Request,
+                    timeout_s: float) -> _Exchange:
+    """Send `request` once and read the whole answer, all within `timeout_s`."""
+    request.extensions["timeout"] = httpx.Timeout(
+        timeout_s, connect=timeout_s * CONNECT_SHARE, pool=timeout_s * CONNECT_SHARE).as_dict()
+    ex = _Exchange()
+    try:
+        async with asyncio.timeout(timeout_s):
+            ex.response = await client.send(request, stream=True, follow_redirects=False)
+            await ex.body.read(ex.response)
+    except Exception as exc:  # every failure is classified by the caller, none escapes
+        ex.error = exc
+    finally:
+        if ex.response is not None:
+            with contextlib.suppress(Exception):
+                await ex.response.aclose()
+    return ex
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    if not text and isinstance(exc, TimeoutError):
+        text = "the overall deadline passed"
+    return type(exc).__name__ + (f": {text}" if text else "")
+
+
+def _send_error(exc: Exception) -> Classified:
+    """Classify a failure that happened before any status line arrived."""
+    text = _describe(exc)
+    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+        return Classified("failed", failure_class=FailureClass.TRANSIENT, code="connect_failed",
+                          message=f"could not connect, nothing was sent: {text}")
+    if isinstance(exc, httpx.PoolTimeout):
+        return Classified("failed", failure_class=FailureClass.TRANSIENT, code="pool_timeout",
+                          message=f"no connection became free, nothing was sent: {text}")
+    if isinstance(exc, httpx.UnsupportedProtocol):
+        return Classified("failed", failure_class=FailureClass.INVALID_ARGUMENT,
+                          code="request_build_failed", message=text)
+    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+        return Classified("ambiguous", reason="timeout",
+                          message=f"no answer within the deadline: {text}")
+    return Classified("ambiguous", reason="connection_lost",
+                      message=f"the connection failed after the request may have been sent: {text}")
+
+
+def _secrets(tool: Tool, request: httpx.Request | None, env: Mapping[str, str]) -> list[str]:
+    """Every value the request's headers carry (or the catalog's would) that could be a secret."""
+    dispatcher_set = {h.lower() for h in (tool.idempotency_header, tool.fencing_header) if h}
+    values: set[str] = set()
+    for name, value in request.headers.multi_items() if request is not None else ():
+        if name.lower() in _NOT_SECRET or name.lower() in dispatcher_set:
+            continue
+        values.add(value)
+        values.add(value.partition(" ")[2].strip())  # the token of "Bearer <token>"
+    for template in tool.headers.values():
+        values.update(env[m.group(1)] for m in ENV_REF.finditer(template) if m.group(1) in env)
+    return sorted((v for v in values if len(v) >= 4), key=len, reverse=True)
+
+
+def _clean(text: str, secrets: Sequence[str], limit: int) -> str:
+    for secret in secrets:  # longest first, so a token inside a header value goes too
+        text = text.replace(secret, "[redacted]")
+    return text[:limit]
+
+
+async def call_provider(
+    client: httpx.AsyncClient, tool: Tool, cmd: DispatchAttempt, *, attempt_id: str,
+    dispatcher_id: str, env: Mapping[str, str], clock: Clock = utcnow,
+    adapter: ProviderAdapter | None = None, on_sent: Callable[[], None] | None = None,
+) -> Outcome:
+    """Make exactly one attempt of `cmd` against the provider and classify the result.
+
+    `on_sent` runs right before the request is handed to httpx (the dispatcher's crash point);
+    what it raises propagates. Cancellation propagates too. Everything else becomes an outcome.
+    """
+    started = time.monotonic()
+
+    def outcome(c: Classified, *, status: int | None = None, digest: str | None = None,
+                secrets: Sequence[str] = ()) -> Outcome:
+        return _to_outcome(c, cmd=cmd, attempt_id=attempt_id, dispatcher_id=dispatcher_id,
+                           at=clock(), status=status, digest=digest, secrets=secrets,
+                           duration_ms=(time.monotonic() - started) * 1000)
+
+    try:
+        adapter = adapter or load_adapter(tool)
+        request = adapter.build_request(tool, cmd, env)
+    except Exception as exc:  # TemplateError; CatalogError (env var, adapter); adapter bugs
+        return outcome(Classified("failed", failure_class=FailureClass.INVALID_ARGUMENT,
+                                  code="request_build_failed",
+                                  message=f"nothing was sent: {_describe(exc)}"),
+                       secrets=_secrets(tool, None, env))
+    secrets = _secrets(tool, request, env)
+    if on_sent is not None:
+        on_sent()
+    started = time.monotonic()
+    ex = await _exchange(client, request, tool.timeout_s)
+    if ex.response is None:
+        assert ex.error is not None
+        return outcome(_send_error(ex.error), secrets=secrets)
+    status = ex.response.status_code
+    if ex.error is not None and 200 <= status < 300:
+        return outcome(Classified("ambiguous", reason="invalid_response", message=(
+            f"HTTP {status} arrived but its body could not be read: {_describe(ex.error)}")),
+            status=status, secrets=secrets)
+    # Any other status line is the provider's decision, even if its body broke off.
+    try:
+        classified = adapter.classify(tool, ex.buffered())
+    except Exception as exc:
+        classified = Classified("ambiguous", reason="invalid_response",
+                                message=f"the adapter could not classify: {_describe(exc)}")
+    digest = ex.body.digest if ex.error is None else None
+    return outcome(classified, status=status, digest=digest, secrets=secrets)
+
+
+def _to_outcome(c: Classified, *, cmd: DispatchAttempt, attempt_id: str, dispatcher_id: str,
+                at: datetime, status: int | None, digest: str | None, secrets: Sequence[str],
+                duration_ms: float) -> Outcome:
+    ref = c.provider_ref[:MAX_PROVIDER_REF_BYTES] if c.provider_ref else None
+    common: dict[str, Any] = dict(
+        operation_id=cmd.operation_id, epoch=cmd.epoch, attempt_id=attempt_id,
+        dispatcher_id=dispatcher_id, at=at, http_status=status, provider_ref=ref,
+        duration_ms=duration_ms)
+    message = _clean(c.message, secrets, MAX_MESSAGE_CHARS)
+    if c.kind in ("succeeded", "accepted") and digest is not None:
+        model = AttemptSucceeded if c.kind == "succeeded" else AttemptAccepted
+        return model(**common, response_digest=digest)
+    if c.kind == "failed" and c.failure_class is not None:
+        retry_after_s = c.retry_after_s
+        if retry_after_s is None and c.retry_after is not None:
+            retry_after_s = parse_retry_after(c.retry_after, at)
+        code = _clean(c.code or (f"http_{status}" if status else "unknown"), secrets,
+                      MAX_CODE_CHARS)
+        # Every "failed" classification means the provider refused before applying anything,
+        # so this attempt states that sending it again is safe (the class decides if useful).
+        failure = Failure(c.failure_class, code, message, retry_after_s=retry_after_s,
+                          idempotency=Idempotency.YES)
+        return AttemptFailed(
+            **common, failure_class=c.failure_class, message=message, code=code,
+            retry_after_s=retry_after_s, response_digest=digest,
+            idempotency=failure.idempotency.value, guidance=failure.guidance()[:1000])
+    if c.kind == "ambiguous" and c.reason is not None:
+        return OutcomeAmbiguous(**common, reason=c.reason, message=message)
+    return OutcomeAmbiguous(**common, reason="invalid_response", message=_clean(
+        f"the adapter's classification {c.kind!r} is incomplete or lacks the body: {c.message}",
+        secrets, MAX_MESSAGE_CHARS))
+
+
+async def readback(
+    client: httpx.AsyncClient, tool: Tool, operation_key: str, operation_id: str,
+    arguments: dict[str, Any], env: Mapping[str, str], adapter: ProviderAdapter | None = None,
+) -> ReadbackResult:
+    """Ask the provider whether the operation's effect exists (one request, `tool.timeout_s`)."""
+    try:
+        adapter = adapter or load_adapter(tool)
+        request = adapter.build_readback(tool, operation_key, operation_id, arguments, env)
+    except Exception as exc:
+        return ReadbackResult(None, None, None, None, _clean(
+            f"readback_build_failed: {_describe(exc)}", _secrets(tool, None, env),
+            MAX_MESSAGE_CHARS))
+    if request is None:
+        return ReadbackResult(None, None, None, None, "the tool has no readback")
+    secrets = _secrets(tool, request, env)
+    ex = await _exchange(client, request, tool.timeout_s)
+    status = ex.response.status_code if ex.response is not None else None
+    if ex.error is not None:
+        return ReadbackResult(None, None, None, status,
+                              _clean(_describe(ex.error), secrets, MAX_MESSAGE_CHARS))
+    try:
+        result = adapter.readback_found(tool, ex.buffered())
+    except Exception as exc:
+        return ReadbackResult(None, None, ex.body.digest, status, _clean(
+            f"the adapter could not read the answer: {_describe(exc)}", secrets,
+            MAX_MESSAGE_CHARS))
+    ref = result.provider_ref[:MAX_PROVIDER_REF_BYTES] if result.provider_ref else None
+    error = _clean(result.error, secrets, MAX_MESSAGE_CHARS) if result.error else None
+    # The digest is of every byte received, whatever the adapter computed from its bounded view.
+    return replace(result, provider_ref=ref, evidence_digest=ex.body.digest, http_status=status,
+                   error=error)

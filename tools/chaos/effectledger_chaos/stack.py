@@ -1,0 +1,333 @@
+"""The system under test, as separate processes, wired through the fault proxy.
+
+```
+            ┌──────── proxy (own process) ────────┐
+services ──▶│ nats ─▶ nats-server (own)           │
+ledger   ──▶│ pg   ─▶ PostgreSQL (own cluster)    │
+disp/rec ──▶│ provider ─▶ sandbox                 │
+sandbox  ──▶│ webhook ─▶ reconciler-1, -2 (failover)
+            └─────────────────────────────────────┘
+```
+The harness itself talks to everything directly (ledger HTTP, database, NATS, the sandbox's
+back door), so a network fault never blinds the checker. Services are configured only through
+`EFFECTLEDGER_*` variables, as an operator would run them; secrets go in the environment of the
+processes that need them, never on a command line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from effectledger_cli.embedded import free_port
+from effectledger_core import unsafe
+from effectledger_testkit.postgres import PrivatePostgres
+
+from . import catalog
+from .config import TOOL_TYPES, ChaosConfig
+from .procs import NatsServer, Service, private_postgres, python_service, wait_port
+from .proxy import ProxyClient
+
+SUBJECT_PREFIX = "chaos"
+STREAM_PREFIX = "CHAOS"
+DB_NAME = "chaos"
+WEBHOOK_PROVIDER = "sandbox"
+
+
+@dataclass
+class ExitRecord:
+    service: str
+    incarnation: int
+    code: int | None
+    reason: str | None  # why we expected it; None: nobody signalled it
+    at: float  # wall clock
+    crash_points: str
+    tail: str = ""
+
+
+@dataclass
+class Stack:
+    cfg: ChaosConfig
+    workdir: Path
+    log: Callable[[str], None] = print
+    services: dict[str, Service] = field(default_factory=dict)
+    exits: list[ExitRecord] = field(default_factory=list)
+    locks: dict[str, asyncio.Lock] = field(default_factory=dict)
+    t0: float = field(default_factory=time.monotonic)
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.logs = self.workdir / "logs"
+        self.logs.mkdir(exist_ok=True)
+        # Canaries: planted secrets that must never appear in any log, message or row.
+        self.api_key = "sk_canary_" + secrets.token_hex(16)
+        raw = secrets.token_bytes(24)
+        self.webhook_secret = "whsec_" + base64.b64encode(raw).decode()
+        self.canaries = {"provider_api_key": self.api_key,
+                         "webhook_secret": self.webhook_secret,
+                         "webhook_secret_body": self.webhook_secret.removeprefix("whsec_")}
+        self.pg: PrivatePostgres | None = None
+        self._pg_root: Path | None = None
+        self.nats = NatsServer(self.workdir, self.logs)
+        self.ports = {name: free_port() for name in (
+            "nats_proxy", "pg_proxy", "provider_proxy", "webhook_proxy", "proxy_control",
+            "sandbox", "ledger")}
+        self.reconciler_ports = [free_port() for _ in range(self.cfg.reconcilers)]
+        self.proxy = ProxyClient(self.ports["proxy_control"])
+        self.supervising = False
+        self._supervisor: asyncio.Task[None] | None = None
+        self.restart_delay: dict[str, float] = {}
+
+    # -- addresses ------------------------------------------------------------------------
+
+    @property
+    def ledger_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['ledger']}"
+
+    @property
+    def sandbox_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['sandbox']}"
+
+    @property
+    def provider_url(self) -> str:
+        return f"http://127.0.0.1:{self.ports['provider_proxy']}"
+
+    @property
+    def nats_direct(self) -> str:
+        return self.nats.url
+
+    @property
+    def db_direct(self) -> str:
+        if self.pg is not None:
+            return self.pg.url(DB_NAME)
+        if self.cfg.database_url:
+            return self.cfg.database_url
+        return f"sqlite+aiosqlite:///{self.workdir / 'ledger.db'}"
+
+    @property
+    def db_for_services(self) -> str:
+        if self.pg is not None:
+            return self.pg.url(DB_NAME, port=self.ports["pg_proxy"])
+        return self.db_direct
+
+    def reconciler_url(self, i: int = 0) -> str:
+        return f"http://127.0.0.1:{self.reconciler_ports[i]}"
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    # -- start ----------------------------------------------------------------------------
+
+    def _base_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECTLEDGER_")}
+        env.update({
+            "PYTHONUNBUFFERED": "1",
+            "EFFECTLEDGER_DATABASE_URL": self.db_for_services,
+            "EFFECTLEDGER_NATS_URL": f"nats://127.0.0.1:{self.ports['nats_proxy']}",
+            "EFFECTLEDGER_SUBJECT_PREFIX": SUBJECT_PREFIX,
+            "EFFECTLEDGER_STREAM_PREFIX": STREAM_PREFIX,
+            "EFFECTLEDGER_STREAM_STORAGE": "file",
+            "EFFECTLEDGER_CATALOG_PATH": str(self.workdir / "catalog.toml"),
+            "EFFECTLEDGER_LEDGER_HOST": "127.0.0.1",
+            "EFFECTLEDGER_LEDGER_PORT": str(self.ports["ledger"]),
+            "EFFECTLEDGER_LOG_LEVEL": "INFO",
+            **self.cfg.timing.env(),
+        })
+        return env
+
+    async def start(self) -> None:
+        (self.workdir / "catalog.toml").write_text(
+            catalog.render(self.provider_url, self.cfg.timing))
+        await asyncio.gather(self._start_database(), self.nats.start())
+        self._start_proxy()
+        await self.services["proxy"].wait_ready(30)
+        base = self._base_env()
+        self._start_sandbox(base)
+        await self.services["sandbox"].wait_ready(30)
+        await self._configure_sandbox()
+        ledger = python_service("ledger", "ledger", ["-m", "effectledger_cli", "ledger"],
+                                dict(base), self.logs, self.workdir, b"ledger ready:")
+        self.services["ledger"] = ledger
+        ledger.start()
+        await ledger.wait_ready(90)
+        for i in range(self.cfg.dispatchers):
+            name = f"dispatcher-{i + 1}"
+            env = {**base, "EFFECTLEDGER_DISPATCHER_ID": name,
+                   "EFFECTLEDGER_DISPATCHER_CONCURRENCY": "16",
+                   catalog.API_KEY_ENV: self.api_key}
+            if self.cfg.unsafe_skip_claim:
+                env[unsafe.SKIP_CLAIM.env] = "1"
+            self.services[name] = python_service(
+                name, "dispatcher", ["-m", "effectledger_cli", "dispatcher"], env, self.logs,
+                self.workdir, f"dispatcher ready: {name}".encode())
+        for i in range(self.cfg.reconcilers):
+            name = f"reconciler-{i + 1}"
+            env = {**base, "EFFECTLEDGER_RECONCILER_ID": name,
+                   "EFFECTLEDGER_RECONCILER_PORT": str(self.reconciler_ports[i]),
+                   "EFFECTLEDGER_WEBHOOK_SECRETS": json.dumps(
+                       {WEBHOOK_PROVIDER: [self.webhook_secret]}),
+                   catalog.API_KEY_ENV: self.api_key}
+            if self.cfg.unsafe_skip_webhook_verification:
+                env[unsafe.SKIP_WEBHOOK_VERIFICATION.env] = "1"
+            self.services[name] = python_service(
+                name, "reconciler", ["-m", "effectledger_cli", "reconciler"], env, self.logs,
+                self.workdir, b"reconciler ready:")
+        workers = [s for s in self.services.values() if s.kind in ("dispatcher", "reconciler")]
+        for s in workers:
+            s.start()
+        await asyncio.gather(*(s.wait_ready(90) for s in workers))
+        self.services["nats"] = self.nats.service
+        for name in self.services:
+            self.locks[name] = asyncio.Lock()
+        self.locks["postgres"] = asyncio.Lock()
+        for route in ("nats", "pg", "provider", "webhook"):
+            self.locks[f"route:{route}"] = asyncio.Lock()
+
+    async def _start_database(self) -> None:
+        if self.cfg.database == "sqlite" or self.cfg.database_url:
+            return
+        # PostgreSQL runs as the postgres user: its folder lives under /tmp, which it can reach.
+        self._pg_root = Path(tempfile.mkdtemp(prefix="effectledger-chaos-pg-"))
+        self.pg = private_postgres(self._pg_root)
+        await asyncio.to_thread(self.pg.init)
+        await asyncio.to_thread(self.pg.start)
+        await asyncio.to_thread(self.pg.create_database, DB_NAME)
+
+    def _start_proxy(self) -> None:
+        routes = [f"nats={self.ports['nats_proxy']}:{self.nats.port}",
+                  f"provider={self.ports['provider_proxy']}:{self.ports['sandbox']}",
+                  "webhook={}:{}".format(self.ports["webhook_proxy"],
+                                         ",".join(map(str, self.reconciler_ports)))]
+        if self.pg is not None:
+            routes.append(f"pg={self.ports['pg_proxy']}:{self.pg.port}")
+        args = ["-m", "effectledger_chaos.proxy", "--control", str(self.ports["proxy_control"])]
+        for r in routes:
+            args += ["--route", r]
+        proxy = python_service("proxy", "proxy", args, self._plain_env(), self.logs,
+                               self.workdir, b"chaos proxy ready")
+        self.services["proxy"] = proxy
+        proxy.start()
+
+    def _plain_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECTLEDGER_")}
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _start_sandbox(self, base: dict[str, str]) -> None:
+        env = {**self._plain_env(),
+               catalog.API_KEY_ENV: self.api_key,
+               "EFFECTLEDGER_SANDBOX_WEBHOOK_URL":
+                   f"http://127.0.0.1:{self.ports['webhook_proxy']}/v1/webhooks/"
+                   f"{WEBHOOK_PROVIDER}",
+               "EFFECTLEDGER_SANDBOX_WEBHOOK_SECRET": self.webhook_secret,
+               "EFFECTLEDGER_SANDBOX_WEBHOOK_ROUTES": TOOL_TYPES["c"]["route"]}
+        sandbox = python_service(
+            "sandbox", "sandbox", ["-m", "effectledger_sandbox", "--port",
+                                   str(self.ports["sandbox"])], env, self.logs, self.workdir,
+            b"listening on")
+        self.services["sandbox"] = sandbox
+        sandbox.start()
+
+    async def _configure_sandbox(self) -> None:
+        route = TOOL_TYPES["c"]["route"]
+        async with httpx.AsyncClient(base_url=self.sandbox_url, timeout=10) as http:
+            # The webhook-only tool hears "not applied" too, so refused requests can be
+            # decided without a human; the ledger checks the fencing token of such a webhook.
+            r = await http.post(f"/_config/routes/{route}",
+                                json={"webhooks": True, "not_applied_webhooks": True})
+            r.raise_for_status()
+
+    # -- supervision ----------------------------------------------------------------------
+
+    def start_supervisor(self) -> None:
+        self.supervising = True
+        self._supervisor = asyncio.create_task(self._supervise(), name="supervisor")
+
+    async def stop_supervisor(self) -> None:
+        self.supervising = False
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+
+    def record_exit(self, s: Service) -> ExitRecord | None:
+        cur = s.current
+        if cur is None or cur.alive or getattr(cur, "_recorded", False):
+            return None
+        cur._recorded = True  # type: ignore[attr-defined]
+        reason = cur.expected_exit
+        if reason is None and cur.crash_points and cur.popen.returncode == -signal.SIGKILL:
+            reason = f"crash_point:{cur.crash_points}"
+        rec = ExitRecord(s.name, len(s.incarnations), cur.popen.returncode, reason,
+                         round(time.time(), 3), cur.crash_points,
+                         "" if reason else s.tail(25))
+        self.exits.append(rec)
+        if reason is None:
+            self.log(f"!! {s.name} exited unexpectedly with {cur.popen.returncode}")
+        return rec
+
+    async def _supervise(self) -> None:
+        """Restart services that died (faults record their own restarts; crashes are noted)."""
+        while self.supervising:
+            for s in list(self.services.values()):
+                if s.held_down or s.alive:
+                    continue
+                rec = self.record_exit(s)
+                if rec is not None and rec.reason is None:
+                    await asyncio.sleep(0.5)  # a crash-looping service must not spin
+                if not s.alive and not s.held_down and self.supervising:
+                    s.start()
+            await asyncio.sleep(0.2)  # supervision period
+
+    # -- cleanup --------------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        await self.stop_supervisor()
+        order = ["dispatcher", "reconciler", "ledger", "sandbox", "proxy", "nats"]
+        for kind in order:
+            group = [s for s in self.services.values() if s.kind == kind]
+            await asyncio.gather(*(s.stop(10) for s in group), return_exceptions=True)
+        if self.nats.service.alive:
+            await self.nats.service.stop(10)
+        if self.pg is not None:
+            await asyncio.to_thread(self.pg.stop)
+
+    def kill_everything(self) -> None:
+        for s in [*self.services.values(), self.nats.service]:
+            s.kill_now()
+        if self.pg is not None:
+            with contextlib.suppress(Exception):
+                self.pg.stop_immediate()
+
+    def cleanup_pg_folder(self, keep: bool) -> None:
+        if self._pg_root is None:
+            return
+        if keep:
+            with contextlib.suppress(OSError):
+                shutil.copy(self._pg_root / "postgres.log", self.logs / "postgres.log")
+        shutil.rmtree(self._pg_root, ignore_errors=True)
+
+    # -- direct reads ---------------------------------------------------------------------
+
+    async def sandbox_get(self, path: str) -> Any:
+        async with httpx.AsyncClient(base_url=self.sandbox_url, timeout=30) as http:
+            r = await http.get(path)
+            r.raise_for_status()
+            return r.json()
+
+    async def wait_nats(self, timeout_s: float = 30) -> None:
+        await wait_port(self.nats.port, timeout_s, self.nats.service)
