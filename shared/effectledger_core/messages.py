@@ -25,6 +25,7 @@ from pydantic import (
 
 from .errors import PayloadTooLarge, PoisonMessage
 from .limits import MAX_IDENTIFIER_BYTES, MAX_MESSAGE_BYTES, MAX_PROVIDER_REF_BYTES
+from .results import ProviderResult
 
 
 def _within_bytes(value: str) -> str:
@@ -199,6 +200,8 @@ class _Outcome(Message):
 class AttemptSucceeded(_Outcome):
     type: Literal["attempt_succeeded"] = "attempt_succeeded"
     response_digest: str
+    # The provider's answer for the agent (bounded, scrubbed; results.py).
+    result: ProviderResult | None = None
 
 
 class AttemptAccepted(_Outcome):
@@ -278,6 +281,8 @@ class VerdictReached(Message):
     reconciler_id: Ident
     reason: ShortText = ""
     at: datetime
+    # For `applied` by readback: the readback's answer, kept like a response's (results.py).
+    result: ProviderResult | None = None
 
 
 class WebhookReceived(Message):

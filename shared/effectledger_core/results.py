@@ -25,6 +25,8 @@ import jsonpath_rfc9535 as jsonpath
 from pydantic import BaseModel, ConfigDict
 
 MAX_RESULT_BYTES = 64 * 1024
+# The most a tool may keep: an outcome message carrying it stays well within MAX_MESSAGE_BYTES.
+MAX_RESULT_BYTES_CAP = 128 * 1024
 REDACTED = "[redacted]"
 _MIN_SECRET = 4  # shorter header values ("1", "json") would blot out ordinary text
 

@@ -31,6 +31,7 @@ from effectledger_core.catalog import PLACEHOLDER, TemplateError, Tool, render, 
 from effectledger_core.errors import CatalogError
 from effectledger_core.failures import classify_http_status
 from effectledger_core.messages import DispatchAttempt, FailureClass
+from effectledger_core.results import ProviderResult
 
 ENTRY_POINT_GROUP = "effectledger.adapters"
 AmbiguousReason = Literal["timeout", "connection_lost", "server_error", "invalid_response",
@@ -46,6 +47,8 @@ class ReadbackResult:
     evidence_digest: str | None
     http_status: int | None
     error: str | None
+    # The readback's answer, kept for the agent when it found the effect (calls.readback).
+    result: ProviderResult | None = None
 
 
 @dataclass(frozen=True)

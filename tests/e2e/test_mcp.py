@@ -111,6 +111,7 @@ async def test_mcp_over_stdio_lists_calls_and_never_applies_twice(
                                    progress_callback=progress)
         data = done.structured_content
         assert not done.is_error and data["state"] == "succeeded", data
+        assert data["result"]["body"] == {"title": "from mcp"}  # the provider's own answer
         assert data["receipt"]["digests"]["request"].startswith("sha256:")
         assert seen and seen[-1] == "state: succeeded", seen
 

@@ -27,6 +27,7 @@ from typing import Literal
 from effectledger_bus.backoff import nak_backoff
 from effectledger_core.catalog import Tool
 from effectledger_core.messages import Evidence, ReconcileOperation
+from effectledger_core.results import ProviderResult
 
 # States in which the ledger still waits for a verdict for the operation's current epoch.
 OPEN_STATES = frozenset({"ambiguous", "awaiting_confirmation"})
@@ -67,6 +68,7 @@ class ReadbackAnswer:
     digest: str | None = None
     http_status: int | None = None
     error: str | None = None
+    result: ProviderResult | None = None  # the answer, kept for the agent, when found
 
 
 # -- decisions ------------------------------------------------------------------------------
@@ -93,6 +95,7 @@ class Decide:
     verdict: Literal["applied", "not_applied", "undecidable"]
     reason: str
     evidence: Evidence | None = None
+    result: ProviderResult | None = None  # the provider's answer, for `applied` by readback
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +192,8 @@ def after_readback(cmd: ReconcileOperation, tool: Tool, answer: ReadbackAnswer, 
     if answer.found is True:
         return Decide("applied", "the provider's readback shows the effect", Evidence(
             source="readback", at=answered_at, provider_ref=answer.provider_ref,
-            digest=answer.digest, detail=f"readback found the effect ({status})"))
+            digest=answer.digest, detail=f"readback found the effect ({status})"),
+            result=answer.result)
     if answer.found is False:
         if sent_at >= horizon:
             after = (sent_at - cmd.claimed_at).total_seconds()
