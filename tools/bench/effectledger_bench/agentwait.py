@@ -10,7 +10,8 @@
    wait, its responsiveness meanwhile (GET /healthz and an operation read, p50/p99), and how
    long all waits take to be answered once a dispatcher is started.
 
-    python -m effectledger_bench.agentwait [--n 300] [--waiters 10000] [--out FILE.json]
+    effectledger bench-agent [--n 300] [--waiters 10000] [--out FILE.json]
+    (or python -m effectledger_bench.agentwait)
 
 Runs its own PostgreSQL and nats-server (effectledger_bench/stack.py); prints one JSON
 document.
@@ -186,7 +187,7 @@ async def _cpu_percent(pid: int, window_s: float) -> float:
     return round(100 * (last.cpu_s - first.cpu_s) / (time.perf_counter() - t), 1)
 
 
-async def run(stack: Stack, n: int, count: int) -> dict[str, Any]:
+async def measure(stack: Stack, n: int, count: int) -> dict[str, Any]:
     await submit_and_wait(stack, 30, "warm")
     await bare_calls(stack, 30)
     bare = await bare_calls(stack, n)
@@ -212,21 +213,25 @@ async def run(stack: Stack, n: int, count: int) -> dict[str, Any]:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m effectledger_bench.agentwait")
+HELP = "the agent's figures: submit-and-wait overhead (vs DBOS) and W concurrent waiters"
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--n", type=int, default=300, help="sequential operations per figure")
-    ap.add_argument("--waiters", type=int, default=10000)
+    ap.add_argument("--waiters", type=int, default=10000, help="concurrent waiters (0: skip)")
     ap.add_argument("--database-url", help="use this PostgreSQL (default: a private one)")
     ap.add_argument("--nats-url", help="use this NATS (default: a private nats-server)")
-    ap.add_argument("--out", type=Path)
-    args = ap.parse_args(argv)
+    ap.add_argument("--out", type=Path, help="also write the JSON document here")
+
+
+def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="effectledger-agentwait-") as tmp:
         # Waits longer than the default cap (60 s): the drain of W operations may take longer.
         stack = Stack(Path(tmp), database_url=args.database_url, nats_url=args.nats_url,
                       ledger_env={"EFFECTLEDGER_WAIT_MAX_S": "900"})
         try:
             stack.start(dispatchers=1)
-            result = asyncio.run(run(stack, args.n, args.waiters))
+            result = asyncio.run(measure(stack, args.n, args.waiters))
         finally:
             stack.close()
     text = json.dumps(result, indent=2)
@@ -234,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(text + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m effectledger_bench.agentwait", description=HELP)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
 
 
 if __name__ == "__main__":
