@@ -40,7 +40,7 @@ from effectledger_core.views import (
     Stats,
     ToolList,
 )
-from effectledger_core.waiting import DEFAULT_MAX_WAIT_S, parse_wait
+from effectledger_core.waiting import DEFAULT_MAX_WAIT_S, parse_wait, wait_over
 
 from . import console
 from .auth import Authenticator, Forbidden, Principal, check_tenant, operator_name
@@ -137,8 +137,8 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
     async def waited(op: dict[str, Any], wait: str | None,
                      changed_from: str | None) -> dict[str, Any]:
         wait_s = parse_wait(wait, cap_s=max_wait_s)
-        if wait_s <= 0:
-            return op
+        if wait_s <= 0 or wait_over(op["state"], changed_from):
+            return op  # nothing to wait for: no second read
         return await service.wait_operation(op["id"], wait_s, changed_from=changed_from)
 
     async def visible(p: Principal, operation_id: str) -> dict[str, Any]:
