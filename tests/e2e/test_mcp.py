@@ -47,7 +47,11 @@ async def stdio_session(c: Cluster) -> AsyncIterator[ClientSession]:
     try:
         async with stdio_client(params, errlog=errlog) as (read, write), \
                 ClientSession(read, write) as session:
-            await session.initialize()
+            init = await session.initialize()
+            # Where idempotency keys come from, advertised until SEP-3182 is in the SDK.
+            advertised = {**(init.capabilities.experimental or {}),
+                          **(init.capabilities.extensions or {})}
+            assert advertised["effectledger/idempotency"]["meta"] == "effectledger/idempotencyKey"
             yield session
     finally:
         errlog.close()

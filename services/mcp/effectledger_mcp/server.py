@@ -17,13 +17,14 @@ from typing import Any
 import jsonschema
 import mcp_types as types
 from mcp.server.context import ServerRequestContext
-from mcp.server.lowlevel.server import Server
+from mcp.server.lowlevel.server import NotificationOptions, Server
+from mcp.server.models import InitializationOptions
 from mcp.shared.exceptions import MCPError
 
 from effectledger_client import AsyncClient, InvalidRequest, LedgerError, OperationView
 from effectledger_client.errors import IdempotencyConflict, NotFound
 
-from .mapping import idempotency_key, input_schema, render, task_id, tool_annotations
+from .mapping import META_KEY, idempotency_key, input_schema, render, task_id, tool_annotations
 
 log = logging.getLogger(__name__)
 DEFAULT_WAIT_S = 30.0
@@ -122,13 +123,36 @@ def _progress(ctx: ServerRequestContext[Any]) -> Any:
     return report
 
 
+# Advertised under the server's capabilities (SEP-2133 extensions) until SEP-3182's
+# `tools.idempotency` capability is in the SDK: where a call's idempotency key may come from.
+IDEMPOTENCY_EXTENSION = {"effectledger/idempotency": {
+    "param": "idempotencyKey", "meta": META_KEY, "default": "derived from tool and arguments",
+    "sameKeyDifferentArguments": "refused"}}
+
+
+class _Server(Server[Any]):
+    """The SDK's server, advertising IDEMPOTENCY_EXTENSION in both protocol eras: as an
+    extension (2026-07-28 sessions) and as an experimental capability (older sessions, whose
+    capabilities have no extensions)."""
+
+    def create_initialization_options(
+            self, notification_options: NotificationOptions | None = None,
+            experimental_capabilities: dict[str, dict[str, Any]] | None = None,
+            extensions: dict[str, dict[str, Any]] | None = None) -> InitializationOptions:
+        return super().create_initialization_options(
+            notification_options, {**IDEMPOTENCY_EXTENSION, **(experimental_capabilities or {})},
+            extensions)
+
+
 def build_server(client: AsyncClient, *, wait_s: float = DEFAULT_WAIT_S) -> Server[Any]:
     tools = Tools(client, wait_s=wait_s)
-    return Server("effectledger", version="1",
-                  instructions="Tools run through effectledger: each call is attempted at most "
-                               "once. A result saying the outcome is unknown must not be "
-                               "retried.",
-                  on_list_tools=tools.list_tools, on_call_tool=tools.call_tool)
+    server: Server[Any] = _Server(
+        "effectledger", version="1",
+        instructions="Tools run through effectledger: each call is attempted at most once. A "
+                     "result saying the outcome is unknown must not be retried.",
+        on_list_tools=tools.list_tools, on_call_tool=tools.call_tool)
+    server.extensions.update(IDEMPOTENCY_EXTENSION)
+    return server
 
 
 async def serve_stdio(client: AsyncClient, *, wait_s: float = DEFAULT_WAIT_S) -> None:
