@@ -52,6 +52,7 @@ from effectledger_core.messages import (
     FailureClass,
     Outcome,
     OutcomeAmbiguous,
+    storable,
 )
 from effectledger_core.results import ProviderResult, keep_result
 
@@ -215,7 +216,13 @@ def _secrets(tool: Tool, request: httpx.Request | None, env: Mapping[str, str]) 
 def _clean(text: str, secrets: Sequence[str], limit: int) -> str:
     for secret in secrets:  # longest first, so a token inside a header value goes too
         text = text.replace(secret, "[redacted]")
-    return text[:limit]
+    return storable(text)[:limit]
+
+
+def _clean_ref(ref: str | None, secrets: Sequence[str]) -> str | None:
+    """A provider reference is provider text like any other: a provider echoing the API key in
+    its `id` or `X-Request-Id` must not put it into the journal and the receipt."""
+    return _clean(ref, secrets, MAX_PROVIDER_REF_BYTES) if ref else None
 
 
 async def call_provider(
@@ -283,7 +290,7 @@ def _kept(tool: Tool, ex: _Exchange, secrets: Sequence[str]) -> ProviderResult |
 def _to_outcome(c: Classified, *, cmd: DispatchAttempt, attempt_id: str, dispatcher_id: str,
                 at: datetime, status: int | None, digest: str | None, secrets: Sequence[str],
                 duration_ms: float, result: ProviderResult | None = None) -> Outcome:
-    ref = c.provider_ref[:MAX_PROVIDER_REF_BYTES] if c.provider_ref else None
+    ref = _clean_ref(c.provider_ref, secrets)
     common: dict[str, Any] = dict(
         operation_id=cmd.operation_id, epoch=cmd.epoch, attempt_id=attempt_id,
         dispatcher_id=dispatcher_id, at=at, http_status=status, provider_ref=ref,
@@ -340,7 +347,7 @@ async def readback(
         return ReadbackResult(None, None, ex.body.digest, status, _clean(
             f"the adapter could not read the answer: {_describe(exc)}", secrets,
             MAX_MESSAGE_CHARS))
-    ref = result.provider_ref[:MAX_PROVIDER_REF_BYTES] if result.provider_ref else None
+    ref = _clean_ref(result.provider_ref, secrets)
     error = _clean(result.error, secrets, MAX_MESSAGE_CHARS) if result.error else None
     # A readback that found the effect answers what the lost response would have: keep it.
     kept = _kept(tool, ex, secrets) if result.found is True else None
