@@ -115,7 +115,7 @@ class Tool(_Strict):
     # Automatic retries stop once this much time has passed since the intent was accepted.
     retry_deadline_s: Annotated[float, Field(gt=0, le=30 * 86400)] = 3600.0
     # The provider's answer kept for the agent (results.py): at most this many bytes (as JSON;
-    # 0 keeps none), and with `result_path` (RFC 9535 JSONPath) only the part a model needs.
+    # 0 keeps none), and with `result_path` (JSONPath) only the part a model needs.
     max_result_bytes: Annotated[int, Field(ge=0, le=MAX_RESULT_BYTES_CAP)] = MAX_RESULT_BYTES
     result_path: str | None = None
     commit_policy: Literal["auto", "approval"] = "auto"

@@ -4,8 +4,8 @@ A model can only use what its tool produced if it sees it: the created ticket, t
 dispatcher keeps the response body of a success (and the reconciler the readback's answer)
 through `keep_result`:
 
-- JSON is parsed, and the tool's `result_path` (RFC 9535 JSONPath) keeps only the part a model
-  needs: one match is the value itself, several are a list, none is "nothing matched".
+- JSON is parsed, and the tool's `result_path` (JSONPath, as for readbacks) keeps only the part
+  a model needs: one match is the value itself, several are a list, none is "nothing matched".
 - Text is kept as text, cut at the limit (`truncated`). A JSON answer is never cut (half a
   document is not JSON): above the limit its value is omitted and the result says why. The
   limit bounds the value as JSON (escapes included), which is what messages and rows carry.
@@ -21,8 +21,9 @@ import json
 from collections.abc import Iterable
 from typing import Any, Literal
 
-import jsonpath_rfc9535 as jsonpath
 from pydantic import BaseModel, ConfigDict
+
+from .jsonpaths import check_path, find_all
 
 MAX_RESULT_BYTES = 64 * 1024
 # The most a tool may keep: an outcome message carrying it stays well within MAX_MESSAGE_BYTES.
@@ -43,12 +44,9 @@ class ProviderResult(BaseModel):
 
 
 def check_result_path(path: str) -> str:
-    """A catalog's `result_path`, or ValueError saying what is wrong with it."""
-    try:
-        jsonpath.compile(path)
-    except jsonpath.JSONPathError as exc:
-        raise ValueError(f"not a JSONPath (RFC 9535): {exc}") from exc
-    return path
+    """A catalog's `result_path`, or ValueError saying what is wrong with it (the catalog's
+    one JSONPath dialect, as for readback paths)."""
+    return check_path(path)
 
 
 def _scrub_text(text: str, secrets: list[str]) -> str:
@@ -112,7 +110,7 @@ def _encoded(value: Any) -> int:
 
 def _json_result(value: Any, path: str | None, limit: int, size: int) -> ProviderResult:
     if path is not None:
-        matches = jsonpath.find(path, value).values()
+        matches = find_all(value, path)
         if not matches:
             return ProviderResult(kind="json", omitted="no_match", bytes=size)
         value = matches[0] if len(matches) == 1 else matches

@@ -623,7 +623,8 @@ async def test_readback_renders_url_with_quoted_arguments_and_sends_credentials(
                                          {"ref": "a/b c"})
     # A readback that found the effect also keeps its answer for the agent.
     kept = ProviderResult(kind="json", value={"id": "t-1"}, bytes=12)
-    assert result == ReadbackResult(True, "t-1", result.evidence_digest, 200, None, kept)
+    assert result == ReadbackResult(True, "t-1", result.evidence_digest, 200, None,
+                                    result=kept)
     assert result.evidence_digest is not None and result.evidence_digest.startswith("sha256:")
     [request] = provider.requests
     assert request.method == "GET"
