@@ -90,6 +90,10 @@ class Subjects:
     def rpc_operation_for(self, tenant: str) -> str:
         return f"{self.prefix}.rpc.v1.tenant.{tenant}.operation"
 
+    def rpc_operation_wait_for(self, tenant: str) -> str:
+        """An agent's wait on its own tenant's operation (one token, like its neighbours)."""
+        return f"{self.prefix}.rpc.v1.tenant.{tenant}.wait"
+
     def tenant_of(self, subject: str) -> str | None:
         """The tenant a tenant-bound request subject names, or None."""
         head = f"{self.prefix}.rpc.v1.tenant."

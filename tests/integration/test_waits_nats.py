@@ -74,3 +74,24 @@ async def test_a_nats_wait_for_an_unknown_operation_is_not_found(
     _, nc = wired
     answer = await _ask(nc, settings, {"operation_id": "nope", "wait_s": 5})
     assert answer["error"]["code"] == "not_found"  # type: ignore[index]
+
+
+async def test_an_agent_waits_on_its_own_tenants_subject_and_not_on_anothers(
+        wired: tuple[LedgerService, NatsClient], settings: Settings) -> None:
+    """`<prefix>.rpc.v1.tenant.<tenant>.wait`: the tenant comes from the subject (bound by NATS
+    permissions); another tenant's operation reads like a missing one."""
+    svc, nc = wired
+    op = (await svc.submit(SubmitIntent(tool="lookup", arguments={"q": 2},
+                                        tenant="acme"))).operation
+    body = json.dumps({"operation_id": op["id"], "wait_s": 25}).encode()
+    subjects = settings.subjects
+    other = json.loads((await nc.request(subjects.rpc_operation_wait_for("globex"), body,
+                                         timeout=30)).data)
+    assert other["ok"] is False and other["error"]["code"] == "not_found"
+    reply = asyncio.create_task(nc.request(subjects.rpc_operation_wait_for("acme"), body,
+                                           timeout=30))
+    await _waiting(svc)
+    await svc.claim(_claim(op["id"]))
+    await svc.record_outcome(_success(op["id"]), consumer="ledger", message_id="n2")
+    answer = json.loads((await asyncio.wait_for(reply, 10)).data)
+    assert answer["ok"] is True and answer["operation"]["state"] == "succeeded"

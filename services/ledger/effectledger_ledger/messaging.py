@@ -117,6 +117,24 @@ class Requests:
             return _error_reply(exc)
         return encode(OperationReply(operation=_summary(op, with_ref=False)))
 
+    async def operation_wait_for(self, subject: str, raw: bytes) -> bytes:
+        """An agent's wait on its own tenant's operation; another tenant's reads as missing."""
+        try:
+            tenant = self.service.subjects.tenant_of(subject)
+            query = parse(OperationWait, raw)
+            try:
+                op = await self.service.operation(query.operation_id)
+            except NotFound:
+                op = None
+            if op is None or tenant is None or op.get("tenant") != tenant:
+                raise NotFound(f"operation {query.operation_id!r} not found")
+            if query.wait_s > 0:
+                op = await self.service.wait_operation(query.operation_id,
+                                                       min(query.wait_s, self.max_wait_s))
+        except EffectLedgerError as exc:
+            return _error_reply(exc)
+        return encode(OperationReply(operation=_summary(op, with_ref=False)))
+
     async def claim(self, raw: bytes) -> bytes:
         try:
             claim = parse(ClaimAttempt, raw)
@@ -183,6 +201,8 @@ async def serve_requests(nc: NatsClient, settings: Settings,
                        concurrency=16384)
     await server.serve_by_subject(subjects.rpc_operation_for("*"), handlers.operation_for,
                                   queue="ledger", concurrency=16)
+    await server.serve_by_subject(subjects.rpc_operation_wait_for("*"),
+                                  handlers.operation_wait_for, queue="ledger", concurrency=16384)
     return server
 
 
