@@ -101,7 +101,8 @@ class Settings(BaseSettings):
     webhook_max_body_bytes: int = Field(default=256 * 1024, gt=0)
     webhook_tolerance_s: float = Field(default=300.0, gt=0)
 
-    log_level: str = "INFO"
+    log_level: str = Field(default="INFO",
+                           pattern=r"(?i)^(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)$")
 
     @property
     def subjects(self) -> Subjects:

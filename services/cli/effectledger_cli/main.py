@@ -170,6 +170,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        from .startup_errors import startup_error_line
+
+        line = startup_error_line(exc)
+        if line is None:
+            raise
+        print(f"effectledger {args.command}: {line}", file=sys.stderr)
+        return 2
 
 
 def _dispatch(args: argparse.Namespace) -> int:
