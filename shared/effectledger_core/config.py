@@ -47,7 +47,13 @@ class Settings(BaseSettings):
     subject_prefix: str = Field(default="effects", pattern=r"^[a-zA-Z0-9_-]+(\.[a-zA-Z0-9_-]+)*$")
     stream_prefix: str = Field(default="EFFECTS", pattern=r"^[A-Za-z0-9_-]+$")
     stream_storage: str = Field(default="file", pattern="^(file|memory)$")
-    stream_replicas: int = 1
+    # Replicas and placement of every stream, applied by `effectledger streams apply` only.
+    stream_replicas: int = Field(default=1, ge=1, le=5)
+    stream_placement_cluster: str | None = None
+    stream_placement_tags: list[str] = Field(default_factory=list)
+    # A service finding a stream missing creates it (the embedded default); deployments turn
+    # this off so that streams exist only as the apply step made them.
+    streams_create_missing: bool = True
     stream_max_age_s: float = 7 * 86400
     duplicate_window_s: float = 120.0
 

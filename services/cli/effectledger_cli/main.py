@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     mig = sub.add_parser("migrate", help="create or upgrade the ledger schema")
     _common(mig, db=True)
 
+    from .streams_cmd import add_arguments as add_streams_arguments
+
+    add_streams_arguments(sub.add_parser(
+        "streams", help="apply (or show) the JetStream streams and consumers: the one step "
+                        "that owns their configuration"))
+
     from effectledger_bench.cli import add_arguments as add_bench_arguments
 
     add_bench_arguments(sub.add_parser(
@@ -214,6 +220,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     settings = _settings(args)
     _logging(settings)
+    if cmd == "streams":
+        from .streams_cmd import run as run_streams
+
+        return run_streams(args, settings)
     if cmd == "migrate":
         from effectledger_ledger.db.store import Store
         from effectledger_ledger.migrate import upgrade

@@ -9,6 +9,7 @@ the broker last; `up` exits with no child left.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import json
 import os
@@ -23,6 +24,7 @@ from types import FrameType
 
 import httpx
 
+from effectledger_bus.topology import topology
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import DEMO_CATALOG
 from effectledger_core.errors import EffectLedgerError
@@ -170,6 +172,7 @@ def _run(args: argparse.Namespace, sigs: _Signals, procs: dict[str, Child]) -> i
     nats = start("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(nats_port),
                           "-js", "-sd", str(data / "jetstream")], {})
     children.wait_listening(nats, nats_port, 15)
+    _apply_streams(env)
     if with_sandbox:
         sandbox = start("sandbox", children.cli("sandbox", "--port", str(args.sandbox_port)), {
             **provider_env, "EFFECTLEDGER_SANDBOX_WEBHOOK_URL": webhook_url,
@@ -201,6 +204,17 @@ def _run(args: argparse.Namespace, sigs: _Signals, procs: dict[str, Child]) -> i
         if args.exit_after_demo:
             return code
     return _supervise(procs)
+
+
+def _apply_streams(env: dict[str, str]) -> None:
+    """The stream step runs before any service: services only check streams."""
+    from effectledger_core.config import Settings
+
+    from .streams_cmd import apply
+
+    settings = Settings(nats_url=env["EFFECTLEDGER_NATS_URL"],
+                        ack_wait_s=float(env["EFFECTLEDGER_ACK_WAIT_S"]))
+    asyncio.run(asyncio.wait_for(apply(settings, topology(settings)), 30))
 
 
 def _base_env(args: argparse.Namespace, data: Path, nats_port: int, catalog: Path
