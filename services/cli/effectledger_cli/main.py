@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     mig = sub.add_parser("migrate", help="create or upgrade the ledger schema")
     _common(mig, db=True)
 
+    from .deploy_env import add_arguments as add_deploy_env_arguments
+
+    add_deploy_env_arguments(sub.add_parser(
+        "deploy-env", help="print fresh credentials for infra/compose.yaml as an .env file"))
+
     from .streams_cmd import add_arguments as add_streams_arguments
 
     add_streams_arguments(sub.add_parser(
@@ -204,6 +209,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from . import client
 
         return client.run(args)
+    if cmd == "deploy-env":
+        from .deploy_env import run as run_deploy_env
+
+        return run_deploy_env(args)
     if cmd == "sandbox":
         from effectledger_sandbox.app import create_app as sandbox_app
         from effectledger_sandbox.server import serve as serve_sandbox

@@ -82,9 +82,9 @@ class _Signals:
             raise Stopped(self.received)
 
 
-def demo_catalog_text(sandbox_port: int) -> str:
-    """The bundled demo catalog, pointed at the sandbox on `sandbox_port`."""
-    return DEMO_CATALOG.read_text().replace(DEMO_SANDBOX, f"127.0.0.1:{sandbox_port}")
+def demo_catalog_text(sandbox_port: int, host: str = "127.0.0.1") -> str:
+    """The bundled demo catalog, pointed at the sandbox on `host:sandbox_port`."""
+    return DEMO_CATALOG.read_text().replace(DEMO_SANDBOX, f"{host}:{sandbox_port}")
 
 
 def merged_webhook_secrets(user_json: str | None, provider: str, secret: str) -> str:
