@@ -33,9 +33,16 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class StreamMissing(ConfigError):
+    """A stream this service needs does not exist and it may not create it: waited for, as
+    the deployment's `streams apply` step may simply not have run yet."""
+
+
 def _transient(exc: BaseException) -> bool:
     """Worth waiting out at start-up: the server is unreachable, restarting or electing. A
     refused configuration (400) is our mistake and must fail the start at once."""
+    if isinstance(exc, StreamMissing):
+        return True
     if isinstance(exc, BadRequestError):
         return False
     return isinstance(exc, nats.errors.Error | TimeoutError | OSError)
@@ -97,8 +104,8 @@ async def _check_stream(js: JetStreamContext, cfg: StreamConfig, create_missing:
         info = await js.stream_info(name)
     except NotFoundError:
         if not create_missing:
-            raise ConfigError(f"JetStream stream {name} does not exist: run `effectledger "
-                              "streams apply` first") from None
+            raise StreamMissing(f"JetStream stream {name} does not exist yet: waiting for "
+                                "`effectledger streams apply`") from None
         try:
             await js.add_stream(cfg)
         except BadRequestError as exc:  # another service created it a moment ago

@@ -5,6 +5,8 @@ Each test has its own stream and subject prefixes; its streams are deleted after
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
@@ -12,9 +14,10 @@ import nats
 import pytest
 from nats.aio.client import Client as NatsClient
 from nats.js.api import RetentionPolicy
+from nats.js.errors import NotFoundError
 
 from effectledger_bus import topology as topo
-from effectledger_bus.streams import delete_streams, ensure_streams
+from effectledger_bus.streams import StreamMissing, _transient, delete_streams, ensure_streams
 from effectledger_core.config import Settings
 from effectledger_core.errors import ConfigError
 from tests.support.servers import unique_prefix
@@ -65,13 +68,33 @@ async def test_a_service_check_never_changes_limits_the_apply_step_set(
         assert (cfg.max_age, cfg.duplicate_window) == (3600.0, 30.0)
 
 
-async def test_a_missing_stream_is_refused_when_services_may_not_create_streams(
+async def test_a_service_that_may_not_create_streams_waits_for_the_apply_step(
         nc: NatsClient, base: Settings) -> None:
     strict = base.model_copy(update={"streams_create_missing": False})
-    with pytest.raises(ConfigError, match="does not exist: run `effectledger streams apply`"):
-        await ensure_streams(nc.jetstream(), strict)
-    await ensure_streams(nc.jetstream(), base)  # the embedded default creates it
-    await ensure_streams(nc.jetstream(), strict)  # and now it exists
+    found_missing = asyncio.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "StreamMissing" in record.getMessage():
+                found_missing.set()
+
+    handler = Seen()
+    logging.getLogger("effectledger_bus.streams").addHandler(handler)
+    try:
+        waiting = asyncio.create_task(ensure_streams(nc.jetstream(), strict))
+        await asyncio.wait_for(found_missing.wait(), 30)  # it saw the stream missing...
+    finally:
+        logging.getLogger("effectledger_bus.streams").removeHandler(handler)
+    assert not waiting.done()  # ...and neither gave up nor created it
+    with pytest.raises(NotFoundError):
+        await nc.jetstream().stream_info(base.subjects.dispatch_stream)
+    await topo.apply(nc.jetstream(), topo.topology(base))
+    await asyncio.wait_for(waiting, 30)  # and now proceeds
+
+
+def test_a_missing_stream_is_waited_for_not_a_failure() -> None:
+    assert _transient(StreamMissing("JetStream stream X does not exist yet"))
+    assert not _transient(ConfigError("JetStream stream X has retention limits"))
 
 
 async def test_a_stream_with_the_wrong_retention_fails_the_service_start_in_one_line(
