@@ -18,6 +18,8 @@ import os
 import secrets
 import sys
 
+from .up_nats import nats_password
+
 NATS_USERS = ("ledger", "dispatcher", "reconciler", "streams")
 
 
@@ -43,8 +45,8 @@ def generate() -> dict[str, str]:
         "EFFECTLEDGER_SANDBOX_WEBHOOK_SECRET": hook,
         "EFFECTLEDGER_WEBHOOK_SECRETS": json.dumps({"sandbox": [hook]}),
     }
-    for user in NATS_USERS:
-        env[f"NATS_{user.upper()}_PASSWORD"] = _token()
+    for user in NATS_USERS:  # referenced as $NAME from nats.conf: see nats_password
+        env[f"NATS_{user.upper()}_PASSWORD"] = nats_password()
     return env
 
 

@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sandbox port (the demo catalog expects 8700)")
     up.add_argument("--reconciler-port", type=int, default=8800,
                     help="reconciler webhook port")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="N nats-server processes clustered on loopback, streams with N "
+                         "replicas (at most 5) and a NATS user per service (default: 1)")
+    for role, first in (("ledgers", "--ledger-port"), ("dispatchers", None),
+                        ("reconcilers", "--reconciler-port")):
+        up.add_argument(f"--{role}", type=int, default=1, metavar="N",
+                        help=f"run N {role}" + (f" (ports from {first} up)" if first else ""))
     up.add_argument("--demo", type=int, default=0, metavar="N",
                     help="submit N demo intents once ready and print where they ended")
     up.add_argument("--exit-after-demo", action="store_true",

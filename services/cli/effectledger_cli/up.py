@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import base64
 import json
+import logging
 import os
 import secrets
 import signal
@@ -29,9 +30,8 @@ from effectledger_core.catalog import Catalog
 from effectledger_core.config import DEMO_CATALOG
 from effectledger_core.errors import EffectLedgerError
 
-from . import children
+from . import children, up_nats
 from .children import Child, PortTaken, StartFailed
-from .embedded import free_port, nats_server_binary
 
 AT_REST = {"succeeded", "failed", "cancelled", "needs_review"}
 DEMO_SANDBOX = "127.0.0.1:8700"  # where the bundled demo catalog expects its sandbox
@@ -128,12 +128,28 @@ def _run(args: argparse.Namespace, sigs: _Signals, procs: dict[str, Child]) -> i
     data = Path(args.data_dir).resolve()
     demo_catalog = not args.catalog_path
     with_sandbox = demo_catalog or bool(args.demo)
-    ports = {"ledger": (args.ledger_port, "--ledger-port"),
-             "reconciler webhooks": (args.reconciler_port, "--reconciler-port")}
+    database_url = args.database_url or os.environ.get("EFFECTLEDGER_DATABASE_URL") or (
+        f"sqlite+aiosqlite:///{data / 'ledger.db'}")
+    counts = {"--nats-cluster": args.nats_cluster, "--ledgers": args.ledgers,
+              "--dispatchers": args.dispatchers, "--reconcilers": args.reconcilers}
+    for flag, count in counts.items():
+        if not 1 <= count <= 16:
+            print(f"effectledger up: {flag} must be between 1 and 16, not {count}",
+                  file=sys.stderr)
+            return 2
+    if args.ledgers > 1 and database_url.startswith("sqlite"):
+        print(f"effectledger up: --ledgers {args.ledgers} needs PostgreSQL (--database-url "
+              "postgresql+asyncpg://...): SQLite has a single writer", file=sys.stderr)
+        return 2
+    ledger_ports = [args.ledger_port + i for i in range(args.ledgers)]
+    reconciler_ports = [args.reconciler_port + i for i in range(args.reconcilers)]
+    nats = up_nats.plan(args.nats_cluster, args.nats_port)
+    ports = {**_numbered("ledger", ledger_ports, "--ledger-port"),
+             **_numbered("reconciler webhooks", reconciler_ports, "--reconciler-port")}
     if with_sandbox:
         ports["sandbox"] = (args.sandbox_port, "--sandbox-port")
     if args.nats_port:
-        ports["nats"] = (args.nats_port, "--nats-port")
+        ports.update(_numbered("nats", nats.client_ports, "--nats-port"))
     children.check_ports(ports)
     logs = data / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -147,15 +163,14 @@ def _run(args: argparse.Namespace, sigs: _Signals, procs: dict[str, Child]) -> i
     except EffectLedgerError as exc:
         print(f"effectledger up: {exc.code}: {exc.message}", file=sys.stderr)
         return 2
-    nats_port = args.nats_port or free_port()
-    env = _base_env(args, data, nats_port, catalog_path)
+    env = _base_env(database_url, catalog_path)
     api_key = os.environ.get("EFFECTLEDGER_SANDBOX_API_KEY") or (
         "sk_sandbox_" + secrets.token_hex(12))
-    # One webhook signing secret per run, shared by the sandbox (signs) and the reconciler
-    # (verifies), added to the user's own secrets. Secrets travel in the environment only:
+    # One webhook signing secret per run, shared by the sandbox (signs) and the reconcilers
+    # (verify), added to the user's own secrets. Secrets travel in the environment only:
     # a command line is readable by every user of the machine.
     hook_secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
-    webhook_url = f"http://127.0.0.1:{args.reconciler_port}/v1/webhooks/sandbox"
+    webhook_url = f"http://127.0.0.1:{reconciler_ports[0]}/v1/webhooks/sandbox"
     try:
         hook_secrets = merged_webhook_secrets(os.environ.get("EFFECTLEDGER_WEBHOOK_SECRETS"),
                                               "sandbox", hook_secret)
@@ -169,30 +184,38 @@ def _run(args: argparse.Namespace, sigs: _Signals, procs: dict[str, Child]) -> i
             procs[name] = children.spawn(name, argv, {**env, **extra}, logs)
         return procs[name]
 
-    nats = start("nats", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(nats_port),
-                          "-js", "-sd", str(data / "jetstream")], {})
-    children.wait_listening(nats, nats_port, 15)
-    _apply_streams(env)
+    up_nats.start(nats, data, start)
+    streams = _apply_streams(nats, env)
     if with_sandbox:
         sandbox = start("sandbox", children.cli("sandbox", "--port", str(args.sandbox_port)), {
             **provider_env, "EFFECTLEDGER_SANDBOX_WEBHOOK_URL": webhook_url,
             "EFFECTLEDGER_SANDBOX_WEBHOOK_SECRET": hook_secret,
             "EFFECTLEDGER_SANDBOX_WEBHOOK_ROUTES": "plainhooks"})
         children.wait_listening(sandbox, args.sandbox_port, 30)
-    # The ledger never sees provider credentials; the dispatcher calls and the reconciler
-    # reads back, so both hold the key; only the reconciler verifies webhooks.
-    ledger = start("ledger", children.cli("ledger"), {})
-    children.wait_listening(ledger, args.ledger_port, 60)
-    start("dispatcher", children.cli("dispatcher", "--id", "dispatcher-1"), provider_env)
-    reconciler = start("reconciler", children.cli("reconciler", "--id", "reconciler-1"),
-                       {**provider_env, "EFFECTLEDGER_WEBHOOK_SECRETS": hook_secrets})
-    children.wait_listening(reconciler, args.reconciler_port, 60)
-    ledger_url = f"http://127.0.0.1:{args.ledger_port}"
-    _wait_ready(ledger_url, procs)
-    print(f"ledger: {ledger_url}")
+    # The ledger never sees provider credentials; the dispatchers call and the reconcilers
+    # read back, so both hold the key; only the reconcilers verify webhooks.
+    for i, port in enumerate(ledger_ports):
+        ledger = start(_name("ledger", i), children.cli("ledger", "--port", str(port)),
+                       nats.client_env("ledger"))
+        children.wait_listening(ledger, port, 60)
+    for i in range(args.dispatchers):
+        start(_name("dispatcher", i), children.cli("dispatcher", "--id", f"dispatcher-{i + 1}"),
+              {**nats.client_env("dispatcher"), **provider_env})
+    for i, port in enumerate(reconciler_ports):
+        reconciler = start(_name("reconciler", i), children.cli(
+            "reconciler", "--id", f"reconciler-{i + 1}", "--port", str(port)), {
+            **nats.client_env("reconciler"), **provider_env,
+            "EFFECTLEDGER_WEBHOOK_SECRETS": hook_secrets})
+        children.wait_listening(reconciler, port, 60)
+    ledger_urls = [f"http://127.0.0.1:{port}" for port in ledger_ports]
+    for url in ledger_urls:
+        _wait_ready(url, procs)
+    print(f"ledger: {', '.join(ledger_urls)}")
     if with_sandbox:
         print(f"sandbox: http://127.0.0.1:{args.sandbox_port}")
-    print(f"nats: nats://127.0.0.1:{nats_port}")
+    print(f"nats: {nats.url}" + (" (users: ledger, dispatcher, reconciler, streams)"
+                                  if nats.clustered else ""))
+    print(f"streams: {streams}")
     print(f"webhooks: {webhook_url}")
     print(f"logs: {logs}")
     tool = "create_ticket" if demo_catalog else sorted(catalog.tools)[0]
@@ -200,34 +223,50 @@ def _run(args: argparse.Namespace, sigs: _Signals, procs: dict[str, Child]) -> i
     print(f"try: effectledger submit {tool} --args {example} --wait 5")
     sys.stdout.flush()
     if args.demo:
-        code = _demo(ledger_url, args.demo)
+        code = _demo(ledger_urls[0], args.demo)
         if args.exit_after_demo:
             return code
     return _supervise(procs)
 
 
-def _apply_streams(env: dict[str, str]) -> None:
+def _name(role: str, index: int) -> str:
+    return role if index == 0 else f"{role}-{index + 1}"
+
+
+def _numbered(what: str, ports: list[int], flag: str) -> dict[str, tuple[int, str]]:
+    if len(ports) == 1:
+        return {what: (ports[0], flag)}
+    return {f"{what} {i + 1}": (port, flag) for i, port in enumerate(ports)}
+
+
+def _apply_streams(nats: up_nats.NatsPlan, env: dict[str, str]) -> str:
     """The stream step runs before any service: services only check streams."""
     from effectledger_core.config import Settings
 
     from .streams_cmd import apply
 
-    settings = Settings(nats_url=env["EFFECTLEDGER_NATS_URL"],
+    client = nats.client_env("streams")
+    settings = Settings(nats_url=client["EFFECTLEDGER_NATS_URL"],
+                        nats_user=client.get("EFFECTLEDGER_NATS_USER"),
+                        nats_password=client.get("EFFECTLEDGER_NATS_PASSWORD"),
+                        stream_replicas=nats.replicas,
                         ack_wait_s=float(env["EFFECTLEDGER_ACK_WAIT_S"]))
-    asyncio.run(asyncio.wait_for(apply(settings, topology(settings)), 30))
+    wanted = topology(settings)
+    # A new cluster elects its JetStream leader first; apply waits for it. The client's own
+    # connect/disconnect warnings would only be noise on the terminal here.
+    logging.getLogger("effectledger_bus.connect").setLevel(logging.ERROR)
+    print(f"streams: applying ({nats.replicas} replicas)...", flush=True)
+    asyncio.run(asyncio.wait_for(apply(settings, wanted), 120))
+    return ", ".join(f"{s.name} ({s.num_replicas} replicas)" for s in wanted.streams)
 
 
-def _base_env(args: argparse.Namespace, data: Path, nats_port: int, catalog: Path
-              ) -> dict[str, str]:
+def _base_env(database_url: str, catalog: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            # set per child below, so that only the processes that need them see them
-           if k not in ("EFFECTLEDGER_SANDBOX_API_KEY", "EFFECTLEDGER_WEBHOOK_SECRETS")}
+           if k not in ("EFFECTLEDGER_SANDBOX_API_KEY", "EFFECTLEDGER_WEBHOOK_SECRETS",
+                        "EFFECTLEDGER_NATS_USER", "EFFECTLEDGER_NATS_PASSWORD")}
     env.update({
-        "EFFECTLEDGER_NATS_URL": f"nats://127.0.0.1:{nats_port}",
-        "EFFECTLEDGER_DATABASE_URL": args.database_url or os.environ.get(
-            "EFFECTLEDGER_DATABASE_URL", f"sqlite+aiosqlite:///{data / 'ledger.db'}"),
-        "EFFECTLEDGER_LEDGER_PORT": str(args.ledger_port),
-        "EFFECTLEDGER_RECONCILER_PORT": str(args.reconciler_port),
+        "EFFECTLEDGER_DATABASE_URL": database_url,
         "EFFECTLEDGER_CATALOG_PATH": str(catalog),
         # Short enough that the embedded demo recovers from a killed dispatcher quickly.
         "EFFECTLEDGER_ACK_WAIT_S": os.environ.get("EFFECTLEDGER_ACK_WAIT_S", "30"),
@@ -293,7 +332,7 @@ def _stop_all(procs: dict[str, Child]) -> None:
     (so their last log lines are not reconnect noise). Signals are ignored meanwhile."""
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
-    for names, timeout_s in STOP_STAGES:
-        stage = [procs[n] for n in names if n in procs]
+    for roles, timeout_s in STOP_STAGES:
+        stage = [c for name, c in procs.items() if name.split("-")[0] in roles]
         if stage:
             children.stop(stage, timeout_s)

@@ -10,6 +10,7 @@ import os
 import uvicorn
 from faststream import AckPolicy
 from faststream.nats import JStream, NatsBroker, PullSub
+from faststream.security import BaseSecurity, SASLPlaintext
 from nats.js.api import AckPolicy as JsAckPolicy
 from nats.js.api import ConsumerConfig
 from starlette.applications import Starlette
@@ -47,8 +48,16 @@ def build_verifier(settings: Settings, *, skip: bool = False) -> WebhookVerifier
 
 def build_broker(settings: Settings, reconciler: Reconciler) -> NatsBroker:
     subjects = settings.subjects
-    broker = NatsBroker(**connect_options(settings, f"effectledger-reconciler-"
-                                                    f"{settings.reconciler_id}"),
+    options = connect_options(settings, f"effectledger-reconciler-{settings.reconciler_id}")
+    # FastStream takes a user, a password and TLS as `security`, not as nats-py's keywords
+    # (passing those made every reconciler with NATS credentials fail at start).
+    user, password, tls = (options.pop(k, None) for k in ("user", "password", "tls"))
+    if user is not None:
+        options["security"] = SASLPlaintext(username=user, password=password or "",
+                                            ssl_context=tls)
+    elif tls is not None:
+        options["security"] = BaseSecurity(ssl_context=tls)
+    broker = NatsBroker(**options,
                         logger=log, log_level=logging.DEBUG, decoder=raw_body)
 
     @broker.subscriber(
