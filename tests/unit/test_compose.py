@@ -17,7 +17,7 @@ import yaml
 from effectledger_cli import healthcheck
 from effectledger_cli.deploy_env import NATS_USERS, generate
 from effectledger_cli.main import _settings, build_parser
-from effectledger_cli.up import demo_catalog_text
+from effectledger_cli.up_plan import demo_catalog_text
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
 from effectledger_sandbox import server as sandbox_server

@@ -13,7 +13,7 @@ import sqlalchemy
 
 from effectledger_cli.children import PortTaken, check_ports
 from effectledger_cli.startup_errors import startup_error_line
-from effectledger_cli.up import demo_catalog_text, merged_webhook_secrets
+from effectledger_cli.up_plan import demo_catalog_text, merged_webhook_secrets
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
 
