@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import replace
+from pathlib import Path
 
 import nats
 import pytest
@@ -23,6 +26,7 @@ from effectledger_core.errors import ConfigError
 from tests.support.servers import unique_prefix
 
 pytestmark = pytest.mark.nats
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -107,3 +111,24 @@ async def test_a_stream_with_the_wrong_retention_fails_the_service_start_in_one_
     assert info.value.message == (
         f"JetStream stream {wanted.name} has retention limits, needs workqueue: fix it with "
         "`effectledger streams apply`")
+
+
+async def test_the_cli_applies_infra_streams_json_with_the_configured_prefixes(
+        nc: NatsClient, base: Settings) -> None:
+    env = {**os.environ, "EFFECTLEDGER_SUBJECT_PREFIX": base.subject_prefix,
+           "EFFECTLEDGER_STREAM_PREFIX": base.stream_prefix,
+           "EFFECTLEDGER_STREAM_STORAGE": "memory", "EFFECTLEDGER_NATS_URL": base.nats_url}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "effectledger_cli", "streams", "apply", "--file",
+        str(REPO / "infra" / "nats" / "streams.json"), env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    assert out.decode().splitlines() == [
+        f"stream {base.stream_prefix}_DISPATCH: created (1 replicas)",
+        f"stream {base.stream_prefix}_EVENTS: created (1 replicas)",
+        f"consumer {base.stream_prefix}_DISPATCH/dispatcher: applied",
+        f"consumer {base.stream_prefix}_EVENTS/ledger-inbox: applied",
+        f"consumer {base.stream_prefix}_EVENTS/reconciler: applied"]
+    info = await nc.jetstream().stream_info(base.subjects.events_stream)
+    assert info.config.subjects == base.subjects.events_subjects

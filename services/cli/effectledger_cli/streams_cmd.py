@@ -20,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--file", help="a topology file such as infra/nats/streams.json (default: "
                                   "the built-in definitions, identical to that file)")
     p.add_argument("--nats-url", help="NATS server(s) (env EFFECTLEDGER_NATS_URL)")
+    p.add_argument("--wait", type=float, default=300.0, metavar="SECONDS",
+                   help="how long to wait for NATS to answer (a starting cluster) before "
+                        "failing (default 300)")
 
 
 def selected(args: argparse.Namespace, settings: Settings) -> topo.Topology:
@@ -36,7 +39,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         sys.stdout.write(wanted.to_json())
         return 0
     try:
-        lines = asyncio.run(apply(settings, wanted))
+        lines = asyncio.run(asyncio.wait_for(apply(settings, wanted), args.wait))
+    except TimeoutError:
+        print(f"effectledger streams: NATS at {settings.nats_url} did not accept the streams "
+              f"within {args.wait:.0f}s (unreachable, wrong credentials, or no JetStream "
+              "leader yet)", file=sys.stderr)
+        return 1
     except BadRequestError as exc:  # NATS refused a change (e.g. of retention): say which
         print(f"effectledger streams: NATS refused the change: {exc.description} "
               f"(code {exc.err_code})", file=sys.stderr)
