@@ -62,7 +62,7 @@ class Settings(BaseSettings):
 
     # ledger
     ledger_host: str = "127.0.0.1"
-    ledger_port: int = 8600
+    ledger_port: int = Field(default=8600, ge=1, le=65535)
     relay_batch_size: int = 256
     relay_poll_interval_s: float = 0.5
     relay_lease_s: float = 30.0
@@ -95,7 +95,7 @@ class Settings(BaseSettings):
 
     # reconciler
     reconciler_host: str = "127.0.0.1"
-    reconciler_port: int = 8800
+    reconciler_port: int = Field(default=8800, ge=1, le=65535)
     reconciler_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     # Readback errors are retried until claimed_at + this; then the operation needs review.
     reconcile_deadline_s: float = Field(default=3600.0, gt=0)

@@ -80,3 +80,30 @@ def test_database_url_problems_are_one_line() -> None:
 
 def test_an_unknown_error_keeps_its_traceback() -> None:
     assert startup_error_line(KeyError("bug")) is None
+
+
+def test_a_json_setting_that_does_not_parse_is_one_line_naming_the_variable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import pydantic_settings
+
+    monkeypatch.setenv("EFFECTLEDGER_WEBHOOK_SECRETS", "{bad")
+    with pytest.raises(pydantic_settings.SettingsError) as info:
+        Settings()
+    line = startup_error_line(info.value)
+    assert line is not None and line.startswith(
+        "invalid setting EFFECTLEDGER_WEBHOOK_SECRETS: cannot parse its value")
+
+
+@pytest.mark.parametrize("flag", ["--ledger-port", "--sandbox-port", "--reconciler-port"])
+def test_up_refuses_a_port_out_of_range_before_anything(flag: str, tmp_path: Path) -> None:
+    from effectledger_cli.main import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["up", flag, "70000"])
+    from effectledger_cli.up_plan import Refused, plan
+
+    args = build_parser().parse_args(["up", "--data-dir", str(tmp_path), "--ledgers", "3",
+                                      "--ledger-port", "65534", "--database-url",
+                                      "postgresql+asyncpg://x/y"])
+    with pytest.raises(Refused, match="no such port: ledger 3 65536"):
+        plan(args)

@@ -46,6 +46,17 @@ def _common(p: argparse.ArgumentParser, *, db: bool = False, nats: bool = False)
         p.add_argument("--stream-prefix", help="stream name prefix (default: EFFECTS)")
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port (0 where the flag allows "any free one")."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port number (0-65535): {port}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="effectledger", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -55,11 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="folder for the SQLite ledger and JetStream (default: effectledger-data)")
     up.add_argument("--database-url", help="use this database instead of the embedded SQLite")
     up.add_argument("--catalog", dest="catalog_path", help="replace the demo catalog")
-    up.add_argument("--nats-port", type=int, default=0, help="embedded NATS port (0: any free)")
-    up.add_argument("--ledger-port", type=int, default=8600)
-    up.add_argument("--sandbox-port", type=int, default=8700,
+    up.add_argument("--nats-port", type=port_number, default=0,
+                    help="embedded NATS port (0: any free)")
+    up.add_argument("--ledger-port", type=port_number, default=8600)
+    up.add_argument("--sandbox-port", type=port_number, default=8700,
                     help="sandbox port (the demo catalog expects 8700)")
-    up.add_argument("--reconciler-port", type=int, default=8800,
+    up.add_argument("--reconciler-port", type=port_number, default=8800,
                     help="reconciler webhook port")
     up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
                     help="N nats-server processes clustered on loopback, streams with N "
@@ -76,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     led = sub.add_parser("ledger", help="run the ledger service")
     _common(led, db=True, nats=True)
     led.add_argument("--host", dest="ledger_host")
-    led.add_argument("--port", dest="ledger_port", type=int)
+    led.add_argument("--port", dest="ledger_port", type=port_number)
 
     dis = sub.add_parser("dispatcher", help="run a dispatcher")
     _common(dis, nats=True)
@@ -87,12 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(rec, nats=True)
     rec.add_argument("--id", dest="reconciler_id", help="reconciler identity (default host-pid)")
     rec.add_argument("--host", dest="reconciler_host", help="webhook HTTP host (default 127.0.0.1)")
-    rec.add_argument("--port", dest="reconciler_port", type=int,
+    rec.add_argument("--port", dest="reconciler_port", type=port_number,
                      help="webhook HTTP port (default 8800)")
 
     sb = sub.add_parser("sandbox", help="run the sandbox provider")
     sb.add_argument("--host", default="127.0.0.1")
-    sb.add_argument("--port", type=int, default=8700)
+    sb.add_argument("--port", type=port_number, default=8700)
     sb.add_argument("--api-key", default=os.environ.get("EFFECTLEDGER_SANDBOX_API_KEY"),
                     help="bearer key required by /v1 routes (env EFFECTLEDGER_SANDBOX_API_KEY)")
     sb.add_argument("--webhook-url", default=os.environ.get("EFFECTLEDGER_SANDBOX_WEBHOOK_URL"),

@@ -8,7 +8,10 @@ recognised here is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+import re
+
 import pydantic
+import pydantic_settings
 import sqlalchemy.exc
 from pydantic_core import ErrorDetails
 
@@ -17,6 +20,11 @@ def startup_error_line(exc: BaseException) -> str | None:
     """The line to print for `exc`, or None when it is not a configuration error."""
     if isinstance(exc, pydantic.ValidationError) and exc.title == "Settings":
         return "; ".join(_setting_problem(err) for err in exc.errors())
+    if isinstance(exc, pydantic_settings.SettingsError):  # e.g. a JSON setting that is not
+        field = re.search(r'field "(\w+)"', str(exc))
+        name = f"EFFECTLEDGER_{field.group(1).upper()}" if field else "a setting"
+        cause = f": {_first_line(exc.__cause__)}" if exc.__cause__ else ""
+        return f"invalid setting {name}: cannot parse its value{cause}"
     if isinstance(exc, ValueError) and str(exc).startswith("unsupported database"):
         return f"invalid EFFECTLEDGER_DATABASE_URL: {exc}"  # effectledger_ledger.db.store
     if isinstance(exc, sqlalchemy.exc.ArgumentError | sqlalchemy.exc.NoSuchModuleError):

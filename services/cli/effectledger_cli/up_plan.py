@@ -108,6 +108,9 @@ def plan(args: argparse.Namespace) -> UpPlan:
         ports["sandbox"] = (args.sandbox_port, "--sandbox-port")
     if args.nats_port:
         ports.update(_numbered("nats", nats.client_ports, "--nats-port"))
+    over = [f"{what} {port}" for what, (port, _) in ports.items() if port > 65535]
+    if over:
+        raise Refused(f"effectledger up: no such port: {', '.join(over)}")
     try:
         children.check_ports(ports)
     except children.PortTaken as exc:
