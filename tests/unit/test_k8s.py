@@ -26,7 +26,10 @@ from effectledger_core.config import Settings
 K8S = Path(__file__).resolve().parents[2] / "infra" / "k8s"
 COMPOSE_CATALOG = K8S.parent / "catalog.compose.toml"
 SERVICES = ("ledger", "dispatcher", "reconciler")
-EXTRA_ENV = {"EFFECTLEDGER_DISPATCHER_HEALTH_PORT", "EFFECTLEDGER_SANDBOX_API_KEY",
+# The dispatcher's health port settings come with the observability work (Settings fields
+# there); the sandbox reads its own variables.
+EXTRA_ENV = {"EFFECTLEDGER_DISPATCHER_HEALTH_PORT", "EFFECTLEDGER_DISPATCHER_HEALTH_HOST",
+             "EFFECTLEDGER_SANDBOX_API_KEY",
              "EFFECTLEDGER_SANDBOX_WEBHOOK_SECRET", "EFFECTLEDGER_SANDBOX_WEBHOOK_URL",
              "EFFECTLEDGER_SANDBOX_WEBHOOK_ROUTES"}
 
