@@ -107,3 +107,44 @@ def test_up_refuses_a_port_out_of_range_before_anything(flag: str, tmp_path: Pat
                                       "postgresql+asyncpg://x/y"])
     with pytest.raises(Refused, match="no such port: ledger 3 65536"):
         plan(args)
+
+
+def test_the_image_health_check_probes_the_service_the_container_runs(tmp_path: Path) -> None:
+    from effectledger_cli import healthcheck
+
+    cmdline = tmp_path / "cmdline"
+    cmdline.write_bytes(b"/opt/effectledger/bin/python\0/opt/effectledger/bin/effectledger\0"
+                        b"reconciler\0--host\0000.0.0.0\0--port\0008811\0")
+    argv = healthcheck.main_command(cmdline)
+    assert healthcheck.service_of(argv) == "reconciler"
+    assert healthcheck.endpoint("reconciler", {}, argv) == "http://127.0.0.1:8811/healthz"
+    assert healthcheck.endpoint("ledger", {"EFFECTLEDGER_LEDGER_PORT": "9000"},
+                                ["effectledger", "ledger"]) == "http://127.0.0.1:9000/healthz"
+    assert healthcheck.endpoint("dispatcher", {}, ["effectledger", "dispatcher"]) is None
+    assert healthcheck.service_of(["effectledger", "migrate"]) is None  # one-shot: passes
+
+
+def test_the_image_health_check_passes_on_200_and_fails_on_a_refused_port(tmp_path: Path) -> None:
+    import http.server
+    import threading
+
+    from effectledger_cli import healthcheck
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200 if self.path == "/healthz" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Healthy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    cmdline = tmp_path / "cmdline"
+    try:
+        cmdline.write_bytes(f"effectledger\0sandbox\0--port\0{server.server_port}\0".encode())
+        assert healthcheck.main([], cmdline=cmdline) == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert healthcheck.main([], cmdline=cmdline) == 1  # nothing listens there any more

@@ -56,9 +56,9 @@ def service_of(argv: list[str]) -> str | None:
     return next((a for a in argv if a in SERVICES), None)
 
 
-def main(args: list[str] | None = None) -> int:
+def main(args: list[str] | None = None, *, cmdline: Path = Path("/proc/1/cmdline")) -> int:
     args = sys.argv[1:] if args is None else args
-    argv = main_command()
+    argv = main_command(cmdline)
     service = args[0] if args else service_of(argv)
     if service is None:
         return 0
