@@ -234,3 +234,19 @@ def test_the_image_holds_only_the_product_and_runs_as_non_root() -> None:
     user = [line.split()[1] for line in lines if line.startswith("USER ")]
     assert user and user[-1].split(":")[0].isdigit() and user[-1].split(":")[0] != "0"
     assert any(line.startswith("HEALTHCHECK") for line in lines)
+
+
+@pytest.mark.parametrize("conf", ["nats.conf", "nats-cluster.conf"])
+def test_the_nats_configuration_loads_with_the_deploy_env_passwords(conf: str) -> None:
+    """nats-server parses each `$NAME` value as configuration: a password it cannot read
+    back as a string would stop NATS (and so the stack) at start."""
+    import subprocess
+
+    from effectledger_cli.embedded import nats_server_binary
+
+    env = {**os.environ, **generate(), "NATS_SERVER_NAME": "nats-1"}
+    for _ in range(20):  # several draws: a bad password is a matter of chance
+        env.update(generate())
+        checked = subprocess.run([nats_server_binary(), "-c", str(INFRA / "nats" / conf), "-t"],
+                                 env=env, capture_output=True, text=True, timeout=30)
+        assert checked.returncode == 0, checked.stderr + checked.stdout

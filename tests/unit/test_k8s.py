@@ -177,3 +177,16 @@ def test_the_demo_runs_the_full_demo_catalog_against_its_sandbox(tmp_path: Path)
     assert catalog == COMPOSE_CATALOG.read_text()
     svc = _find(docs, "Service", "sandbox")
     assert svc["spec"]["ports"][0]["port"] == 8700 and "http://sandbox:8700/" in catalog
+
+
+def test_the_nats_configmap_loads_in_nats_server_with_the_secrets_passwords(
+        tmp_path: Path) -> None:
+    from effectledger_cli.embedded import nats_server_binary
+
+    docs = _render("production", tmp_path)
+    conf = tmp_path / "nats.conf"
+    conf.write_text(_find(docs, "ConfigMap", "nats-config")["data"]["nats.conf"])
+    env = {**os.environ, **generate(), "POD_NAME": "nats-0"}
+    checked = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], env=env,
+                             capture_output=True, text=True, timeout=30)
+    assert checked.returncode == 0, checked.stderr + checked.stdout
