@@ -48,6 +48,9 @@ def run_up(args: argparse.Namespace) -> int:
     except StartFailed as exc:
         print(str(exc), file=sys.stderr)
         return 1
+    except OSError as exc:  # no nats-server binary, a data folder we may not write, ...
+        print(f"effectledger up: {exc}", file=sys.stderr)
+        return 1
     except (Stopped, KeyboardInterrupt):
         return 0
     finally:
@@ -136,7 +139,9 @@ def _apply_streams(p: UpPlan, env: dict[str, str]) -> str:
     # A new cluster elects its JetStream leader first; apply waits for it. The client's own
     # connect/disconnect warnings would only be noise on the terminal here.
     logging.getLogger("effectledger_bus.connect").setLevel(logging.ERROR)
-    print(f"streams: applying ({nats.replicas} replicas)...", flush=True)
+    if nats.clustered:
+        print(f"nats: {len(nats.client_ports)} nodes started; applying the streams once "
+              "JetStream has elected its leader...", flush=True)
     try:
         asyncio.run(asyncio.wait_for(apply(settings, wanted), 120))
     except TimeoutError:
