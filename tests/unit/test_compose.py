@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
-from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from effectledger_cli import healthcheck
 from effectledger_cli.deploy_env import NATS_USERS, generate
@@ -21,58 +18,18 @@ from effectledger_cli.up_plan import demo_catalog_text
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
 from effectledger_sandbox import server as sandbox_server
+from tests.support.compose import INFRA, load_compose
 
-INFRA = Path(__file__).resolve().parents[2] / "infra"
 SANDBOX_ENV = {sandbox_server.API_KEY_ENV, sandbox_server.WEBHOOK_URL_ENV,
                sandbox_server.WEBHOOK_SECRET_ENV, sandbox_server.WEBHOOK_ROUTES_ENV}
 # Read by the dispatcher's health endpoint (observability); not a Settings field in this tree.
 EXTRA_ENV = {"EFFECTLEDGER_DISPATCHER_HEALTH_PORT"}
 NATS_ROLES = {"ledger", "dispatcher", "reconciler", "streams"}
 PROVIDER_KEY = sandbox_server.API_KEY_ENV
-VAR = re.compile(r"\$\{([A-Z0-9_]+)(?::?[?-][^}]*)?\}")
-
-
-def _interpolated(value: Any, env: dict[str, str]) -> Any:
-    """Compose's `${VAR}`, `${VAR:?message}` and `${VAR:-default}`, from the .env values."""
-    if isinstance(value, str):
-        def sub(m: re.Match[str]) -> str:
-            assert m.group(1) in env, f"${{{m.group(1)}}} is not made by deploy-env"
-            return env[m.group(1)]
-        return VAR.sub(sub, value)
-    if isinstance(value, list):
-        return [_interpolated(v, env) for v in value]
-    if isinstance(value, dict):
-        return {k: _interpolated(v, env) for k, v in value.items()}
-    return value
-
-
-def _merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    """Compose's merge of a second file: mappings merge key by key, volumes by target."""
-    out = dict(base)
-    for key, value in override.items():
-        if key == "volumes" and isinstance(value, list) and isinstance(out.get(key), list):
-            targets = {v.split(":")[1]: v for v in out[key]}
-            targets.update({v.split(":")[1]: v for v in value})
-            out[key] = list(targets.values())
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merged(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def _load(*names: str) -> tuple[dict[str, Any], dict[str, str]]:
-    env = generate()
-    doc: dict[str, Any] = {}
-    for name in names:
-        doc = _merged(doc, yaml.safe_load((INFRA / name).read_text()))
-    return _interpolated(doc, env), env
-
-
 @pytest.fixture(params=[("compose.yaml",), ("compose.yaml", "compose.cluster.yaml")],
                 ids=["single", "cluster"])
 def compose(request: pytest.FixtureRequest) -> tuple[dict[str, Any], dict[str, str]]:
-    return _load(*request.param)
+    return load_compose(*request.param)
 
 
 def _apps(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -194,7 +151,7 @@ def test_the_compose_catalog_is_the_full_demo_catalog_on_the_sandbox_service(
 
 def test_the_cluster_profile_runs_three_nats_nodes_and_three_replica_streams(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    doc, _ = _load("compose.yaml", "compose.cluster.yaml")
+    doc, _ = load_compose("compose.yaml", "compose.cluster.yaml")
     nodes = [n for n in doc["services"] if n.startswith("nats")]
     assert sorted(nodes) == ["nats", "nats-2", "nats-3"]
     conf = (INFRA / "nats" / "nats-cluster.conf").read_text()
