@@ -17,13 +17,12 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
-import yaml
 
-from effectledger_cli.deploy_env import generate, k8s_files
+from effectledger_cli.deploy_env import generate
 from effectledger_cli.main import build_parser
 from effectledger_core.config import Settings
+from tests.support.k8s import K8S, NO_KUBECTL, find, pod_spec, render
 
-K8S = Path(__file__).resolve().parents[2] / "infra" / "k8s"
 COMPOSE_CATALOG = K8S.parent / "catalog.compose.toml"
 SERVICES = ("ledger", "dispatcher", "reconciler")
 # The dispatcher's health port settings come with the observability work (Settings fields
@@ -33,35 +32,12 @@ EXTRA_ENV = {"EFFECTLEDGER_DISPATCHER_HEALTH_PORT", "EFFECTLEDGER_DISPATCHER_HEA
              "EFFECTLEDGER_SANDBOX_WEBHOOK_SECRET", "EFFECTLEDGER_SANDBOX_WEBHOOK_URL",
              "EFFECTLEDGER_SANDBOX_WEBHOOK_ROUTES"}
 
-pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None,
-                                reason="kubectl (with its built-in kustomize) is not installed")
-
-
-def _render(overlay: str, tmp_path: Path) -> list[dict[str, Any]]:
-    tree = tmp_path / "k8s"
-    shutil.copytree(K8S, tree)
-    if overlay == "embedded-demo":  # what `effectledger deploy-env --k8s` writes
-        for name, text in k8s_files(generate()).items():
-            (tree / "overlays" / overlay / name).write_text(text)
-    out = subprocess.run(["kubectl", "kustomize", str(tree / "overlays" / overlay)],
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    return [d for d in yaml.safe_load_all(out.stdout) if d]
+pytestmark = pytest.mark.skipif(shutil.which("kubectl") is None, reason=NO_KUBECTL)
 
 
 @pytest.fixture(params=["embedded-demo", "production"])
 def rendered(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, list[dict[str, Any]]]:
-    return request.param, _render(request.param, tmp_path)
-
-
-def _find(docs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
-    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"].startswith(name)]
-    assert found, f"no {kind} {name}"
-    return found[0]
-
-
-def _pod(doc: dict[str, Any]) -> dict[str, Any]:
-    return doc["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+    return request.param, render(request.param, tmp_path)
 
 
 def _workloads(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -79,12 +55,12 @@ def test_every_resource_validates_against_the_kubernetes_schemas(
 def test_services_are_replicated_probed_budgeted_and_non_root(
         rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, docs = rendered
-    assert _find(docs, "Deployment", "ledger")["spec"]["replicas"] >= 2
+    assert find(docs, "Deployment", "ledger")["spec"]["replicas"] >= 2
     budgets = {d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]
                for d in docs if d["kind"] == "PodDisruptionBudget"}
     assert budgets >= {*SERVICES, "nats"}
     for doc in _workloads(docs):
-        pod = _pod(doc)
+        pod = pod_spec(doc)
         assert pod["securityContext"]["runAsNonRoot"] is True, doc["metadata"]["name"]
         for c in pod.get("initContainers", []) + pod["containers"]:
             requests = c["resources"]["requests"]
@@ -96,10 +72,10 @@ def test_services_are_replicated_probed_budgeted_and_non_root(
 def test_the_migration_job_migrates_and_then_applies_the_streams(
         rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, docs = rendered
-    pod = _pod(_find(docs, "Job", "effectledger-migrate"))
+    pod = pod_spec(find(docs, "Job", "effectledger-migrate"))
     assert [c["args"] for c in pod["initContainers"]] == [["migrate"]]
     assert [c["args"] for c in pod["containers"]] == [["streams", "apply"]]
-    config = _find(docs, "ConfigMap", "effectledger-config")["data"]
+    config = find(docs, "ConfigMap", "effectledger-config")["data"]
     # services never create or change streams, and the ledger does not migrate by itself
     assert config["EFFECTLEDGER_STREAMS_CREATE_MISSING"] == "false"
     assert config["EFFECTLEDGER_AUTO_MIGRATE"] == "false"
@@ -109,14 +85,14 @@ def test_the_migration_job_migrates_and_then_applies_the_streams(
 def test_nats_is_a_three_node_jetstream_cluster_the_services_connect_to(
         rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, docs = rendered
-    sts = _find(docs, "StatefulSet", "nats")
+    sts = find(docs, "StatefulSet", "nats")
     assert sts["spec"]["replicas"] == 3
-    conf = _find(docs, "ConfigMap", "nats-config")["data"]["nats.conf"]
+    conf = find(docs, "ConfigMap", "nats-config")["data"]["nats.conf"]
     assert "jetstream {" in conf
     service = sts["spec"]["serviceName"]
     pods = [f"nats-{i}.{service}" for i in range(3)]
     assert all(f"nats://{p}:6222" in conf for p in pods)
-    url = _find(docs, "ConfigMap", "effectledger-config")["data"]["EFFECTLEDGER_NATS_URL"]
+    url = find(docs, "ConfigMap", "effectledger-config")["data"]["EFFECTLEDGER_NATS_URL"]
     assert set(url.split(",")) == {f"nats://{p}:4222" for p in pods}
     for user in ("ledger", "dispatcher", "reconciler", "streams"):
         assert f"{{user: {user}, password: $NATS_{user.upper()}_PASSWORD}}" in conf
@@ -125,9 +101,9 @@ def test_nats_is_a_three_node_jetstream_cluster_the_services_connect_to(
 def test_the_webhook_service_reaches_the_reconcilers_listening_port(
         rendered: tuple[str, list[dict[str, Any]]]) -> None:
     _, docs = rendered
-    svc = _find(docs, "Service", "reconciler-webhooks")
+    svc = find(docs, "Service", "reconciler-webhooks")
     assert svc["spec"]["selector"] == {"app.kubernetes.io/name": "reconciler"}
-    container = _pod(_find(docs, "Deployment", "reconciler"))["containers"][0]
+    container = pod_spec(find(docs, "Deployment", "reconciler"))["containers"][0]
     args = build_parser().parse_args(container["args"])
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports[svc["spec"]["ports"][0]["targetPort"]] == args.reconciler_port
@@ -138,7 +114,7 @@ def test_commands_and_settings_are_the_clis_and_credentials_come_from_secrets(
         rendered: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch) -> None:
     overlay, docs = rendered
     fields = {f"EFFECTLEDGER_{f.upper()}" for f in Settings.model_fields}
-    config = _find(docs, "ConfigMap", "effectledger-config")["data"]
+    config = find(docs, "ConfigMap", "effectledger-config")["data"]
     for name in [n for n in os.environ if n.startswith("EFFECTLEDGER_")]:
         monkeypatch.delenv(name)
     for key, value in config.items():
@@ -147,7 +123,7 @@ def test_commands_and_settings_are_the_clis_and_credentials_come_from_secrets(
     Settings()  # the shared settings validate
     provider_key_users = set()
     for doc in _workloads(docs):
-        for c in _pod(doc).get("initContainers", []) + _pod(doc)["containers"]:
+        for c in pod_spec(doc).get("initContainers", []) + pod_spec(doc)["containers"]:
             if c["image"].startswith("nats") or c["image"].startswith("postgres"):
                 continue
             build_parser().parse_args(c["args"])  # SystemExit if the CLI rejects them
@@ -172,10 +148,10 @@ def test_commands_and_settings_are_the_clis_and_credentials_come_from_secrets(
 
 
 def test_the_demo_runs_the_full_demo_catalog_against_its_sandbox(tmp_path: Path) -> None:
-    docs = _render("embedded-demo", tmp_path)
-    catalog = _find(docs, "ConfigMap", "effectledger-catalog")["data"]["catalog.toml"]
+    docs = render("embedded-demo", tmp_path)
+    catalog = find(docs, "ConfigMap", "effectledger-catalog")["data"]["catalog.toml"]
     assert catalog == COMPOSE_CATALOG.read_text()
-    svc = _find(docs, "Service", "sandbox")
+    svc = find(docs, "Service", "sandbox")
     assert svc["spec"]["ports"][0]["port"] == 8700 and "http://sandbox:8700/" in catalog
 
 
@@ -183,9 +159,9 @@ def test_the_nats_configmap_loads_in_nats_server_with_the_secrets_passwords(
         tmp_path: Path) -> None:
     from effectledger_cli.embedded import nats_server_binary
 
-    docs = _render("production", tmp_path)
+    docs = render("production", tmp_path)
     conf = tmp_path / "nats.conf"
-    conf.write_text(_find(docs, "ConfigMap", "nats-config")["data"]["nats.conf"])
+    conf.write_text(find(docs, "ConfigMap", "nats-config")["data"]["nats.conf"])
     env = {**os.environ, **generate(), "POD_NAME": "nats-0"}
     checked = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], env=env,
                              capture_output=True, text=True, timeout=30)
