@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -93,3 +94,19 @@ def test_a_bad_catalog_exits_non_zero_naming_the_tool_and_the_field(tmp_path: Pa
     assert "tool 'refund_order', field 'endpoint'" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
     assert bindable(ports["nats"])  # refused before anything started
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's")
+def test_a_killed_up_takes_its_children_with_it(
+        tmp_path: Path, running_up: list[subprocess.Popen[str]]) -> None:
+    """SIGKILL cannot be handled: the children are told by the kernel (parent-death signal)."""
+    ports = up_ports()
+    proc = subprocess.Popen(up_args(tmp_path, ports), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    running_up.append(proc)
+    lines_until(proc, "try:", 120)
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(kids, timeout=10)
+    assert not alive, [" ".join(p.cmdline()) for p in alive]
