@@ -158,6 +158,9 @@ def _base_env(p: UpPlan) -> dict[str, str]:
         "EFFECTLEDGER_CATALOG_PATH": str(p.catalog_path),
         # Short enough that the embedded demo recovers from a killed dispatcher quickly.
         "EFFECTLEDGER_ACK_WAIT_S": os.environ.get("EFFECTLEDGER_ACK_WAIT_S", "30"),
+        # The streams were applied before any service: as in a deployment, services only
+        # check them (and wait, should one disappear, for the apply step to be run again).
+        "EFFECTLEDGER_STREAMS_CREATE_MISSING": "false",
     })
     return env
 
