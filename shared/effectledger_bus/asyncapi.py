@@ -2,6 +2,11 @@
 
 `python -m effectledger_bus.asyncapi > docs/asyncapi.json` regenerates the committed copy; a test
 fails when the two differ, so the documented contract cannot drift from the code.
+
+Built from the models here rather than by FastStream's generator: declaring the channels on a
+FastStream broker gives one merged payload per channel (a request and its replies become one
+anonymous union) and a `correlation_id` header that the services, on nats-py, never send. This
+document names every message, and the replies of each request-reply subject.
 """
 
 from __future__ import annotations
@@ -19,6 +24,10 @@ from effectledger_core.messages import (
     ClaimReply,
     DeadLetter,
     DispatchAttempt,
+    ErrorReply,
+    IntentReply,
+    OperationQuery,
+    OperationReply,
     OutcomeAmbiguous,
     ReconcileOperation,
     SubmitIntent,
@@ -29,11 +38,12 @@ from effectledger_core.subjects import Subjects
 
 _CHANNELS: list[tuple[str, str, str, list[type[BaseModel]], str]] = [
     # (channel id, address, action from the ledger's point of view, messages, description)
-    ("intents", "rpc_intents", "receive", [SubmitIntent],
-     "Request-reply: agents submit intents. Reply: {ok, created, operation} or {ok: false, "
-     "error: {code, message}}."),
-    ("claim", "rpc_claim", "receive", [ClaimAttempt, ClaimReply],
-     "Request-reply: a dispatcher claims an attempt before calling the provider."),
+    ("intents", "rpc_intents", "receive", [SubmitIntent, IntentReply, ErrorReply],
+     "Request-reply: agents submit intents. Reply: IntentReply, or ErrorReply for anything the "
+     "ledger could not serve."),
+    ("claim", "rpc_claim", "receive", [ClaimAttempt, ClaimReply, ErrorReply],
+     "Request-reply: a dispatcher claims an attempt before calling the provider. Reply: "
+     "ClaimReply, or ErrorReply."),
     ("dispatch", "dispatch_all", "send", [DispatchAttempt],
      "JetStream (stream <P>_DISPATCH, work queue): commands relayed from the ledger outbox; "
      "Nats-Msg-Id = outbox id (+ .r<n> for sweeper republishes). Consumer: durable "
@@ -50,9 +60,9 @@ _CHANNELS: list[tuple[str, str, str, list[type[BaseModel]], str]] = [
     ("reconcile", "ambiguous", "send", [ReconcileOperation],
      "JetStream (stream <P>_EVENTS): reconciliation commands for ambiguous or asynchronously "
      "accepted attempts, from the ledger outbox. Consumer: durable 'reconciler', explicit acks."),
-    ("operation", "rpc_operation", "receive", [],
-     "Request-reply, read-only: {\"operation_id\"} → {ok, operation: {id, state, epoch, "
-     "operation_key, tool, provider_ref}}. Used by reconcilers before deciding."),
+    ("operation", "rpc_operation", "receive", [OperationQuery, OperationReply, ErrorReply],
+     "Request-reply, read-only: OperationQuery → OperationReply, or ErrorReply (code "
+     "not_found for an unknown operation). Used by reconcilers before deciding."),
 ]
 
 

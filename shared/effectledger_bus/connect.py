@@ -1,4 +1,4 @@
-"""Connection options from settings, shared by the nats-py clients and FastStream brokers.
+"""NATS connections from settings, for every service.
 
 Services must outlive broker restarts: nats-py gives up after about two minutes of failed
 reconnects by default, so reconnect attempts are unbounded here.
@@ -50,31 +50,6 @@ def connect_options(settings: Settings, name: str) -> dict[str, Any]:
     if ctx is not None:
         opts["tls"] = ctx
     return opts
-
-
-async def raw_body(message: Any) -> bytes:
-    """FastStream decoder for every subscriber: the handlers get the payload bytes untouched.
-
-    Each handler parses its own bytes with a size bound and turns every failure into an error
-    reply or a dead letter. FastStream's default decoder runs `json.loads` *before* the handler,
-    so a deeply nested payload (RecursionError) or invalid JSON sent with a JSON content-type
-    would raise outside the handler: no reply to a request, and a JetStream message that is
-    redelivered until max_deliver and then stranded instead of dead-lettered.
-    """
-    return bytes(message.body)
-
-
-def current_message(broker: Any) -> Any:
-    """The FastStream message being handled (a `NatsMessage`), for handlers that take `body`.
-
-    Declaring a `msg: NatsMessage` parameter instead makes FastDepends resolve that context
-    field in a worker thread for every message: a thread hop per message, about 5 % of a
-    dispatcher's CPU in the benchmark profile.
-    """
-    msg = broker.context.get_local("message")
-    if msg is None:
-        raise RuntimeError("no FastStream message in context: call this inside a handler")
-    return msg
 
 
 async def _log_error(exc: Exception) -> None:

@@ -14,8 +14,12 @@ if a reconnect lost it, after `expires_s` plus a grace; then the next one is sen
 
 Cost. FastStream's concurrent subscriber passed each message through an anyio memory stream, a
 worker, its middleware and dependency-injection stack and a message wrapper: about half the
-dispatcher's CPU in the benchmark profile. Here a message is one task calling one handler. The
-reconciler, which sees only the ambiguous few, stays on FastStream.
+dispatcher's CPU in the benchmark profile. Here a message is one task calling one handler.
+
+So every JetStream consumer of the services is a `PullConsumer`: the dispatcher's commands, the
+ledger's inbox and the reconciler's commands (which carry only the ambiguous few, but one way
+of consuming is easier to reason about than two). Handlers take an
+`effectledger_bus.delivery.Delivery`.
 
 Semantics kept from the FastStream setup this replaces:
 - a durable consumer with explicit acks, created with the given config when missing (an
@@ -45,11 +49,13 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
 from nats.js.errors import NotFoundError
 
+from .delivery import Delivery, JsDelivery
 from .streams import at_startup
 
 log = logging.getLogger(__name__)
 
-MessageHandler = Callable[[Msg], Awaitable[None]]
+# Handlers get a `Delivery`, never a nats-py message: what they may do with it is the protocol.
+MessageHandler = Callable[[Delivery], Awaitable[None]]
 # How long past its `expires` a pull request that got no answer at all (lost in a reconnect)
 # is still waited for before the next one is sent.
 LOST_REQUEST_GRACE_S = 1.0
@@ -191,7 +197,7 @@ class PullConsumer:
 
     async def _handle(self, msg: Msg) -> None:
         try:
-            await self.handler(msg)
+            await self.handler(JsDelivery(msg))
         except Exception:
             # Left unacked on purpose: JetStream redelivers it after ack_wait.
             log.exception("%s: handler failed on %s; it will be redelivered", self.name,

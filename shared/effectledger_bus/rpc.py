@@ -1,35 +1,67 @@
-"""Request-reply handlers on plain nats-py core subscriptions.
+"""Request-reply on plain nats-py core subscriptions: the serving side and the asking side.
 
 The ledger's intents and claims are request-reply over core NATS (no JetStream), on every
 operation's critical path. Through FastStream each request went through its middleware,
 dependency-injection and message-wrapper stack, about a quarter of the ledger's CPU in the
 benchmark's profile; here a request is one callback. The dispatcher's and the inbox's JetStream
-consumers are plain nats-py too (effectledger_bus.pull); the reconciler stays on FastStream.
+consumers are plain nats-py too (effectledger_bus.pull).
 
 nats-py runs one subscription's callbacks one after another; each request therefore gets its
 own task, at most `concurrency` at once (beyond that the callback waits, which leaves further
 requests in the subscription's pending buffer: back-pressure instead of unbounded tasks). Every
 request gets a reply, also when the handler fails unexpectedly: a requester left without one
 would wait for its timeout and retry blind.
+
+Replies are the typed models of `effectledger_core.messages` (`IntentReply`, `ClaimReply`,
+`OperationReply`, `ErrorReply`): the ledger encodes them, and `request` parses the answer into
+the union the caller expects, so a malformed reply is a `PoisonMessage`, never a KeyError.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable
+from typing import ClassVar, TypeVar
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from effectledger_core.errors import EffectLedgerError
+from effectledger_core.messages import ErrorDetail, ErrorReply, Message, encode, parse_answer
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[bytes], Awaitable[bytes]]
-INTERNAL_ERROR = json.dumps({"ok": False, "error": {
-    "code": "internal_error", "message": "the ledger failed to handle this request; retry",
-    "retryable": True}}).encode()
+R = TypeVar("R", bound=Message)
+INTERNAL_ERROR = encode(ErrorReply(error=ErrorDetail(
+    code="internal_error", message="the ledger failed to handle this request; retry",
+    retryable=True)))
+
+
+class NoReply(EffectLedgerError):
+    """A request got no answer: timeout, no responders, or a closed connection."""
+
+    code: ClassVar[str] = "no_reply"
+    http_status: ClassVar[int] = 503
+    retryable: ClassVar[bool] = True
+
+
+async def request(nc: NatsClient, subject: str, payload: bytes, answer: type[R], *,
+                  timeout_s: float) -> R | ErrorReply:
+    """Ask once; the reply parsed as `answer`, or the `ErrorReply` the server sent instead.
+
+    Raises NoReply when nobody answered in time, PoisonMessage (or PayloadTooLarge) when the
+    reply is neither.
+    """
+    try:
+        msg = await nc.request(subject, payload, timeout=timeout_s)
+    except (TimeoutError, NatsTimeout, NoRespondersError, ConnectionClosedError) as exc:
+        raise NoReply(f"{subject}: {type(exc).__name__}") from exc
+    return parse_answer(answer, msg.data)
 
 
 class RequestServer:

@@ -9,9 +9,10 @@ call that could have succeeded only costs time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
 from .digest import digest
@@ -184,20 +185,32 @@ def classify(exc: BaseException) -> Failure:
     return Failure(FC.UNKNOWN, "unclassified", _msg(exc), cause=exc)
 
 
-def classify_http_status(status: int) -> FailureClass | None:
-    """Sentinel conditions for HTTP answers that mean "not applied"; None for the rest."""
-    if status in (400, 422):
-        return FC.INVALID_ARGUMENT
-    if status == 401:
-        return FC.AUTHENTICATION
-    if status == 403:
-        return FC.PERMISSION_DENIED
-    if status in (404, 410):
-        return FC.NOT_FOUND
-    if status == 429:
-        return FC.RATE_LIMITED
-    if 400 <= status < 500 or status == 501:
+# The one table of what an HTTP status proves about a refused request. Every status here (and
+# every other 4xx) means the provider refused before applying anything. A 409 under our own
+# idempotency key is the exception the adapter makes: an earlier attempt may still apply.
+HTTP_STATUS_CLASSES: Mapping[int, FailureClass] = MappingProxyType({
+    400: FC.INVALID_ARGUMENT, 422: FC.INVALID_ARGUMENT,
+    401: FC.AUTHENTICATION, 403: FC.PERMISSION_DENIED,
+    404: FC.NOT_FOUND, 410: FC.NOT_FOUND,
+    429: FC.RATE_LIMITED,
+    501: FC.PERMANENT,
+})
+
+
+def classify_http_status(status: int, *, retry_after: bool = False) -> FailureClass | None:
+    """The class of an HTTP refusal that proves "not applied"; None when the status proves nothing.
+
+    `retry_after`: the answer carried a `Retry-After` header. A 503 that names a retry time is
+    the provider refusing before starting (overload, maintenance), so it was not applied; any
+    other 5xx may have been, and 1xx, 2xx and 3xx are not refusals.
+    """
+    cls = HTTP_STATUS_CLASSES.get(status)
+    if cls is not None:
+        return cls
+    if 400 <= status < 500:
         return FC.PERMANENT
+    if status == 503 and retry_after:
+        return FC.TRANSIENT
     return None
 
 

@@ -20,6 +20,7 @@ from enum import StrEnum
 from .catalog import EffectClass
 from .errors import EffectLedgerError
 from .limits import MAX_IDENTIFIER_BYTES
+from .states import UNDECIDED, State
 
 SAFE_UNDER_UNCERTAINTY = frozenset({EffectClass.READ_ONLY, EffectClass.IDEMPOTENT})
 
@@ -111,13 +112,14 @@ class RecoveryRefused(EffectLedgerError):
 
 def inspect_recovery(op: OperationFacts) -> Assessment:
     s = op.state
-    if s == "succeeded":
+    if s == State.SUCCEEDED:
         return Assessment(Fact.COMPLETED, Decision.REFUSE_COMPLETED, "operation succeeded")
-    if s == "cancelled":
+    if s == State.CANCELLED:
         return Assessment(Fact.CANCELLED, Decision.NOT_APPLICABLE, "operation was cancelled")
-    if s in ("pending", "in_flight", "awaiting_approval", "awaiting_confirmation"):
+    # Nothing to recover while an attempt may still be under way or is awaited.
+    if s in UNDECIDED or s == State.AWAITING_CONFIRMATION:
         return Assessment(Fact.ACTIVE, Decision.NOT_APPLICABLE, f"operation is {s}")
-    if s == "failed" and op.last_outcome == "attempt_failed":
+    if s == State.FAILED and op.last_outcome == "attempt_failed":
         return Assessment(Fact.REJECTED_BEFORE_BODY, Decision.MAY_PREPARE,
                           "the provider refused before applying anything")
     # ambiguous, needs_review, or failed after an uncertain outcome (an operator decision)

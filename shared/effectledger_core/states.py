@@ -1,14 +1,19 @@
-"""Operation states and the one pure transition function (DESIGN.md section 4).
+"""Operation states, the one pure transition function, and the names the ledger writes.
 
 The table is data: every (state, event) pair that is allowed maps to the next state and whether
 the transition starts a new dispatch decision (epoch + 1). Everything else is illegal. The
-ledger's guarded UPDATE uses `sources(event)` so the database enforces the same rule.
+ledger's transition applier (`effectledger_ledger.db.transitions`) builds its guarded UPDATE from
+`sources(event)`, so the database enforces the same rule.
+
+Journal kinds, outbox statuses and attempt statuses are enums here, next to the states, so that
+no module spells a stored name as a string literal of its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cache
 
 
 class State(StrEnum):
@@ -26,6 +31,76 @@ class State(StrEnum):
 TERMINAL: frozenset[State] = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
 # "At rest": nothing will happen without a new input (an operator, or nothing at all).
 AT_REST: frozenset[State] = TERMINAL | {State.NEEDS_REVIEW}
+# Not terminal: what relays, sweepers and dashboards look at (a partial index covers them).
+ACTIVE: frozenset[State] = frozenset(State) - TERMINAL
+# Waiting for evidence about an attempt: the reconciler's states.
+UNRESOLVED: frozenset[State] = frozenset({State.AMBIGUOUS, State.AWAITING_CONFIRMATION})
+# No outcome of the current decision yet, and nobody is reconciling one.
+UNDECIDED: frozenset[State] = frozenset(
+    {State.PENDING, State.AWAITING_APPROVAL, State.IN_FLIGHT})
+
+
+class JournalKind(StrEnum):
+    """What a journal entry records. Each kind says what happened, never more."""
+
+    INTENT_ACCEPTED = "intent_accepted"
+    ATTEMPT_CLAIMED = "attempt_claimed"
+    CLAIM_REJECTED = "claim_rejected"
+    OUTCOME_RECORDED = "outcome_recorded"
+    OUTCOME_REJECTED = "outcome_rejected"
+    OUTCOME_PRESUMED_LOST = "outcome_presumed_lost"
+    VERDICT_APPLIED = "verdict_applied"
+    VERDICT_NOT_APPLIED = "verdict_not_applied"
+    VERDICT_UNDECIDABLE = "verdict_undecidable"
+    VERDICT_REJECTED = "verdict_rejected"
+    RETRY_SCHEDULED = "retry_scheduled"
+    RETRY_DECLINED = "retry_declined"
+    WEBHOOK_UNMATCHED = "webhook_unmatched"
+    WEBHOOK_KEPT = "webhook_kept"
+    EVIDENCE_CONFLICT = "evidence_conflict"
+    APPROVAL_REQUIRED = "approval_required"
+    APPROVED = "approved"
+    APPROVAL_REJECTED = "approval_rejected"
+    CANCELLED = "cancelled"
+    RETRY_PLANNED = "retry_planned"
+    RETRY_REFUSED = "retry_refused"
+    RETRY_ADMITTED = "retry_admitted"
+    REVIEW_RECORDED = "review_recorded"
+    DEAD_LETTERED = "dead_lettered"
+    DISPATCH_REPUBLISHED = "dispatch_republished"
+    RECONCILE_REPUBLISHED = "reconcile_republished"
+
+
+# The journal entries a reviewer sees as evidence for an operation in needs_review.
+EVIDENCE_KINDS: frozenset[JournalKind] = frozenset({
+    JournalKind.OUTCOME_RECORDED, JournalKind.VERDICT_APPLIED, JournalKind.VERDICT_NOT_APPLIED,
+    JournalKind.VERDICT_UNDECIDABLE, JournalKind.VERDICT_REJECTED, JournalKind.WEBHOOK_KEPT,
+    JournalKind.REVIEW_RECORDED, JournalKind.EVIDENCE_CONFLICT})
+
+
+class OutboxKind(StrEnum):
+    DISPATCH = "dispatch"
+    RECONCILE = "reconcile"
+
+
+class OutboxStatus(StrEnum):
+    PENDING = "pending"  # waiting for a relay (from `available_at` on)
+    PUBLISHING = "publishing"  # leased to a relay until `lease_until`
+    PUBLISHED = "published"  # publish-acked; waiting for its claim or verdict
+    CONSUMED = "consumed"  # answered: claimed, or the verdict was recorded
+    OBSOLETE = "obsolete"  # no longer wanted: cancelled, or superseded by a new epoch
+
+
+# Rows that may still reach a consumer: what a cancellation makes obsolete.
+OUTBOX_LIVE: frozenset[OutboxStatus] = frozenset(
+    {OutboxStatus.PENDING, OutboxStatus.PUBLISHING, OutboxStatus.PUBLISHED})
+
+
+class AttemptStatus(StrEnum):
+    """`attempts.status` while no outcome is recorded; afterwards it is the outcome's type."""
+
+    CLAIMED = "claimed"
+    OUTCOME_LOST = "outcome_lost"  # the ledger gave up waiting for the outcome
 
 
 class Event(StrEnum):
@@ -47,7 +122,7 @@ class Event(StrEnum):
     REVIEW_NOT_EXECUTED_RETRY = "review_not_executed_retry"
     REVIEW_NOT_EXECUTED_FINAL = "review_not_executed_final"
     REVIEW_UNCERTAIN = "review_uncertain"
-    # An operator's explicit, single-use retry plan passed admission (seed 000).
+    # An operator's explicit, single-use retry plan passed admission.
     PLAN_ADMITTED = "plan_admitted"
 
 
@@ -58,7 +133,7 @@ class Step:
 
 
 S, E = State, Event
-_UNRESOLVED = (S.AMBIGUOUS, S.AWAITING_CONFIRMATION)
+_UNRESOLVED = sorted(UNRESOLVED)
 
 TABLE: dict[tuple[State, Event], Step] = {
     (S.PENDING, E.CLAIM): Step(S.IN_FLIGHT),
@@ -105,6 +180,7 @@ def transition(state: State, event: Event) -> Step:
     return step
 
 
+@cache  # on the hot path of every outcome: the table is constant
 def sources(event: Event) -> frozenset[State]:
     """States from which `event` is allowed: the `state IN (...)` of the guarded UPDATE."""
     return frozenset(s for (s, e) in TABLE if e == event)

@@ -7,6 +7,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
+from effectledger_bus.testing import FakeJetStream
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import DEMO_CATALOG
 from effectledger_core.messages import SubmitIntent
@@ -20,26 +21,6 @@ from effectledger_ledger.service import LedgerService
 NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
 CATALOG = Catalog.load(DEMO_CATALOG)
-
-
-class FakeAck:
-    def __init__(self, seq: int) -> None:
-        self.seq = seq
-
-
-class FakeJetStream:
-    """Records publishes; `fail` makes every publish raise, as a broker outage would."""
-
-    def __init__(self, fail: bool = False) -> None:
-        self.fail = fail
-        self.published: list[tuple[str, dict[str, str]]] = []
-
-    async def publish(self, subject: str, payload: bytes, timeout: float,  # noqa: ASYNC109
-                      headers: dict[str, str]) -> FakeAck:
-        if self.fail:
-            raise TimeoutError("no publish ack")
-        self.published.append((subject, headers))
-        return FakeAck(len(self.published))
 
 
 async def outbox_rows(store: Store) -> list[dict[str, Any]]:

@@ -183,6 +183,25 @@ async def test_applied_verdict_succeeds_with_evidence_in_the_receipt(store: Stor
         "ambiguous", "succeeded", "reconciler:r1")
 
 
+@pytest.mark.parametrize(("verdict", "to_state"), [
+    ("applied", "succeeded"), ("not_applied", "pending"), ("undecidable", "needs_review")])
+async def test_each_verdict_is_journaled_as_what_it_says(
+        store: Store, verdict: Literal["applied", "not_applied", "undecidable"],
+        to_state: str) -> None:
+    """The journal entry of a recorded verdict names that verdict: a not_applied or
+    undecidable verdict is never journaled as verdict_applied."""
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.ambiguous(op_id)
+    assert (await led.verdict(op_id, verdict)).to_state == to_state
+    kinds = {"applied": "verdict_applied", "not_applied": "verdict_not_applied",
+             "undecidable": "verdict_undecidable"}
+    [entry] = await led.entries(op_id, kinds[verdict])
+    assert (entry["detail"]["verdict"], entry["to_state"]) == (verdict, to_state)
+    for other in set(kinds.values()) - {kinds[verdict]}:
+        assert await led.entries(op_id, other) == [], other
+
+
 async def test_not_applied_verdict_retries_under_policy_with_the_same_key(
         store: Store) -> None:
     """not_applied (known not applied) → pending at epoch 2 with the same key and a dispatch
@@ -269,7 +288,7 @@ async def test_redelivered_verdict_is_a_duplicate(store: Store) -> None:
     first = await led.svc.record_verdict(v, consumer="ledger", message_id="v1")
     again = await led.svc.record_verdict(v, consumer="ledger", message_id="v1")
     assert (first.status, again.status) == ("applied", "duplicate")
-    assert len(await led.entries(op_id, "verdict_applied")) == 1
+    assert len(await led.entries(op_id, "verdict_undecidable")) == 1
 
 
 async def test_racing_reconcilers_with_opposite_verdicts_decide_once_each(
@@ -289,11 +308,14 @@ async def test_racing_reconcilers_with_opposite_verdicts_decide_once_each(
         assert sorted(r.status for r in pair) == ["applied", "rejected"], (op_id, pair)
         op = await led.op(op_id)
         winner = pair[0] if pair[0].status == "applied" else pair[1]
+        won, lost = (("verdict_applied", "verdict_not_applied") if winner is pair[0]
+                     else ("verdict_not_applied", "verdict_applied"))
         if winner is pair[0]:
             assert (op["state"], op["epoch"]) == ("succeeded", 1)
         else:
             assert (op["state"], op["epoch"]) == ("pending", 2)
-        assert len(await led.entries(op_id, "verdict_applied")) == 1
+        assert len(await led.entries(op_id, won)) == 1
+        assert await led.entries(op_id, lost) == []
         assert len(await led.entries(op_id, "verdict_rejected")) == 1
 
 
@@ -312,7 +334,8 @@ async def test_verdict_without_evidence_goes_to_review_not_to_a_guess(
     op = await led.op(op_id)
     assert (op["state"], op["epoch"]) == ("needs_review", 1)
     assert [r["epoch"] for r in await led.outbox_rows(op_id, "dispatch")] == [1]
-    [entry] = await led.entries(op_id, "verdict_applied")
+    assert await led.entries(op_id, "verdict_applied") == []
+    [entry] = await led.entries(op_id, "verdict_undecidable")
     assert entry["detail"]["verdict"] == "undecidable"
     assert entry["detail"]["evidence"]["claimed_verdict"] == verdict
 

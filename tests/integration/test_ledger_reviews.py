@@ -110,7 +110,7 @@ async def test_queue_lists_operations_in_review_with_their_evidence(store: Store
     [item] = await led.svc.review_queue()
     assert item["operation"]["id"] == waiting and item["operation"]["state"] == "needs_review"
     kinds = [e["kind"] for e in item["evidence"]]
-    assert kinds[:2] == ["outcome_recorded", "verdict_applied"] and "webhook_kept" in kinds
+    assert kinds[:2] == ["outcome_recorded", "verdict_undecidable"] and "webhook_kept" in kinds
     outcome = item["evidence"][0]["detail"]
     assert outcome["reason"] == "connection_lost" and outcome["message"] == "reset after send"
     assert item["evidence"][1]["detail"]["evidence"]["reason"] == "no readback and no webhook"

@@ -12,9 +12,9 @@ from typing import Any
 import nats
 import pytest
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
+from effectledger_bus.delivery import Delivery
 from effectledger_bus.pull import MessageHandler, PullConsumer
 
 
@@ -66,7 +66,7 @@ async def test_every_message_is_handled_with_bounded_concurrency(stream: Stream)
     running, peak = 0, 0
     all_in = asyncio.Event()
 
-    async def handler(msg: Msg) -> None:
+    async def handler(msg: Delivery) -> None:
         nonlocal running, peak
         running += 1
         peak = max(peak, running)
@@ -88,8 +88,8 @@ async def test_a_failing_handler_leaves_its_message_for_redelivery(stream: Strea
     deliveries: list[int] = []
     redelivered = asyncio.Event()
 
-    async def handler(msg: Msg) -> None:
-        deliveries.append(msg.metadata.num_delivered)
+    async def handler(msg: Delivery) -> None:
+        deliveries.append(msg.deliveries)
         if len(deliveries) == 1:
             raise RuntimeError("boom")  # not acked: JetStream must deliver it again
         await msg.ack()
@@ -106,7 +106,7 @@ async def test_stop_lets_running_handlers_finish(stream: Stream) -> None:
     done: list[bytes] = []
     count = 0
 
-    async def handler(msg: Msg) -> None:
+    async def handler(msg: Delivery) -> None:
         nonlocal count
         count += 1
         if count == 2:
@@ -133,7 +133,7 @@ async def test_stop_cancels_handlers_that_outlive_the_grace(stream: Stream) -> N
     started = asyncio.Event()
     cancelled = asyncio.Event()
 
-    async def handler(msg: Msg) -> None:
+    async def handler(msg: Delivery) -> None:
         started.set()
         try:
             await asyncio.Event().wait()  # never finishes by itself
@@ -159,7 +159,7 @@ async def test_a_message_into_an_open_pull_request_is_handled_at_once(stream: St
     # message until the batch filled or the 30 s passed. Here it must arrive well before.
     handled = asyncio.Event()
 
-    async def handler(msg: Msg) -> None:
+    async def handler(msg: Delivery) -> None:
         await msg.ack()
         handled.set()
 
@@ -175,7 +175,7 @@ async def test_a_message_into_an_open_pull_request_is_handled_at_once(stream: St
 async def test_a_deleted_consumer_is_created_again(stream: Stream) -> None:
     handled = asyncio.Event()
 
-    async def handler(msg: Msg) -> None:
+    async def handler(msg: Delivery) -> None:
         await msg.ack()
         handled.set()
 
@@ -191,7 +191,7 @@ async def _pull_seen(stream: Stream) -> asyncio.Event:
     """Set when a pull request for the consumer crosses the server (a copy, via core NATS)."""
     seen = asyncio.Event()
 
-    async def saw(_: Msg) -> None:
+    async def saw(_: Delivery) -> None:
         seen.set()
 
     await stream.nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{stream.name}.workers", cb=saw)

@@ -25,6 +25,7 @@ from nats.js import JetStreamContext
 from standardwebhooks import Webhook
 from starlette.applications import Starlette
 
+from effectledger_bus.publish import JetStreamPublisher
 from effectledger_bus.streams import delete_streams, ensure_streams
 from effectledger_cli.embedded import free_port
 from effectledger_core.config import Settings
@@ -37,7 +38,6 @@ from effectledger_core.messages import (
 )
 from effectledger_core.subjects import Subjects
 from effectledger_reconciler.app import serve
-from effectledger_reconciler.publisher import JetStreamPublisher
 from effectledger_reconciler.signatures import WebhookVerifier
 from effectledger_reconciler.webhooks import create_app
 from effectledger_sandbox.app import create_app as create_sandbox

@@ -1,4 +1,4 @@
-"""Request-reply on plain nats-py (effectledger_bus.rpc) against a real NATS server."""
+"""Request-reply on plain nats-py (effectledger_bus.rpc), both sides, against a real NATS server."""
 
 from __future__ import annotations
 
@@ -7,8 +7,19 @@ import json
 import uuid
 
 import nats
+import pytest
 
-from effectledger_bus.rpc import RequestServer
+from effectledger_bus.rpc import NoReply, RequestServer, request
+from effectledger_core.errors import PoisonMessage
+from effectledger_core.messages import (
+    ErrorDetail,
+    ErrorReply,
+    OperationQuery,
+    OperationReply,
+    OperationSummary,
+    encode,
+    parse,
+)
 
 
 async def test_every_request_gets_its_reply_with_bounded_concurrency(nats_url: str) -> None:
@@ -55,3 +66,55 @@ async def test_a_failing_handler_still_answers(nats_url: str) -> None:
         await nc.close()
     body = json.loads(reply.data)
     assert body["ok"] is False and body["error"]["code"] == "internal_error"
+
+
+async def test_request_parses_the_typed_answer_or_the_error_reply(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    subject = f"t.rpc.{uuid.uuid4().hex}"
+
+    async def handler(data: bytes) -> bytes:
+        query = parse(OperationQuery, data)
+        if query.operation_id == "missing":
+            return encode(ErrorReply(error=ErrorDetail(code="not_found", message="no such op")))
+        return encode(OperationReply(operation=OperationSummary(
+            id=query.operation_id, state="ambiguous", epoch=2, operation_key="k", tool="t")))
+
+    server = RequestServer(nc)
+    try:
+        await server.serve(subject, handler, queue="q")
+        found = await request(nc, subject, encode(OperationQuery(operation_id="op1")),
+                              OperationReply, timeout_s=10)
+        missing = await request(nc, subject, encode(OperationQuery(operation_id="missing")),
+                                OperationReply, timeout_s=10)
+    finally:
+        await server.close()
+        await nc.close()
+    assert isinstance(found, OperationReply) and found.operation.epoch == 2
+    assert isinstance(missing, ErrorReply) and missing.error.code == "not_found"
+
+
+async def test_request_without_responders_is_no_reply(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    try:
+        with pytest.raises(NoReply):
+            await request(nc, f"t.rpc.{uuid.uuid4().hex}", b"{}", OperationReply,
+                          timeout_s=2)
+    finally:
+        await nc.close()
+
+
+async def test_a_malformed_answer_is_a_poison_message_not_a_key_error(nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    subject = f"t.rpc.{uuid.uuid4().hex}"
+
+    async def handler(data: bytes) -> bytes:
+        return b'{"ok": true, "operation": {"id": "x"}}'
+
+    server = RequestServer(nc)
+    try:
+        await server.serve(subject, handler, queue="q")
+        with pytest.raises(PoisonMessage):
+            await request(nc, subject, b"{}", OperationReply, timeout_s=10)
+    finally:
+        await server.close()
+        await nc.close()

@@ -1,14 +1,13 @@
-"""Provider calls are spread over several small connection pools (provider.make_clients)."""
+"""Provider calls are spread over several small connection pools (`calls.make_clients`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from effectledger_core.catalog import Catalog
-from effectledger_core.config import DEMO_CATALOG
-from effectledger_core.subjects import Subjects
-from effectledger_dispatcher.provider import make_clients
-from effectledger_dispatcher.worker import Dispatcher
+import pytest
+
+from effectledger_dispatcher.ports import HttpProviderCaller
+from effectledger_providers.calls import make_clients
 
 
 async def test_make_clients_covers_the_total_with_small_pools() -> None:
@@ -21,12 +20,14 @@ async def test_make_clients_covers_the_total_with_small_pools() -> None:
             await c.aclose()
 
 
-def test_dispatcher_takes_the_pools_in_turn() -> None:
+def test_provider_calls_take_the_pools_in_turn() -> None:
     pools: list[Any] = ["a", "b", "c"]
-    d = Dispatcher(nc=None, http="only", http_pool=pools,  # type: ignore[arg-type]
-                   catalog=Catalog.load(DEMO_CATALOG), subjects=Subjects(prefix="t"),
-                   dispatcher_id="d1", env={})
-    assert [d._client() for _ in range(6)] == ["b", "c", "a", "b", "c", "a"]
-    alone = Dispatcher(nc=None, http="only", catalog=Catalog.load(DEMO_CATALOG),  # type: ignore[arg-type]
-                       subjects=Subjects(prefix="t"), dispatcher_id="d1", env={})
-    assert alone._client() == "only"
+    caller = HttpProviderCaller(pools, env={})
+    assert [caller.client() for _ in range(6)] == ["b", "c", "a", "b", "c", "a"]
+    alone = HttpProviderCaller(["only"], env={})  # type: ignore[list-item]
+    assert alone.client() == "only"
+
+
+def test_a_caller_needs_a_client() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        HttpProviderCaller([], env={})

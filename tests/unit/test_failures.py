@@ -364,3 +364,11 @@ def test_guidance_exact_lines_for_representative_cases() -> None:
 def test_http_status_sentinels(status: int, cls: FailureClass | None) -> None:
     """Only answers that mean 'not applied' classify; 5xx (may have applied) do not."""
     assert classify_http_status(status) is cls
+
+
+@pytest.mark.parametrize(("status", "retry_after", "cls"), [
+    (503, True, FC.TRANSIENT), (503, False, None), (500, True, None), (429, True, FC.RATE_LIMITED),
+])
+def test_only_a_503_naming_a_retry_time_is_a_transient_refusal(
+        status: int, retry_after: bool, cls: FailureClass | None) -> None:
+    assert classify_http_status(status, retry_after=retry_after) is cls

@@ -37,12 +37,12 @@ from effectledger_core.messages import (
     Outcome,
     OutcomeAmbiguous,
 )
-from effectledger_dispatcher.adapters import (
+from effectledger_providers.adapters import (
     DeclarativeAdapter,
     clear_adapter_cache,
     load_adapter,
 )
-from effectledger_dispatcher.provider import (
+from effectledger_providers.calls import (
     ReadbackResult,
     call_provider,
     make_client,
@@ -619,7 +619,7 @@ async def test_readback_without_configuration_or_with_epoch_cannot_tell() -> Non
 ADAPTER_MODULE = '''
 import httpx
 from effectledger_core.messages import FailureClass
-from effectledger_dispatcher.adapters import Classified, DeclarativeAdapter
+from effectledger_providers.adapters import Classified, DeclarativeAdapter
 
 made = []
 

@@ -1,24 +1,22 @@
 """The reconciler's consumer with fakes: what it acks, naks, publishes and dead-letters.
 
-Fakes, not mocks: a delivery that records ack/nak/in_progress, a ledger client with a table of
-operations, a publisher that behaves like JetStream's duplicate detection, and a provider whose
-effect appears at a chosen time of a fake clock.
+Fakes, not mocks: the edge's delivery, ledger and publisher fakes (effectledger_bus.testing),
+and a provider whose effect appears at a chosen time of a fake clock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
 
+from effectledger_bus.testing import FakeDelivery, FakeLedger, FakePublisher
 from effectledger_core.catalog import Catalog, Tool
-from effectledger_core.errors import BrokerUnavailable
 from effectledger_core.messages import (
     DeadLetter,
     ReconcileOperation,
@@ -56,57 +54,8 @@ class FakeClock:
         self.now += timedelta(seconds=seconds)
 
 
-@dataclass
-class FakeDelivery:
-    data: bytes
-    deliveries: int = 1
-    subject: str = "t.reconcile.v1.ambiguous"
-    headers: Mapping[str, str] = field(default_factory=lambda: {"Nats-Msg-Id": "outbox-1"})
-    acked: bool = False
-    naks: list[float] = field(default_factory=list)
-    beats: int = 0
-
-    async def ack(self) -> None:
-        self.acked = True
-
-    async def nak(self, delay: float) -> None:
-        self.naks.append(delay)
-
-    async def in_progress(self) -> None:
-        self.beats += 1
-
-
-class FakeLedger:
-    def __init__(self, ops: dict[str, OperationView] | None = None) -> None:
-        self.ops = ops or {}
-        self.down = False
-        self.reads = 0
-
-    async def operation(self, operation_id: str) -> OperationView | None:
-        self.reads += 1
-        if self.down:
-            raise LedgerUnavailable("operation read: TimeoutError")
-        return self.ops.get(operation_id)
-
-
-class FakePublisher:
-    """JetStream-like: stores (subject, payload, msg_id); a repeated msg id is a duplicate."""
-
-    def __init__(self) -> None:
-        self.messages: list[tuple[str, bytes, str]] = []
-        self.failures = 0  # the next `failures` publishes fail
-
-    async def publish(self, subject: str, payload: bytes, *, msg_id: str) -> bool:
-        if self.failures:
-            self.failures -= 1
-            raise BrokerUnavailable("publish: TimeoutError")
-        duplicate = any(m[2] == msg_id for m in self.messages)
-        if not duplicate:
-            self.messages.append((subject, payload, msg_id))
-        return duplicate
-
-    def on(self, subject: str) -> list[tuple[bytes, str]]:
-        return [(p, i) for s, p, i in self.messages if s == subject]
+def delivery(data: bytes, deliveries: int = 1) -> FakeDelivery:
+    return FakeDelivery(data, deliveries, subject="t.reconcile.v1.ambiguous")
 
 
 class FakeProvider:
@@ -138,7 +87,7 @@ def command(tool: str = "rb", epoch: int = 1, **extra: Any) -> ReconcileOperatio
 @dataclass
 class World:
     clock: FakeClock
-    ledger: FakeLedger
+    ledger: FakeLedger[OperationView]
     publisher: FakePublisher
     provider: FakeProvider
     reconciler: Reconciler
@@ -150,7 +99,7 @@ class World:
 @pytest.fixture
 def world() -> World:
     clock = FakeClock()
-    ledger = FakeLedger({"op1": OperationView(id="op1", state="ambiguous", epoch=1)})
+    ledger = FakeLedger({"op1": OperationView(id="op1", state="ambiguous", epoch=1)}, now=T0)
     publisher = FakePublisher()
     provider = FakeProvider(clock)
     reconciler = Reconciler(ledger=ledger, publisher=publisher, catalog=CATALOG,
@@ -161,7 +110,7 @@ def world() -> World:
 
 async def test_a_tool_without_oracles_gets_an_undecidable_verdict_then_the_ack(
         world: World) -> None:
-    d = FakeDelivery(encode(command("blind")))
+    d = delivery(encode(command("blind")))
     await world.reconciler.handle(d)
     assert d.acked and not d.naks
     [(payload, msg_id)] = world.publisher.on(SUBJECTS.verdict)
@@ -174,7 +123,7 @@ async def test_a_tool_without_oracles_gets_an_undecidable_verdict_then_the_ack(
 
 async def test_readback_found_publishes_applied_with_the_evidence(world: World) -> None:
     world.provider.applies_at = 1.0
-    d = FakeDelivery(encode(command()))
+    d = delivery(encode(command()))
     await world.reconciler.handle(d)
     assert d.acked
     [verdict] = world.verdicts()
@@ -191,7 +140,7 @@ async def test_late_apply_waits_by_nak_and_ends_applied_never_not_applied(
     deliveries = 0
     while not world.verdicts():
         deliveries += 1
-        d = FakeDelivery(encode(command()), deliveries=deliveries)
+        d = delivery(encode(command()), deliveries=deliveries)
         await world.reconciler.handle(d)
         if d.naks:
             assert not d.acked
@@ -205,7 +154,7 @@ async def test_never_applied_is_not_applied_after_the_horizon(world: World) -> N
     deliveries = 0
     while not world.verdicts():
         deliveries += 1
-        d = FakeDelivery(encode(command()), deliveries=deliveries)
+        d = delivery(encode(command()), deliveries=deliveries)
         await world.reconciler.handle(d)
         for delay in d.naks:
             world.clock.advance(delay)
@@ -216,19 +165,19 @@ async def test_never_applied_is_not_applied_after_the_horizon(world: World) -> N
 
 async def test_webhook_tool_rechecks_the_ledger_each_delivery_and_stops_once_decided(
         world: World) -> None:
-    d = FakeDelivery(encode(command("hook")))
+    d = delivery(encode(command("hook")))
     await world.reconciler.handle(d)
     assert d.naks and not d.acked and world.ledger.reads == 1
     # Meanwhile the ledger applied a webhook: the next delivery just acks.
-    world.ledger.ops["op1"] = OperationView(id="op1", state="succeeded", epoch=1)
-    d = FakeDelivery(encode(command("hook")), deliveries=2)
+    world.ledger.operations["op1"] = OperationView(id="op1", state="succeeded", epoch=1)
+    d = delivery(encode(command("hook")), deliveries=2)
     await world.reconciler.handle(d)
     assert d.acked and not world.publisher.messages and world.ledger.reads == 2
 
 
 async def test_webhook_only_tool_needs_review_after_the_wait(world: World) -> None:
     world.clock.advance(30.0)
-    d = FakeDelivery(encode(command("hook")), deliveries=9)
+    d = delivery(encode(command("hook")), deliveries=9)
     await world.reconciler.handle(d)
     [verdict] = world.verdicts()
     assert verdict.verdict == "undecidable" and "webhook" in verdict.reason and d.acked
@@ -239,29 +188,29 @@ async def test_webhook_only_tool_needs_review_after_the_wait(world: World) -> No
                                 OperationView(id="op1", state="needs_review", epoch=1)])
 async def test_stale_or_decided_commands_are_acked_without_work(world: World,
                                                                 op: OperationView) -> None:
-    world.ledger.ops["op1"] = op
-    d = FakeDelivery(encode(command()))
+    world.ledger.operations["op1"] = op
+    d = delivery(encode(command()))
     await world.reconciler.handle(d)
     assert d.acked and not world.publisher.messages and world.provider.calls == 0
 
 
 async def test_ledger_unavailable_naks_with_backoff_and_publishes_nothing(world: World) -> None:
-    world.ledger.down = True
-    d = FakeDelivery(encode(command()), deliveries=3)
+    world.ledger.down = LedgerUnavailable("operation read: TimeoutError")
+    d = delivery(encode(command()), deliveries=3)
     await world.reconciler.handle(d)
     assert d.naks == [2.0] and not d.acked and not world.publisher.messages
 
 
 async def test_a_verdict_that_cannot_be_stored_is_not_acked(world: World) -> None:
     world.publisher.failures = 99
-    d = FakeDelivery(encode(command("blind")))
+    d = delivery(encode(command("blind")))
     await world.reconciler.handle(d)
     assert not d.acked and d.naks and not world.publisher.messages
 
 
 async def test_a_transient_publish_failure_is_retried_before_the_ack(world: World) -> None:
     world.publisher.failures = 1
-    d = FakeDelivery(encode(command("blind")))
+    d = delivery(encode(command("blind")))
     await world.reconciler.handle(d)
     assert d.acked and len(world.verdicts()) == 1
 
@@ -270,7 +219,7 @@ async def test_two_replicas_deciding_the_same_epoch_store_one_verdict(world: Wor
     other = Reconciler(ledger=world.ledger, publisher=world.publisher, catalog=CATALOG,
                        subjects=SUBJECTS, reconciler_id="rec-2",
                        readback=world.provider.readback, timing=TIMING, clock=world.clock)
-    a, b = FakeDelivery(encode(command("blind"))), FakeDelivery(encode(command("blind")), 2)
+    a, b = delivery(encode(command("blind"))), delivery(encode(command("blind")), 2)
     await asyncio.gather(world.reconciler.handle(a), other.handle(b))
     assert a.acked and b.acked and len(world.verdicts()) == 1
 
@@ -278,7 +227,7 @@ async def test_two_replicas_deciding_the_same_epoch_store_one_verdict(world: Wor
 @pytest.mark.parametrize("raw", [b"not json", b'{"type": "reconcile_operation"}',
                                  encode(command()).replace(b'"epoch":1', b'"epoch":0')])
 async def test_poison_commands_are_dead_lettered_and_acked(world: World, raw: bytes) -> None:
-    d = FakeDelivery(raw, deliveries=2)
+    d = delivery(raw, deliveries=2)
     await world.reconciler.handle(d)
     assert d.acked
     [(payload, _)] = world.publisher.on(SUBJECTS.deadletter)
@@ -288,8 +237,8 @@ async def test_poison_commands_are_dead_lettered_and_acked(world: World, raw: by
 
 
 async def test_an_operation_unknown_to_the_ledger_is_dead_lettered(world: World) -> None:
-    world.ledger.ops.clear()
-    d = FakeDelivery(encode(command()))
+    world.ledger.operations.clear()
+    d = delivery(encode(command()))
     await world.reconciler.handle(d)
     assert d.acked and not world.verdicts()
     [(payload, _)] = world.publisher.on(SUBJECTS.deadletter)
@@ -298,7 +247,7 @@ async def test_an_operation_unknown_to_the_ledger_is_dead_lettered(world: World)
 
 async def test_a_dead_letter_that_cannot_be_stored_is_not_acked(world: World) -> None:
     world.publisher.failures = 99
-    d = FakeDelivery(b"garbage")
+    d = delivery(b"garbage")
     await world.reconciler.handle(d)
     assert not d.acked and d.naks
 
@@ -308,7 +257,7 @@ async def test_an_unexpected_error_naks_instead_of_losing_the_command(world: Wor
         raise RuntimeError("adapter bug")
 
     world.reconciler.readback = broken
-    d = FakeDelivery(encode(command()))
+    d = delivery(encode(command()))
     await world.reconciler.handle(d)
     assert not d.acked and d.naks and not world.publisher.messages
 
@@ -317,7 +266,7 @@ async def test_a_slow_readback_sends_in_progress_heartbeats(world: World) -> Non
     world.reconciler.ack_wait_s = 0.06
     world.provider.delay_s = 0.1
     world.provider.applies_at = 0.0
-    d = FakeDelivery(encode(command()))
+    d = delivery(encode(command()))
     await world.reconciler.handle(d)
     assert d.acked and d.beats >= 2
 

@@ -19,8 +19,9 @@ import pytest
 from standardwebhooks import Webhook
 from starlette.applications import Starlette
 
+from effectledger_bus.testing import FakePublisher
 from effectledger_core.errors import BrokerUnavailable
-from effectledger_core.messages import WebhookReceived, parse
+from effectledger_core.messages import WebhookReceived
 from effectledger_core.subjects import Subjects
 from effectledger_reconciler.signatures import WebhookRejected, WebhookVerifier
 from effectledger_reconciler.webhooks import create_app as reconciler_app
@@ -38,22 +39,6 @@ SECRET = new_secret()
 URL = "http://reconciler/v1/webhooks/sandbox"
 IDEM = "/v1/idempotent/effects"
 SUBJECTS = Subjects(prefix="t", stream_prefix="T")
-
-
-class FakePublisher:
-    def __init__(self) -> None:
-        self.messages: list[tuple[str, bytes, str]] = []
-        self.publishes = 0
-
-    async def publish(self, subject: str, payload: bytes, *, msg_id: str) -> bool:
-        self.publishes += 1
-        if any(m[2] == msg_id for m in self.messages):
-            return True
-        self.messages.append((subject, payload, msg_id))
-        return False
-
-    def received(self) -> list[WebhookReceived]:
-        return [parse(WebhookReceived, p) for _, p, _ in self.messages]
 
 
 @dataclass
@@ -146,7 +131,7 @@ async def test_an_applied_effect_sends_a_webhook_the_reconciler_verifies(rig: Ri
     r = await rig.post("k1")
     assert r.status_code == 201
     await rig.sender.drain()
-    [msg] = rig.publisher.received()
+    [msg] = rig.publisher.decoded(WebhookReceived)
     assert (msg.operation_key, msg.provider_ref, msg.outcome, msg.final) \
         == ("k1", r.json()["id"], "applied", True)
     [entry] = (await rig.log("k1"))["webhooks"]
@@ -212,7 +197,7 @@ async def test_a_late_apply_announces_pending_then_applied(rig: Rig) -> None:
         await rig.post("k1")
     await asyncio.gather(*rig.sandbox.state.background_tasks)
     await rig.sender.drain()
-    msgs = rig.publisher.received()
+    msgs = rig.publisher.decoded(WebhookReceived)
     assert [(m.outcome, m.final) for m in msgs] == [("pending", False), ("applied", True)]
     assert all(m.operation_key == "k1" for m in msgs)
 
@@ -227,7 +212,7 @@ async def test_a_refusal_before_apply_sends_not_applied_when_configured(rig: Rig
     await rig.sender.drain()
     [entry] = (await rig.log("k1"))["webhooks"]
     assert entry["type"] == "effect.not_applied" and entry["fencing_token"] == 4
-    [msg] = rig.publisher.received()
+    [msg] = rig.publisher.decoded(WebhookReceived)
     assert (msg.outcome, msg.final, msg.operation_key, msg.fencing_token) \
         == ("not_applied", True, "k1", 4)
 
@@ -371,7 +356,7 @@ async def test_send_helper_bad_signatures_are_refused_by_the_reconciler(rig: Rig
         results[mode] = r.json()["status"]
     assert results == {"valid": 200, "forged": 401, "wrong_key": 401, "expired": 401,
                        "future": 401, "unsigned": 401, "tampered_body": 401}
-    [msg] = rig.publisher.received()
+    [msg] = rig.publisher.decoded(WebhookReceived)
     assert msg.operation_key == "k9"
     modes = [e["mode"] for e in (await rig.log("k9"))["webhooks"]]
     assert modes == list(SEND_MODES)

@@ -1,4 +1,4 @@
-"""The operation state machine (DESIGN.md section 4): the table, exhaustively, and properties."""
+"""The operation state machine: the table, exhaustively, and properties."""
 
 from __future__ import annotations
 
@@ -10,11 +10,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from effectledger_core.states import (
+    ACTIVE,
     AT_REST,
+    OUTBOX_LIVE,
     TABLE,
     TERMINAL,
+    UNDECIDED,
+    UNRESOLVED,
     Event,
     IllegalTransition,
+    OutboxStatus,
     State,
     Step,
     sources,
@@ -50,7 +55,7 @@ EXPECTED: dict[tuple[State, Event], Step] = {
     (S.NEEDS_REVIEW, E.REVIEW_NOT_EXECUTED_RETRY): Step(S.PENDING, new_epoch=True),
     (S.NEEDS_REVIEW, E.REVIEW_NOT_EXECUTED_FINAL): Step(S.FAILED),
     (S.NEEDS_REVIEW, E.REVIEW_UNCERTAIN): Step(S.NEEDS_REVIEW),
-    # An operator's admitted single-use retry plan (DESIGN.md section 5, recovery decisions).
+    # An operator's admitted single-use retry plan.
     (S.AMBIGUOUS, E.PLAN_ADMITTED): Step(S.PENDING, new_epoch=True),
     (S.NEEDS_REVIEW, E.PLAN_ADMITTED): Step(S.PENDING, new_epoch=True),
     (S.FAILED, E.PLAN_ADMITTED): Step(S.PENDING, new_epoch=True),
@@ -201,3 +206,14 @@ def test_once_succeeded_every_further_event_is_illegal(events: list[Event]) -> N
     for event in events:
         with pytest.raises(IllegalTransition):
             transition(state, event)
+
+
+def test_named_sets_partition_the_states_as_documented() -> None:
+    """ACTIVE is everything not terminal; it splits into UNDECIDED, UNRESOLVED and needs_review;
+    OUTBOX_LIVE is every outbox status a consumer may still receive."""
+    assert ACTIVE == set(State) - TERMINAL
+    assert UNRESOLVED == {S.AMBIGUOUS, S.AWAITING_CONFIRMATION}
+    assert UNDECIDED == {S.PENDING, S.AWAITING_APPROVAL, S.IN_FLIGHT}
+    assert UNDECIDED | UNRESOLVED | {S.NEEDS_REVIEW} == ACTIVE
+    assert not UNDECIDED & UNRESOLVED
+    assert OUTBOX_LIVE == {OutboxStatus.PENDING, OutboxStatus.PUBLISHING, OutboxStatus.PUBLISHED}

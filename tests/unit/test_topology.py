@@ -55,20 +55,24 @@ class _FakeNats:
 
 
 def test_the_consumer_definitions_match_the_services_own(defaults: Settings) -> None:
-    from effectledger_dispatcher.app import build_consumer
+    from effectledger_dispatcher.app import build_consumer as dispatcher_consumer
     from effectledger_ledger.messaging import build_inbox
-    from effectledger_reconciler import worker as reconciler_worker
+    from effectledger_reconciler.app import build_consumer as reconciler_consumer
+
+    class Handles:  # the builders only keep a reference to the handler
+        async def handle(self, delivery: object) -> None:
+            raise AssertionError("not called")
 
     wanted = {c.config.durable_name: c for c in topo.topology(defaults).consumers}
-    dispatcher = build_consumer(_FakeNats(), defaults, None)  # type: ignore[arg-type]
-    inbox = build_inbox(_FakeNats(), defaults, None)  # type: ignore[arg-type]
-    for built in (dispatcher, inbox):
-        spec = wanted[built.durable]
-        assert spec.stream == built.stream
-        assert spec.config.filter_subject == built.subject
-        assert _fields(spec.config) == _fields(built.config)
-    assert reconciler_worker.CONSUMER == topo.RECONCILER
-    assert reconciler_worker.ACK_WAIT_S == wanted[topo.RECONCILER].config.ack_wait
+    built = [dispatcher_consumer(_FakeNats(), defaults, Handles()),  # type: ignore[arg-type]
+             build_inbox(_FakeNats(), defaults, Handles()),  # type: ignore[arg-type]
+             reconciler_consumer(_FakeNats(), defaults, Handles())]  # type: ignore[arg-type]
+    assert {b.durable for b in built} == set(wanted)
+    for consumer in built:
+        spec = wanted[consumer.durable]
+        assert spec.stream == consumer.stream
+        assert spec.config.filter_subject == consumer.subject
+        assert _fields(spec.config) == _fields(consumer.config)
 
 
 def test_a_file_is_renamed_to_the_deployments_prefixes_and_takes_replicas_from_settings(

@@ -21,9 +21,10 @@ import pytest
 from standardwebhooks import Webhook
 from starlette.applications import Starlette
 
+from effectledger_bus.testing import FakePublisher
 from effectledger_core.config import Settings
-from effectledger_core.errors import BrokerUnavailable, ConfigError
-from effectledger_core.messages import WebhookReceived, parse
+from effectledger_core.errors import ConfigError
+from effectledger_core.messages import WebhookReceived
 from effectledger_core.subjects import Subjects
 from effectledger_reconciler.app import build_verifier, skip_verification_requested
 from effectledger_reconciler.signatures import WebhookVerifier
@@ -36,23 +37,6 @@ OLD_SECRET = "whsec_" + base64.b64encode(b"o" * 24).decode()
 OTHER_SECRET = "whsec_" + base64.b64encode(b"x" * 24).decode()
 URL = "/v1/webhooks/sandbox"
 LIMIT = 4096
-
-
-class FakePublisher:
-    def __init__(self) -> None:
-        self.messages: list[tuple[str, bytes, str]] = []
-        self.down = False
-
-    async def publish(self, subject: str, payload: bytes, *, msg_id: str) -> bool:
-        if self.down:
-            raise BrokerUnavailable("publish: no responders")
-        if any(m[2] == msg_id for m in self.messages):
-            return True
-        self.messages.append((subject, payload, msg_id))
-        return False
-
-    def received(self) -> list[WebhookReceived]:
-        return [parse(WebhookReceived, p) for _, p, _ in self.messages]
 
 
 def event(type_: str = "effect.applied", **data: Any) -> bytes:
@@ -96,7 +80,7 @@ async def test_valid_delivery_publishes_one_webhook_received_then_answers_2xx(
     assert r.json() == {"ok": True, "webhook_id": "msg_1", "duplicate": False}
     [(subject, _, msg_id)] = publisher.messages
     assert subject == SUBJECTS.webhook and msg_id == "webhook:sandbox:msg_1"
-    [msg] = publisher.received()
+    [msg] = publisher.decoded(WebhookReceived)
     assert (msg.provider, msg.webhook_id, msg.event_type) == ("sandbox", "msg_1", "effect.applied")
     assert (msg.operation_key, msg.provider_ref, msg.outcome, msg.final, msg.fencing_token) \
         == ("ck_1", "eff_1", "applied", True, 2)
@@ -122,7 +106,7 @@ async def test_event_types_map_to_outcomes(client: httpx.AsyncClient, publisher:
                                            type_: str, outcome: str, final: bool) -> None:
     body = event(type_, final=final)
     assert (await client.post(URL, content=body, headers=signed(body))).status_code == 200
-    [msg] = publisher.received()
+    [msg] = publisher.decoded(WebhookReceived)
     assert (msg.outcome, msg.final, msg.event_type) == (outcome, final, type_)
 
 
@@ -130,7 +114,7 @@ async def test_event_without_data_is_kept_as_evidence_without_key(
         client: httpx.AsyncClient, publisher: FakePublisher) -> None:
     body = json.dumps({"type": "ping"}).encode()
     assert (await client.post(URL, content=body, headers=signed(body))).status_code == 200
-    [msg] = publisher.received()
+    [msg] = publisher.decoded(WebhookReceived)
     assert (msg.operation_key, msg.provider_ref, msg.outcome) == (None, None, "unknown")
 
 
@@ -218,7 +202,7 @@ async def test_rotation_accepts_the_new_and_the_old_secret(publisher: FakePublis
         r = await c.post(URL, content=b3, headers=signed(b3, secret=OTHER_SECRET,
                                                          webhook_id="msg_3"))
         assert r.status_code == 401
-    assert [m.provider_ref for m in publisher.received()] == ["eff_1", "eff_2"]
+    assert [m.provider_ref for m in publisher.decoded(WebhookReceived)] == ["eff_1", "eff_2"]
 
 
 async def test_one_valid_signature_among_several_is_enough(client: httpx.AsyncClient,

@@ -124,8 +124,7 @@ def check(*, cfg: ChaosConfig, schedule: Schedule, history: list[dict[str, Any]]
                            "why": f"{o['state']}, but the provider applied it",
                            "evidence": o.get("evidence")})
         for e in journal[o["id"]]:
-            if e["kind"] != "verdict_applied" or (e["detail"] or {}).get("verdict") != \
-                    "not_applied":
+            if e["kind"] != "verdict_not_applied":
                 continue
             hits = [r for r in req_by_key.get(o["operation_key"], [])
                     if r["fencing_token"] == e["epoch"] and _applied(r["outcome"])]
@@ -252,7 +251,7 @@ def _bad_webhooks(sent: list[dict[str, Any]], bad_input: dict[str, Any], db: dic
     for entries in journal.values():
         for e in entries:
             ev = ((e["detail"] or {}).get("evidence") or {})
-            if e["kind"] == "verdict_applied" and ev.get("webhook_id"):
+            if e["kind"] in ("verdict_applied", "verdict_not_applied") and ev.get("webhook_id"):
                 moved_by[ev["webhook_id"]] = e["operation_id"]
     out = []
     for b in sent:

@@ -5,21 +5,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from effectledger_bus.connect import connect
+from effectledger_bus.publish import JetStreamPublisher
 from effectledger_bus.pull import PullConsumer
 from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
+from effectledger_providers.adapters import load_adapter
+from effectledger_providers.calls import make_clients
 
-from .adapters import load_adapter
-from .provider import make_clients
-from .worker import CONSUMER, Dispatcher, JsDelivery
+from .ports import HttpProviderCaller, NatsLedgerClient
+from .worker import CONSUMER, Dispatcher
 
 log = logging.getLogger("effectledger.dispatcher")
 
@@ -29,12 +31,9 @@ def build_consumer(nc: NatsClient, settings: Settings, dispatcher: Dispatcher) -
     effectledger_bus.pull for why not FastStream here)."""
     subjects = settings.subjects
 
-    async def on_dispatch(msg: Msg) -> None:
-        await dispatcher.handle(JsDelivery(msg))
-
     return PullConsumer(
         nc, subject=subjects.dispatch_all, stream=subjects.dispatch_stream,
-        durable=CONSUMER, handler=on_dispatch, name="dispatcher",
+        durable=CONSUMER, handler=dispatcher.handle, name="dispatcher",
         concurrency=settings.dispatcher_concurrency,
         batch=min(256, settings.dispatcher_concurrency),
         config=ConsumerConfig(
@@ -52,13 +51,14 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         load_adapter(tool)  # a bad adapter path fails the deployment, not each operation
     nc = await connect(settings, f"effectledger-dispatcher-{settings.dispatcher_id}")
     await ensure_streams(nc.jetstream(), settings)
-    pool = make_clients(max(16, settings.dispatcher_concurrency * 2))
-    http = pool[0]
-    dispatcher = Dispatcher(nc=nc, http=http, http_pool=pool, catalog=catalog,
-                            subjects=settings.subjects,
-                            dispatcher_id=settings.dispatcher_id,
-                            claim_timeout_s=settings.claim_timeout_s,
-                            ack_wait_s=settings.ack_wait_s, max_deliver=settings.max_deliver)
+    env = dict(os.environ)
+    caller = HttpProviderCaller(make_clients(max(16, settings.dispatcher_concurrency * 2)),
+                                env=env)
+    dispatcher = Dispatcher(
+        ledger=NatsLedgerClient(nc, settings.subjects, timeout_s=settings.claim_timeout_s),
+        publisher=JetStreamPublisher(nc.jetstream()), call=caller, catalog=catalog,
+        subjects=settings.subjects, dispatcher_id=settings.dispatcher_id,
+        ack_wait_s=settings.ack_wait_s, max_deliver=settings.max_deliver, env=env)
     consumer = build_consumer(nc, settings, dispatcher)
     await consumer.start()
     stop = asyncio.Event()
@@ -73,7 +73,6 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         await stop.wait()
     finally:
         await consumer.stop()
-        for client in pool:
-            await client.aclose()
+        await caller.aclose()
         with contextlib.suppress(Exception):
             await nc.drain()

@@ -11,44 +11,46 @@ turns into an ambiguous outcome ("dispatcher lost mid-attempt"), never a second 
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-import httpx
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
-from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_delay, wait_exponential
-
-from effectledger_core.catalog import Catalog
+from effectledger_bus import msgids
+from effectledger_bus.delivery import Delivery, dead_letter, heartbeat, keep
+from effectledger_bus.publish import publish_with_retries
+from effectledger_bus.rpc import NoReply
+from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.crash import crash_point
-from effectledger_core.errors import EffectLedgerError, PayloadTooLarge, PoisonMessage
+from effectledger_core.errors import (
+    BrokerUnavailable,
+    EffectLedgerError,
+    PayloadTooLarge,
+    PoisonMessage,
+)
 from effectledger_core.ids import Clock, IdFactory, new_id, utcnow
 from effectledger_core.messages import (
     ClaimAttempt,
     ClaimReply,
     ClaimStatus,
-    DeadLetter,
     DispatchAttempt,
+    ErrorReply,
     Outcome,
     OutcomeAmbiguous,
     encode,
-    excerpt,
     parse,
 )
 from effectledger_core.subjects import Subjects
 
-from .provider import call_provider
+from . import decision
+from .ports import LedgerClient, ProviderCaller, Publisher
 
 log = logging.getLogger(__name__)
 CONSUMER = "dispatcher"
-# Beyond a tool's timeout, how long a claim may go unanswered before it is presumed lost.
-LOST_GRACE_S = 5.0
+# While our catalog lacks a tool the ledger accepted (a rollout in progress), look again this
+# often, until max_deliver sends the command to the dead letters.
+UNKNOWN_TOOL_RETRY_S = 10.0
+CLAIM_TRIES = 3
 # TEST-ONLY: disables claim-before-call, so the chaos harness can prove it detects duplicates.
 UNSAFE_SKIP_CLAIM_ENV = "EFFECTLEDGER_UNSAFE_SKIP_CLAIM"
 
@@ -57,29 +59,18 @@ def unsafe_skip_claim(env: Mapping[str, str]) -> bool:
     return env.get(UNSAFE_SKIP_CLAIM_ENV, "").strip().lower() in ("1", "true", "yes")
 
 
-class Delivery:
-    """What the worker needs of a JetStream delivery (a nats-py message, or a fake)."""
-
-    subject: str
-    data: bytes
-    headers: Mapping[str, str]
-    deliveries: int
-
-    async def ack(self) -> None: ...
-    async def nak(self, delay: float) -> None: ...
-    async def in_progress(self) -> None: ...
-
-
 @dataclass
 class Dispatcher:
-    nc: NatsClient
-    http: httpx.AsyncClient
+    ledger: LedgerClient
+    publisher: Publisher
+    call: ProviderCaller
     catalog: Catalog
     subjects: Subjects
     dispatcher_id: str
-    claim_timeout_s: float = 5.0
     ack_wait_s: float = 60.0
     max_deliver: int = 20
+    # How long to keep retrying an outcome publish; None: half of ack_wait, at least 5 s.
+    publish_within_s: float | None = None
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     clock: Clock = utcnow
     ids: IdFactory = new_id
@@ -93,18 +84,10 @@ class Dispatcher:
     # the claim was recorded and its reply lost. A fresh id would find its own lost claim
     # "already claimed" and needlessly declare an untouched operation ambiguous.
     unanswered_claims: dict[tuple[str, int], str] = field(default_factory=dict)
-    # More clients to spread provider calls over, round robin (provider.make_clients).
-    http_pool: list[httpx.AsyncClient] = field(default_factory=list)
-    _next_client: int = 0
-
-    def _client(self) -> httpx.AsyncClient:
-        if not self.http_pool:
-            return self.http
-        self._next_client = (self._next_client + 1) % len(self.http_pool)
-        return self.http_pool[self._next_client]
 
     def __post_init__(self) -> None:
-        if unsafe_skip_claim(self.env):
+        self.skip_claim = unsafe_skip_claim(self.env)
+        if self.skip_claim:
             log.warning("UNSAFE: %s is set: claim-before-call is DISABLED; redelivered "
                         "commands will call the provider again. This switch exists for the "
                         "chaos harness only and must never be set in production.",
@@ -118,7 +101,7 @@ class Dispatcher:
             await d.ack()
             return
         try:
-            self.catalog.get(cmd.tool)
+            tool = self.catalog.get(cmd.tool)
         except EffectLedgerError as exc:
             # The ledger accepted it, so our catalog is behind: wait for a rollout, then give up
             # into the dead-letter record rather than loop forever.
@@ -126,155 +109,112 @@ class Dispatcher:
                 await self._dead_letter(d, exc.message)
                 await d.ack()
             else:
-                await d.nak(delay=10.0)
+                await d.nak(delay=UNKNOWN_TOOL_RETRY_S)
             return
 
-        attempt_id = self.unanswered_claims.pop((cmd.operation_id, cmd.epoch), None) \
-            or self.ids()
+        key = (cmd.operation_id, cmd.epoch)
+        attempt_id = self.unanswered_claims.pop(key, None) or self.ids()
         reply = await self._claim(cmd, attempt_id, d)
-        if reply is None:
-            self.stats["claim_unavailable"] += 1
-            self.unanswered_claims[(cmd.operation_id, cmd.epoch)] = attempt_id
-            if len(self.unanswered_claims) > 10_000:  # commands redelivered elsewhere
-                del self.unanswered_claims[next(iter(self.unanswered_claims))]
-            await d.nak(delay=min(10.0, 0.5 * 2 ** d.deliveries))
+        step = decision.decide(reply, attempt_id=attempt_id, deliveries=d.deliveries,
+                               tool_timeout_s=tool.timeout_s, skip_claim=self.skip_claim)
+        self._note_claim(key, attempt_id, reply)
+        if isinstance(step, decision.Nak):
+            await d.nak(delay=step.delay_s)
             return
-        if reply.status is ClaimStatus.GRANTED:
-            self.stats["granted"] += 1
-            crash_point("dispatcher.after_claim")
-            outcome = await self._attempt(d, cmd, reply.attempt_id or attempt_id)
-        elif reply.status is ClaimStatus.ALREADY_CLAIMED and unsafe_skip_claim(self.env):
-            # The guard this whole service exists for, switched off: a redelivered command
-            # reaches the provider again. Only the chaos harness's "can it fail" runs do this.
-            self.stats["already_claimed"] += 1
-            log.warning("UNSAFE: %s=1: calling the provider for %s epoch %d although the claim "
-                        "is already held (claim-before-call disabled; never use in production)",
-                        UNSAFE_SKIP_CLAIM_ENV, cmd.operation_id, cmd.epoch)
-            outcome = await self._attempt(d, cmd, reply.attempt_id or attempt_id)
-        elif reply.status is ClaimStatus.ALREADY_CLAIMED:
-            self.stats["already_claimed"] += 1
-            if reply.outcome_recorded:
-                await d.ack()  # a duplicate delivery of a finished attempt
-                return
-            patience = self.catalog.get(cmd.tool).timeout_s + LOST_GRACE_S
-            if reply.claim_age_s is not None and reply.claim_age_s < patience:
-                # A duplicate (a sweeper republish, a redelivery) while the claimer may still be
-                # mid-call: come back once its attempt must have ended, rather than declaring a
-                # live attempt lost. A dead claimer is only redelivered after ack_wait anyway.
-                await d.nak(delay=patience - reply.claim_age_s + 0.5)
-                return
-            # Someone claimed this epoch and never reported: we cannot know whether the
-            # provider saw the request, so it is ambiguous. We never call the provider here.
+        if isinstance(step, decision.Ack):
+            await d.ack()
+            return
+        if isinstance(step, decision.Attempt):
+            if step.unsafe:
+                log.warning("UNSAFE: %s=1: calling the provider for %s epoch %d although the "
+                            "claim is already held (claim-before-call disabled; never use in "
+                            "production)", UNSAFE_SKIP_CLAIM_ENV, cmd.operation_id, cmd.epoch)
+            else:
+                crash_point("dispatcher.after_claim")
+            outcome = await self._attempt(d, cmd, tool, step.attempt_id)
+        else:
             self.stats["lost_mid_attempt"] += 1
-            assert reply.attempt_id is not None
             outcome = OutcomeAmbiguous(
-                operation_id=cmd.operation_id, epoch=cmd.epoch, attempt_id=reply.attempt_id,
+                operation_id=cmd.operation_id, epoch=cmd.epoch, attempt_id=step.attempt_id,
                 dispatcher_id=self.dispatcher_id, at=self.clock(),
                 reason="dispatcher_lost_mid_attempt",
                 message="the attempt was claimed but its dispatcher never reported an outcome")
-        else:
-            self.stats["stale"] += 1  # the ledger journaled the rejected claim
-            await d.ack()
-            return
         if not await self._publish_outcome(d, outcome):
             return  # not acked: redelivery will find the claim and go the ambiguous path
         crash_point("dispatcher.after_outcome_publish")
         await d.ack()
 
-    async def _attempt(self, d: Delivery, cmd: DispatchAttempt, attempt_id: str) -> Outcome:
-        tool = self.catalog.get(cmd.tool)
-        heartbeat = asyncio.create_task(self._heartbeat(d))
-        try:
-            outcome = await call_provider(
-                self._client(), tool, cmd, attempt_id=attempt_id,
-                dispatcher_id=self.dispatcher_id,
-                env=self.env, clock=self.clock,
-                on_sent=lambda: crash_point("dispatcher.before_call"))
-        finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await heartbeat
+    def _note_claim(self, key: tuple[str, int], attempt_id: str,
+                    reply: ClaimReply | None) -> None:
+        """Count the reply; remember an unanswered attempt id for the redelivery."""
+        if reply is None:
+            self.stats["claim_unavailable"] += 1
+            self.unanswered_claims[key] = attempt_id
+            if len(self.unanswered_claims) > 10_000:  # commands redelivered elsewhere
+                del self.unanswered_claims[next(iter(self.unanswered_claims))]
+        elif reply.status is ClaimStatus.GRANTED:
+            self.stats["granted"] += 1
+        elif reply.status is ClaimStatus.ALREADY_CLAIMED:
+            self.stats["already_claimed"] += 1
+        else:
+            self.stats["stale"] += 1  # the ledger journaled the rejected claim
+
+    async def _attempt(self, d: Delivery, cmd: DispatchAttempt, tool: Tool,
+                       attempt_id: str) -> Outcome:
+        # Long provider calls must not let ack_wait expire: that would redeliver the command
+        # to another dispatcher, which would (safely, but needlessly) declare it ambiguous.
+        async with heartbeat(d, self.ack_wait_s / 3):
+            outcome = await self.call(tool, cmd, attempt_id=attempt_id,
+                                      dispatcher_id=self.dispatcher_id,
+                                      on_sent=lambda: crash_point("dispatcher.before_call"))
         crash_point("dispatcher.after_response")
         return outcome
 
-    async def _heartbeat(self, d: Delivery) -> None:
-        # Long provider calls must not let ack_wait expire: that would redeliver the command
-        # to another dispatcher, which would (safely, but needlessly) declare it ambiguous.
-        while True:
-            await asyncio.sleep(self.ack_wait_s / 3)
-            with contextlib.suppress(Exception):
-                await d.in_progress()
-
     async def _claim(self, cmd: DispatchAttempt, attempt_id: str,
-                     d: Delivery | None = None) -> ClaimReply | None:
+                     d: Delivery) -> ClaimReply | None:
+        """The ledger's claim reply; None if it did not answer or refused the request."""
         request = ClaimAttempt(operation_id=cmd.operation_id, epoch=cmd.epoch,
                                attempt_id=attempt_id, dispatcher_id=self.dispatcher_id)
         # Retrying with the same attempt id is safe: the ledger re-grants the same attempt.
-        for tries in range(3):
-            if tries and d is not None:
+        for tries in range(CLAIM_TRIES):
+            if tries:
                 # Keep the command ours while a slow ledger answers: a redelivery meanwhile
                 # would find our claim and declare the attempt lost for nothing.
-                with contextlib.suppress(Exception):
-                    await d.in_progress()
+                await keep(d)
             try:
-                msg = await self.nc.request(self.subjects.rpc_claim, encode(request),
-                                            timeout=self.claim_timeout_s)
-            except (TimeoutError, NatsTimeout, NoRespondersError) as exc:
-                log.warning("claim for %s: %s", cmd.operation_id, type(exc).__name__)
+                answer = await self.ledger.claim(request)
+            except NoReply as exc:
+                log.warning("claim for %s: %s", cmd.operation_id, exc.message)
                 continue
-            try:
-                return parse(ClaimReply, msg.data)
-            except PoisonMessage:
-                log.warning("claim for %s refused: %s", cmd.operation_id, excerpt(msg.data, 300))
+            except (PoisonMessage, PayloadTooLarge) as exc:
+                log.warning("claim for %s: malformed reply: %s", cmd.operation_id, exc.message)
                 return None
+            if isinstance(answer, ErrorReply):
+                log.warning("claim for %s refused: %s: %s", cmd.operation_id,
+                            answer.error.code, answer.error.message[:300])
+                return None
+            return answer
         return None
 
     async def _publish_outcome(self, d: Delivery, outcome: Outcome) -> bool:
-        js = self.nc.jetstream()
-        msg_id = f"{outcome.type}:{outcome.attempt_id}"
         try:
-            async for attempt in AsyncRetrying(
-                retry=retry_if_exception_type(Exception),
-                stop=stop_after_delay(max(5.0, self.ack_wait_s / 2)),
-                wait=wait_exponential(multiplier=0.2, max=3.0), reraise=True):
-                with attempt:
-                    if attempt.retry_state.attempt_number > 1:
-                        # A slow or failing publish: keep the command ours meanwhile. Not on
-                        # the first try: the call's heartbeat covered us until just now.
-                        await d.in_progress()
-                    await js.publish(self.subjects.outcome(outcome.type), encode(outcome),
-                                     headers={"Nats-Msg-Id": msg_id}, timeout=5.0)
-        except Exception as exc:
-            log.error("could not publish outcome of %s: %s", outcome.operation_id, exc)
+            # Not a heartbeat before the first try: the call's heartbeat covered us until now.
+            await publish_with_retries(
+                self.publisher, self.subjects.outcome(outcome.type), encode(outcome),
+                msg_id=msgids.outcome(outcome), within_s=self._publish_window(),
+                before_retry=lambda: keep(d))
+        except BrokerUnavailable as exc:
+            log.error("could not publish outcome of %s: %s", outcome.operation_id, exc.message)
             return False
         return True
 
+    def _publish_window(self) -> float:
+        if self.publish_within_s is not None:
+            return self.publish_within_s
+        return max(5.0, self.ack_wait_s / 2)
+
     async def _dead_letter(self, d: Delivery, error: str) -> None:
         self.stats["dead_lettered"] += 1
-        letter = DeadLetter(consumer=CONSUMER, subject=d.subject[:1024],
-                            message_id=(d.headers.get("Nats-Msg-Id") or "")[:1024] or None,
-                            error=error[:1024], payload_excerpt=excerpt(d.data),
-                            deliveries=d.deliveries)
-        await self.nc.jetstream().publish(self.subjects.deadletter, encode(letter), timeout=5.0)
-
-
-class JsDelivery(Delivery):
-    """`Delivery` over a nats-py JetStream message."""
-
-    __slots__ = ("data", "deliveries", "headers", "msg", "subject")
-
-    def __init__(self, msg: Msg) -> None:
-        self.msg = msg
-        self.subject = msg.subject
-        self.data = msg.data
-        self.headers = msg.headers or {}
-        self.deliveries = msg.metadata.num_delivered if msg.reply else 1
-
-    async def ack(self) -> None:
-        await self.msg.ack()
-
-    async def nak(self, delay: float) -> None:
-        await self.msg.nak(delay=delay)
-
-    async def in_progress(self) -> None:
-        await self.msg.in_progress()
+        letter = dead_letter(d, consumer=CONSUMER, error=error)
+        await self.publisher.publish(self.subjects.deadletter, encode(letter),
+                                     msg_id=msgids.dead_letter(letter))

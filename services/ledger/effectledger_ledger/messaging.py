@@ -6,31 +6,36 @@ ledger transaction that it caused has committed; poison messages are recorded an
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
+from effectledger_bus import msgids
+from effectledger_bus.backoff import nak_backoff
+from effectledger_bus.delivery import Delivery, dead_letter, message_id
 from effectledger_bus.pull import PullConsumer
 from effectledger_bus.rpc import RequestServer
 from effectledger_core.config import Settings
 from effectledger_core.errors import (
     EffectLedgerError,
-    InvalidRequest,
     PayloadTooLarge,
     PoisonMessage,
 )
 from effectledger_core.messages import (
     ClaimAttempt,
     DeadLetter,
+    ErrorDetail,
+    ErrorReply,
+    IntentReply,
+    OperationQuery,
+    OperationReply,
+    OperationSummary,
     SubmitIntent,
     VerdictReached,
     WebhookReceived,
     encode,
-    excerpt,
     parse,
     parse_ledger_event,
 )
@@ -39,15 +44,24 @@ from .service import LedgerService
 
 log = logging.getLogger(__name__)
 INBOX_CONSUMER = "ledger-inbox"
+# Longest pause before a failed inbox message is delivered again.
+INBOX_BACKOFF_CAP_S = 30.0
 
 
-def _error_reply(exc: EffectLedgerError) -> str:
-    return json.dumps({"ok": False, "error": exc.to_dict()})
+def _error_reply(exc: EffectLedgerError) -> bytes:
+    return encode(ErrorReply(error=ErrorDetail.model_validate(exc.to_dict())))
+
+
+def _summary(op: dict[str, Any], *, with_ref: bool) -> OperationSummary:
+    return OperationSummary(id=op["id"], state=op["state"], epoch=op["epoch"],
+                            operation_key=op["operation_key"], tool=op["tool"],
+                            provider_ref=op.get("provider_ref") if with_ref else None)
 
 
 class Requests:
     """The ledger's request-reply handlers: payload bytes in, reply bytes out, never raising
-    for bad input (served by effectledger_bus.rpc on plain nats-py subscriptions)."""
+    for bad input (served by effectledger_bus.rpc on plain nats-py subscriptions). Replies are
+    the typed models of effectledger_core.messages."""
 
     def __init__(self, service: LedgerService) -> None:
         self.service = service
@@ -57,11 +71,9 @@ class Requests:
             intent = parse(SubmitIntent, raw)
             submitted = await self.service.submit(intent, actor="agent:nats")
         except EffectLedgerError as exc:
-            return _error_reply(exc).encode()
-        op = submitted.operation
-        return json.dumps({"ok": True, "created": submitted.created, "operation": {
-            "id": op["id"], "state": op["state"], "epoch": op["epoch"],
-            "operation_key": op["operation_key"], "tool": op["tool"]}}).encode()
+            return _error_reply(exc)
+        return encode(IntentReply(created=submitted.created,
+                                  operation=_summary(submitted.operation, with_ref=False)))
 
     async def claim(self, raw: bytes) -> bytes:
         try:
@@ -69,24 +81,15 @@ class Requests:
             return encode(await self.service.claim(claim))
         except EffectLedgerError as exc:
             # No reply would leave the dispatcher waiting; an error reply makes it retry later.
-            return _error_reply(exc).encode()
+            return _error_reply(exc)
 
     async def operation(self, raw: bytes) -> bytes:
         try:
-            query = json.loads(raw)
-            # .get: an object without the field must get an error reply, not a KeyError.
-            op_id = query.get("operation_id") if isinstance(query, dict) else None
-            if not isinstance(op_id, str) or not 0 < len(op_id) <= 1024:
-                raise InvalidRequest("expected {\"operation_id\": \"...\"}")
-            op = await self.service.operation(op_id)
+            query = parse(OperationQuery, raw)
+            op = await self.service.operation(query.operation_id)
         except EffectLedgerError as exc:
-            return _error_reply(exc).encode()
-        except (ValueError, RecursionError):
-            # RecursionError: deeply nested JSON; without this the requester gets no reply.
-            return _error_reply(InvalidRequest("payload is not JSON")).encode()
-        return json.dumps({"ok": True, "operation": {
-            k: op[k] for k in ("id", "state", "epoch", "operation_key", "tool",
-                               "provider_ref")}}).encode()
+            return _error_reply(exc)
+        return encode(OperationReply(operation=_summary(op, with_ref=True)))
 
 
 async def serve_requests(nc: NatsClient, settings: Settings,
@@ -107,26 +110,23 @@ def build_inbox(nc: NatsClient, settings: Settings, service: LedgerService) -> P
     subjects = settings.subjects
     max_deliver = settings.max_deliver
 
-    async def on_event(msg: Msg) -> None:
-        headers = msg.headers or {}
-        deliveries = msg.metadata.num_delivered
+    async def on_event(d: Delivery) -> None:
         try:
-            await _handle_event(service, subjects.deadletter, msg.subject, msg.data, headers,
-                                deliveries)
+            await _handle_event(service, d)
         except EffectLedgerError as exc:
-            if exc.retryable and deliveries < max_deliver:
-                await msg.nak(delay=min(30.0, 0.5 * 2 ** deliveries))
+            if exc.retryable and d.deliveries < max_deliver:
+                await d.nak(delay=nak_backoff(d.deliveries, base_s=1.0, cap_s=INBOX_BACKOFF_CAP_S))
                 return
-            await _dead_letter(service, msg.subject, msg.data, headers, deliveries,
-                               exc.message)
+            await service.record_dead_letter(
+                dead_letter(d, consumer=INBOX_CONSUMER, error=exc.message))
         except Exception as exc:
-            log.exception("inbox: unexpected error on %s", msg.subject)
-            if deliveries < max_deliver:
-                await msg.nak(delay=min(30.0, 0.5 * 2 ** deliveries))
+            log.exception("inbox: unexpected error on %s", d.subject)
+            if d.deliveries < max_deliver:
+                await d.nak(delay=nak_backoff(d.deliveries, base_s=1.0, cap_s=INBOX_BACKOFF_CAP_S))
                 return
-            await _dead_letter(service, msg.subject, msg.data, headers, deliveries,
-                               f"{type(exc).__name__}: {exc}")
-        await msg.ack()
+            await service.record_dead_letter(dead_letter(
+                d, consumer=INBOX_CONSUMER, error=f"{type(exc).__name__}: {exc}"))
+        await d.ack()
 
     return PullConsumer(
         nc, subject=subjects.ledger_all, stream=subjects.events_stream,
@@ -136,32 +136,23 @@ def build_inbox(nc: NatsClient, settings: Settings, service: LedgerService) -> P
                               max_deliver=max_deliver, max_ack_pending=4096))
 
 
-async def _handle_event(service: LedgerService, deadletter_subject: str, subject: str,
-                        data: bytes, headers: dict[str, Any], deliveries: int) -> None:
+async def _handle_event(service: LedgerService, d: Delivery) -> None:
     try:
-        event = parse_ledger_event(data)
+        event = parse_ledger_event(d.data)
     except (PoisonMessage, PayloadTooLarge) as exc:
-        await _dead_letter(service, subject, data, headers, deliveries, exc.message)
+        await service.record_dead_letter(
+            dead_letter(d, consumer=INBOX_CONSUMER, error=exc.message))
         return
-    message_id = headers.get("Nats-Msg-Id")
+    # A message published without an id (by hand, by an old publisher) is deduplicated under
+    # the id its publisher would have given it.
+    msg_id = message_id(d)
     if isinstance(event, DeadLetter):
         await service.record_dead_letter(event)
     elif isinstance(event, VerdictReached):
-        await service.record_verdict(
-            event, consumer=INBOX_CONSUMER,
-            message_id=message_id or f"verdict:{event.operation_id}:{event.epoch}:"
-                                     f"{event.reconciler_id}:{event.verdict}")
+        await service.record_verdict(event, consumer=INBOX_CONSUMER,
+                                     message_id=msg_id or msgids.verdict(event))
     elif isinstance(event, WebhookReceived):
         await service.record_webhook(event)  # deduplicated by (provider, webhook id)
     else:
-        await service.record_outcome(
-            event, consumer=INBOX_CONSUMER,
-            message_id=message_id or f"{event.type}:{event.attempt_id}")
-
-
-async def _dead_letter(service: LedgerService, subject: str, data: bytes,
-                       headers: dict[str, Any], deliveries: int, error: str) -> None:
-    await service.record_dead_letter(DeadLetter(
-        consumer=INBOX_CONSUMER, subject=subject[:1024],
-        message_id=(headers.get("Nats-Msg-Id") or None), error=error[:1024],
-        payload_excerpt=excerpt(data), deliveries=deliveries))
+        await service.record_outcome(event, consumer=INBOX_CONSUMER,
+                                     message_id=msg_id or msgids.outcome(event))

@@ -19,9 +19,11 @@ from nats.js import JetStreamContext
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import StoreUnavailable
 from effectledger_core.ids import Clock, utcnow
+from effectledger_core.states import OutboxKind
 
 from .db.batch import GroupCommit
 from .db.outbox import (
+    MarkPublished,
     OutboxItem,
     StreamPosition,
     lease_batch_txn,
@@ -153,8 +155,7 @@ class DirectPublisher:
                   if isinstance(r, BaseException)]
         try:
             if seqs:
-                await self.writes.run(mark_published_txn, list(seqs), now=self.clock(),
-                                      seqs=seqs)
+                await self.writes.call(MarkPublished(list(seqs), now=self.clock(), seqs=seqs))
                 self.published += len(seqs)
             if failed:
                 log.warning("direct publish: %d failed (%r); handed to the relay", len(failed),
@@ -209,7 +210,8 @@ class Sweeper:
         n = await self.store.run(sweep_unclaimed_txn, now=self.clock(),
                                  older_than_s=self.older_than_s, position=pos.get("dispatch"))
         n += await self.store.run(sweep_unclaimed_txn, now=self.clock(),
-                                  older_than_s=self.reconcile_after_s, kind="reconcile",
+                                  older_than_s=self.reconcile_after_s,
+                                  kind=OutboxKind.RECONCILE.value,
                                   position=pos.get("reconcile"))
         if n:
             log.warning("sweeper: republishing %d unclaimed dispatch commands", n)

@@ -28,21 +28,25 @@ from effectledger_core.messages import (
 )
 from effectledger_core.recovery import Assessment, Review, inspect_recovery, prepare_retry
 from effectledger_core.retry_policy import RetryBudget, RetryContext, RetryDecision, decide_retry
+from effectledger_core.states import State
 from effectledger_core.subjects import Subjects
 
 from .db import reads
 from .db import recovery as rec
 from .db.batch import GroupCommit
-from .db.claims import claim_txn
-from .db.intents import Submitted, submit_intent_txn
-from .db.outcomes import record_dead_letter_txn, record_outcome_txn
-from .db.resolution import Recorded, record_verdict_txn, record_webhook_txn
+from .db.claims import ClaimCall
+from .db.intents import SubmitCall, Submitted
+from .db.outcomes import OutcomeCall, record_dead_letter_txn
+from .db.resolution import record_verdict_txn, record_webhook_txn
+from .db.rows import OperationRow, Recorded
 from .db.store import Store
 
 if TYPE_CHECKING:
     from .relay import DirectPublisher
 
 log = logging.getLogger(__name__)
+# States an outcome leaves with a new outbox command (reconcile, or a retry's dispatch).
+_NEW_COMMAND = frozenset({State.AMBIGUOUS.value, State.PENDING.value})
 
 
 @dataclass
@@ -75,18 +79,18 @@ class LedgerService:
             await self.publisher.close()
         await self.writes.close()
 
-    def decide_retry(self, op: dict[str, Any], failure: Failure) -> RetryDecision:
+    def decide_retry(self, op: OperationRow, failure: Failure) -> RetryDecision:
         """The automatic retry policy applied to a known-not-applied failure of `op`'s epoch."""
         try:
-            tool = self.catalog.get(op["tool"])
+            tool = self.catalog.get(op.tool)
         except UnknownTool:
             return RetryDecision(False, "tool_not_in_catalog")
         ctx = RetryContext(
-            effect_class=tool.effect_class, failure=failure, attempts_made=op["epoch"],
+            effect_class=tool.effect_class, failure=failure, attempts_made=op.epoch,
             max_attempts=tool.max_attempts,
-            elapsed_s=(self.clock() - op["created_at"]).total_seconds(),
+            elapsed_s=(self.clock() - op.created_at).total_seconds(),
             deadline_s=tool.retry_deadline_s,
-            contract_changed=tool.contract_revision != op["contract_revision"])
+            contract_changed=tool.contract_revision != op.contract_revision)
         decision = decide_retry(ctx, self.rng)
         if decision.retry and not self.budget.try_take(time.monotonic()):
             return RetryDecision(False, "retry_budget_exhausted")
@@ -98,11 +102,10 @@ class LedgerService:
         for _ in range(3):
             now = self.clock()
             try:
-                result = await self.writes.run(
-                    submit_intent_txn, catalog=self.catalog, intent=intent,
-                    subjects=self.subjects, operation_id=self.ids(), outbox_id=self.ids(),
-                    now=now, actor=actor,
-                    lease_until=now + timedelta(seconds=self.direct_lease_s) if direct else None)
+                result = await self.writes.call(SubmitCall(
+                    catalog=self.catalog, intent=intent, subjects=self.subjects,
+                    operation_id=self.ids(), outbox_id=self.ids(), now=now, actor=actor,
+                    lease_until=now + timedelta(seconds=self.direct_lease_s) if direct else None))
             except IntegrityError:
                 # Two submissions with the same key raced; the loser retries and finds the
                 # winner's operation (same arguments) or a conflict (different arguments).
@@ -119,19 +122,18 @@ class LedgerService:
     async def claim(self, claim: ClaimAttempt) -> ClaimReply:
         for _ in range(3):
             try:
-                return await self.writes.run(claim_txn, claim, now=self.clock())
+                return await self.writes.call(ClaimCall(claim, now=self.clock()))
             except IntegrityError:
                 continue  # a concurrent claim for this epoch won; re-read answers "already"
         raise RuntimeError("claim kept conflicting")
 
     async def record_outcome(self, outcome: Outcome, *, consumer: str,
                              message_id: str) -> Recorded:
-        result = await self.writes.run(
-            record_outcome_txn, outcome, consumer=consumer, message_id=message_id,
-            subjects=self.subjects, now=self.clock(), ambiguous_outbox_id=self.ids(),
-            decide_retry=self.decide_retry)
+        result = await self.writes.call(OutcomeCall(
+            outcome, consumer=consumer, message_id=message_id, subjects=self.subjects,
+            now=self.clock(), ambiguous_outbox_id=self.ids(), decide_retry=self.decide_retry))
         crash_point("ledger.inbox.after_commit")
-        if result.to_state in ("ambiguous", "pending"):
+        if result.to_state in _NEW_COMMAND:
             self.outbox_wake.set()
         if result.status == "rejected":
             log.info("outcome rejected: op=%s reason=%s", outcome.operation_id, result.reason)
@@ -143,7 +145,7 @@ class LedgerService:
             record_verdict_txn, verdict, consumer=consumer, message_id=message_id,
             subjects=self.subjects, now=self.clock(), outbox_id=self.ids(),
             decide_retry=self.decide_retry)
-        if result.to_state == "pending":
+        if result.to_state == State.PENDING:
             self.outbox_wake.set()
         return result
 
@@ -151,7 +153,7 @@ class LedgerService:
         result = await self.store.run(
             record_webhook_txn, hook, now=self.clock(), subjects=self.subjects,
             outbox_id=self.ids(), decide_retry=self.decide_retry)
-        if result.to_state == "pending":
+        if result.to_state == State.PENDING:
             self.outbox_wake.set()
         return result
 
@@ -228,7 +230,7 @@ class LedgerService:
             op = await rec.load_op(conn, operation_id)
             if review is None:
                 # An operator's earlier review of this epoch (e.g. not_executed) counts.
-                review = await latest_review(conn, operation_id, op["epoch"])
+                review = await latest_review(conn, operation_id, op.epoch)
         plan = prepare_retry(rec.facts(op), review, for_epoch=for_epoch)
         plan_id = self.ids()
         await self.store.run(rec.record_plan_txn, plan, plan_id=plan_id, requested_by=operator,

@@ -8,23 +8,20 @@ import logging
 import os
 
 import uvicorn
-from faststream import AckPolicy
-from faststream.nats import JStream, NatsBroker, PullSub
-from faststream.security import BaseSecurity, SASLPlaintext
-from nats.js.api import AckPolicy as JsAckPolicy
-from nats.js.api import ConsumerConfig
+from nats.aio.client import Client as NatsClient
+from nats.js.api import AckPolicy, ConsumerConfig
 from starlette.applications import Starlette
 
-from effectledger_bus.connect import connect, connect_options, current_message, raw_body
+from effectledger_bus.connect import connect
+from effectledger_bus.publish import JetStreamPublisher
+from effectledger_bus.pull import PullConsumer
 from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
-from effectledger_dispatcher.adapters import load_adapter
-from effectledger_dispatcher.provider import make_client
-from effectledger_dispatcher.worker import JsDelivery
+from effectledger_providers.adapters import load_adapter
+from effectledger_providers.calls import make_client
 
 from .ledger_client import NatsLedgerClient
-from .publisher import JetStreamPublisher
 from .signatures import WebhookVerifier
 from .strategy import Timing
 from .webhooks import SKIP_VERIFICATION_ENV, create_app
@@ -46,40 +43,21 @@ def build_verifier(settings: Settings, *, skip: bool = False) -> WebhookVerifier
                            skip_verification=skip)
 
 
-def build_broker(settings: Settings, reconciler: Reconciler) -> NatsBroker:
+def build_consumer(nc: NatsClient, settings: Settings, reconciler: Reconciler) -> PullConsumer:
+    """The durable `reconciler` pull consumer of reconcile commands, on the same edge as the
+    dispatcher's and the inbox's (effectledger_bus.pull)."""
     subjects = settings.subjects
-    options = connect_options(settings, f"effectledger-reconciler-{settings.reconciler_id}")
-    # FastStream takes a user, a password and TLS as `security`, not as nats-py's keywords
-    # (passing those made every reconciler with NATS credentials fail at start).
-    user, password, tls = (options.pop(k, None) for k in ("user", "password", "tls"))
-    if user is not None:
-        options["security"] = SASLPlaintext(username=user, password=password or "",
-                                            ssl_context=tls)
-    elif tls is not None:
-        options["security"] = BaseSecurity(ssl_context=tls)
-    broker = NatsBroker(**options,
-                        logger=log, log_level=logging.DEBUG, decoder=raw_body)
 
-    @broker.subscriber(
-        subjects.reconcile_all,
-        stream=JStream(subjects.events_stream, declare=False),
-        durable=CONSUMER,
-        pull_sub=PullSub(batch_size=CONCURRENCY, timeout=1.0),
-        max_workers=CONCURRENCY,
-        ack_policy=AckPolicy.MANUAL,
+    return PullConsumer(
+        nc, subject=subjects.reconcile_all, stream=subjects.events_stream, durable=CONSUMER,
+        handler=reconciler.handle, name="reconciler", concurrency=CONCURRENCY, batch=CONCURRENCY,
         config=ConsumerConfig(
-            ack_policy=JsAckPolicy.EXPLICIT,
+            ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ACK_WAIT_S,
             # Unlimited: how long to keep trying comes from the command's own timestamps
             # (horizon, webhook wait, reconciliation deadline), never from a delivery count.
             max_deliver=-1,
-            max_ack_pending=4096),
-        title="reconciler", description="Ambiguous and accepted operations to reconcile")
-    async def on_reconcile(body: bytes) -> None:
-        msg = current_message(broker)  # not a parameter: see current_message
-        await reconciler.handle(JsDelivery(msg.raw_message))  # acks go to nats-py directly
-
-    return broker
+            max_ack_pending=4096))
 
 
 async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> None:
@@ -101,7 +79,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         readback=http_readback(http, dict(os.environ)),
         timing=Timing(reconcile_deadline_s=settings.reconcile_deadline_s,
                       webhook_wait_s=settings.webhook_wait_s))
-    broker = build_broker(settings, reconciler)
+    consumer = build_consumer(nc, settings, reconciler)
 
     async def ready() -> dict[str, bool]:
         return {"nats": nc.is_connected}
@@ -110,10 +88,10 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
                      max_body_bytes=settings.webhook_max_body_bytes, ready=ready)
     app.state.reconciler = reconciler
     try:
-        await broker.start()
+        await consumer.start()
         await _serve_http(app, settings, started)
     finally:
-        await broker.stop()
+        await consumer.stop()
         await http.aclose()
         with contextlib.suppress(Exception):
             await nc.drain()

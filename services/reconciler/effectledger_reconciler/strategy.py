@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Literal
 
+from effectledger_bus.backoff import nak_backoff
 from effectledger_core.catalog import Tool
 from effectledger_core.messages import Evidence, ReconcileOperation
 
@@ -110,13 +111,8 @@ Decision = Done | Wait | Decide | Reject | NeedReadback
 
 
 def backoff(deliveries: int, timing: Timing) -> float:
-    """Exponential backoff from the delivery count (1, 2, 3, ...), capped.
-
-    This is tenacity's `wait_exponential(multiplier=base, max=cap)` computed from JetStream's
-    delivery count: the retry loop is the broker's redelivery, not a loop in this process.
-    """
-    exponent = min(max(deliveries, 1) - 1, 32)
-    return float(min(timing.backoff_cap_s, timing.backoff_base_s * 2 ** exponent))
+    """Exponential backoff from the delivery count (1, 2, 3, ...), capped (the bus's rule)."""
+    return nak_backoff(deliveries, base_s=timing.backoff_base_s, cap_s=timing.backoff_cap_s)
 
 
 def _wait_until(boundary: datetime, now: datetime, deliveries: int, timing: Timing,

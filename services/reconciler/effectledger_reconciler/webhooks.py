@@ -37,12 +37,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from effectledger_bus import msgids
+from effectledger_bus.publish import Publisher
 from effectledger_core.errors import BrokerUnavailable
 from effectledger_core.ids import Clock, utcnow
 from effectledger_core.messages import WebhookReceived, encode
 from effectledger_core.subjects import Subjects
 
-from .publisher import Publisher
 from .signatures import Verified, WebhookRejected, WebhookVerifier
 
 log = logging.getLogger(__name__)
@@ -141,7 +142,7 @@ class _Ingest:
         if not verified.verified:
             log.warning("UNSAFE: webhook %r from %r accepted WITHOUT signature verification",
                         verified.webhook_id, provider)
-        msg_id = f"webhook:{provider}:{verified.webhook_id}"
+        msg_id = msgids.webhook(provider, verified.webhook_id)
         try:
             duplicate = await self.publisher.publish(self.subjects.webhook, encode(message),
                                                      msg_id=msg_id)

@@ -13,56 +13,36 @@ ledger applies only the first verdict for an epoch, rejecting and journaling the
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import httpx
 
+from effectledger_bus import msgids
+from effectledger_bus.delivery import Delivery, dead_letter, heartbeat
+from effectledger_bus.publish import Publisher, publish_with_retries
 from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.errors import BrokerUnavailable, PayloadTooLarge, PoisonMessage, UnknownTool
 from effectledger_core.ids import Clock, utcnow
-from effectledger_core.messages import (
-    DeadLetter,
-    ReconcileOperation,
-    VerdictReached,
-    encode,
-    excerpt,
-    parse,
-)
+from effectledger_core.messages import ReconcileOperation, VerdictReached, encode, parse
 from effectledger_core.subjects import Subjects
-from effectledger_dispatcher.provider import readback as provider_readback
+from effectledger_providers.calls import readback as provider_readback
 
 from . import strategy
 from .ledger_client import LedgerClient, LedgerUnavailable
-from .publisher import Publisher
 from .strategy import ReadbackAnswer, Timing
 
 log = logging.getLogger(__name__)
 CONSUMER = "reconciler"
 ACK_WAIT_S = 30.0
+PUBLISH_ATTEMPTS = 3
 
 ReadbackFn = Callable[[Tool, ReconcileOperation], Awaitable[ReadbackAnswer]]
 
 
-class Delivery(Protocol):
-    """What the worker needs of a JetStream delivery (the dispatcher's `JsDelivery`, a fake)."""
-
-    subject: str
-    data: bytes
-    headers: Mapping[str, str]
-    deliveries: int
-
-    async def ack(self) -> None: ...
-    async def nak(self, delay: float) -> None: ...
-    async def in_progress(self) -> None: ...
-
-
 def http_readback(client: httpx.AsyncClient, env: Mapping[str, str]) -> ReadbackFn:
-    """Readback through the dispatcher's provider code (same adapters, `${ENV}` headers)."""
+    """Readback through the shared provider code (same adapters, `${ENV}` headers)."""
 
     async def run(tool: Tool, cmd: ReconcileOperation) -> ReadbackAnswer:
         result = await provider_readback(client, tool, cmd.operation_key, cmd.operation_id,
@@ -72,10 +52,6 @@ def http_readback(client: httpx.AsyncClient, env: Mapping[str, str]) -> Readback
                               error=result.error)
 
     return run
-
-
-def verdict_msg_id(verdict: VerdictReached) -> str:
-    return f"verdict:{verdict.operation_id}:{verdict.epoch}:{verdict.verdict}"
 
 
 @dataclass
@@ -139,7 +115,7 @@ class Reconciler:
                         tool: Tool) -> strategy.Decide | strategy.Wait:
         self.stats["readbacks"] += 1
         sent_at = self.clock()  # taken before sending: "not found" counts from here
-        async with self._heartbeat(d):
+        async with heartbeat(d, self.ack_wait_s / 3):
             answer = await self.readback(tool, cmd)
         return strategy.after_readback(cmd, tool, answer, sent_at=sent_at,
                                        answered_at=self.clock(), deliveries=d.deliveries,
@@ -157,9 +133,9 @@ class Reconciler:
                                  reconciler_id=self.reconciler_id, reason=decision.reason,
                                  at=self.clock())
         try:
-            async with self._heartbeat(d):
-                await self._publish_with_retries(self.subjects.verdict, encode(verdict),
-                                                 verdict_msg_id(verdict))
+            async with heartbeat(d, self.ack_wait_s / 3):
+                await self._publish(self.subjects.verdict, encode(verdict),
+                                    msgids.verdict(verdict))
         except BrokerUnavailable as exc:
             self.stats["publish_failed"] += 1
             log.error("reconcile %s: verdict not stored: %s", cmd.operation_id, exc.message)
@@ -171,13 +147,10 @@ class Reconciler:
         await d.ack()
 
     async def _reject(self, d: Delivery, error: str) -> None:
-        letter = DeadLetter(consumer=CONSUMER, subject=d.subject[:1024],
-                            message_id=(d.headers.get("Nats-Msg-Id") or "")[:1024] or None,
-                            error=error[:1024], payload_excerpt=excerpt(d.data),
-                            deliveries=d.deliveries)
-        msg_id = f"deadletter:{CONSUMER}:{letter.message_id or d.subject}:{d.deliveries}"
+        letter = dead_letter(d, consumer=CONSUMER, error=error)
         try:
-            await self._publish_with_retries(self.subjects.deadletter, encode(letter), msg_id)
+            await self._publish(self.subjects.deadletter, encode(letter),
+                                msgids.dead_letter(letter))
         except BrokerUnavailable as exc:
             log.error("could not dead-letter a message on %s: %s", d.subject, exc.message)
             await d.nak(delay=strategy.backoff(d.deliveries, self.timing))
@@ -186,32 +159,6 @@ class Reconciler:
         log.warning("dead-lettered a message on %s: %s", d.subject, error)
         await d.ack()
 
-    async def _publish_with_retries(self, subject: str, payload: bytes, msg_id: str,
-                                    attempts: int = 3) -> None:
-        # Republishing with the same message id is safe: JetStream keeps one copy.
-        for attempt in range(1, attempts + 1):
-            try:
-                await self.publisher.publish(subject, payload, msg_id=msg_id)
-                return
-            except BrokerUnavailable:
-                if attempt == attempts:
-                    raise
-                await asyncio.sleep(self.publish_retry_s * 2 ** (attempt - 1))
-
-    @contextlib.asynccontextmanager
-    async def _heartbeat(self, d: Delivery) -> AsyncIterator[None]:
-        """Keep ack_wait from expiring while a slow readback or publish is under way."""
-
-        async def beat() -> None:
-            while True:
-                await asyncio.sleep(self.ack_wait_s / 3)
-                with contextlib.suppress(Exception):
-                    await d.in_progress()
-
-        task = asyncio.create_task(beat())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+    async def _publish(self, subject: str, payload: bytes, msg_id: str) -> None:
+        await publish_with_retries(self.publisher, subject, payload, msg_id=msg_id,
+                                   attempts=PUBLISH_ATTEMPTS, first_wait_s=self.publish_retry_s)

@@ -14,10 +14,11 @@ its usual retries): one bad call can neither fail nor half-apply its neighbours.
 must therefore be pure transaction functions (all their effects are in the connection), which
 the `*_txn` functions are.
 
-A function may also carry a set-based form, attached with `@batchable(many)`: the calls to it in
-one batch are then handed over together as `many(conn, [(args, kwargs), ...])`, which returns
-one result per call, or an exception instance for a call it refused without writing anything.
-That turns N claims into a handful of statements instead of N times as many.
+A call may also be a typed value with a set-based form: a `BatchCall` (a frozen dataclass of the
+call's inputs) whose class implements `many(conn, calls)`. The calls of one class in one batch are
+handed over together and get one result each, or an exception instance for a call refused
+without writing anything. That turns N claims into a handful of statements instead of N times as
+many. A call alone (or replayed after a rolled-back batch) is a batch of one: one code path.
 """
 
 from __future__ import annotations
@@ -25,14 +26,42 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Self, TypeVar
+
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from .store import Store
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+R = TypeVar("R")
+
+
+class BatchCall(Generic[R]):
+    """A typed batched call: subclasses are frozen dataclasses of one call's inputs.
+
+    `many` decides a whole batch of calls of its class together (set-based); `one` runs a
+    single call as a batch of one, raising the exception `many` refused it with.
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    async def many(cls, conn: AsyncConnection, calls: Sequence[Self]
+                   ) -> Sequence[R | Exception]:
+        raise NotImplementedError
+
+    async def one(self, conn: AsyncConnection) -> R:
+        [result] = await type(self).many(conn, [self])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+
+async def _one(conn: AsyncConnection, call: BatchCall[T]) -> T:
+    return await call.one(conn)
 
 
 @dataclass
@@ -40,21 +69,9 @@ class _Call(Generic[T]):
     fn: Callable[..., Awaitable[T]]
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    typed: BatchCall[T] | None = None  # a call with a set-based form
     future: asyncio.Future[T] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
-Calls = list[tuple[tuple[Any, ...], dict[str, Any]]]
-Many = Callable[[Any, Calls], Awaitable[list[Any]]]
-F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
-
-
-def batchable(many: Many) -> Callable[[F], F]:
-    """Attach the set-based form `many` to a single-call transaction function."""
-    def attach(fn: F) -> F:
-        fn.many = many  # type: ignore[attr-defined]
-        return fn
-    return attach
 
 
 @dataclass
@@ -77,12 +94,19 @@ class GroupCommit:
         self._queue: asyncio.Queue[_Call[Any]] | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
+    async def call(self, typed: BatchCall[T]) -> T:
+        """Run a typed call; calls of its class in the same batch are decided together."""
+        return await self._submit(_Call(_one, (typed,), {}, typed))
+
     async def run(self, fn: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        """Run a plain transaction function `fn(conn, *args, **kwargs)` in a shared batch."""
+        return await self._submit(_Call(fn, args, kwargs))
+
+    async def _submit(self, call: _Call[T]) -> T:
         if self.max_batch == 1:
-            return await self.store.run(fn, *args, **kwargs)
+            return await self.store.run(call.fn, *call.args, **call.kwargs)
         self._start()
         assert self._queue is not None
-        call: _Call[T] = _Call(fn, args, kwargs)
         # Retrieve the outcome even when the caller is gone, so asyncio does not log it as lost.
         call.future.add_done_callback(_consume)
         self._queue.put_nowait(call)
@@ -160,24 +184,25 @@ class GroupCommit:
                 call.future.set_exception(RuntimeError("ledger stopping"))
 
 
-async def _run_in(conn: Any, batch: list[_Call[Any]]) -> list[Any]:
-    """Run a batch's calls on `conn`; calls to a function with a set-based form go together."""
+async def _run_in(conn: AsyncConnection, batch: list[_Call[Any]]) -> list[Any]:
+    """Run a batch's calls on `conn`; typed calls of one class go to its `many` together."""
     groups: dict[Any, list[int]] = {}
     for i, call in enumerate(batch):
-        groups.setdefault(call.fn, []).append(i)
+        key = type(call.typed) if call.typed is not None else call.fn
+        groups.setdefault(key, []).append(i)
     results: list[Any] = [None] * len(batch)
-    for fn, idxs in groups.items():
-        many: Many | None = getattr(fn, "many", None)
-        if many is not None and len(idxs) > 1:
-            out = await many(conn, [(batch[i].args, batch[i].kwargs) for i in idxs])
+    for key, idxs in groups.items():
+        if isinstance(key, type) and issubclass(key, BatchCall):
+            typed = [c for c in (batch[i].typed for i in idxs) if c is not None]
+            out = await key.many(conn, typed)
             if len(out) != len(idxs):
-                raise AssertionError(f"{fn.__name__}.many returned {len(out)} results "
+                raise AssertionError(f"{key.__name__}.many returned {len(out)} results "
                                      f"for {len(idxs)} calls")
             for i, result in zip(idxs, out, strict=True):
                 results[i] = result
         else:
             for i in idxs:
-                results[i] = await fn(conn, *batch[i].args, **batch[i].kwargs)
+                results[i] = await batch[i].fn(conn, *batch[i].args, **batch[i].kwargs)
     return results
 
 

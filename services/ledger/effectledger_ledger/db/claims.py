@@ -1,6 +1,6 @@
 """The claim: the durable start of an attempt, recorded before any provider call.
 
-Claims are set-based: `claim_many` decides a whole group-committed batch from two reads (the
+Claims are set-based: `ClaimCall.many` decides a whole group-committed batch from two reads (the
 operations, locked in id order, and their attempts) and writes the grants with one statement per
 table, so a batch of N claims costs a handful of statements rather than 6 N. A single claim is a
 batch of one: there is one code path.
@@ -8,33 +8,25 @@ batch of one: there is one code path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.messages import ClaimAttempt, ClaimReply, ClaimStatus
-from effectledger_core.states import Event, State, sources
+from effectledger_core.states import AttemptStatus, Event, JournalKind, State, sources
 
-from .batch import Calls, batchable
-from .common import execute_rows, insert_journal, journal_row, lock_with_attempts
-from .schema import OUTBOX_CONSUMED, attempts, operations, outbox
+from .batch import BatchCall
+from .common import execute_rows, journal_row, lock_with_attempts
+from .schema import attempts
+from .transitions import Batch, Change
 
 _CLAIMABLE = frozenset(s.value for s in sources(Event.CLAIM))
+_CLAIMED = AttemptStatus.CLAIMED.value
 # Built once (see common._LOCK_WITH_ATTEMPTS).
-_GRANT = (operations.update()
-          .where(operations.c.id == sa.bindparam("b_id"),
-                 operations.c.epoch == sa.bindparam("b_epoch"),
-                 operations.c.state == sa.bindparam("b_from"))
-          .values(state=State.IN_FLIGHT.value, updated_at=sa.bindparam("b_now")))
 _INSERT_ATTEMPT = attempts.insert()
-_CONSUME_DISPATCH = (outbox.update()
-                     .where(outbox.c.operation_id == sa.bindparam("b_id"),
-                            outbox.c.epoch == sa.bindparam("b_epoch"),
-                            outbox.c.kind == "dispatch")
-                     .values(status=OUTBOX_CONSUMED))
 
 
 @dataclass
@@ -45,68 +37,69 @@ class _Held:
     granted_here: dict[str, Any] | None = None  # the attempt row this batch is about to insert
 
 
-async def _claims(conn: AsyncConnection, items: list[tuple[ClaimAttempt, datetime]]
-                  ) -> list[ClaimReply]:
-    op_ids = sorted({c.operation_id for c, _ in items})
+@dataclass
+class _OpState:
+    state: str
+    epoch: int
+
+
+async def _claims(conn: AsyncConnection, items: Sequence[ClaimCall]) -> list[ClaimReply]:
+    op_ids = sorted({c.claim.operation_id for c in items})
     ops, held = await lock_with_attempts(conn, op_ids)
-    ops_state: dict[str, list[Any]] = {k: [v.state, v.epoch] for k, v in ops.items()}
+    ops_state = {k: _OpState(v.state, v.epoch) for k, v in ops.items()}
     claims_held: dict[tuple[str, int], _Held] = {
         k: _Held(a.id, a.status, a.claimed_at) for k, a in held.items()}
 
     replies: list[ClaimReply] = []
     grants: list[dict[str, Any]] = []
-    journal: list[dict[str, Any]] = []
-    for claim, now in items:
-        base = dict(operation_id=claim.operation_id, epoch=claim.epoch)
+    batch = Batch()
+    for item in items:
+        claim, now = item.claim, item.now
         op = ops_state.get(claim.operation_id)
         if op is None:
-            replies.append(ClaimReply(status=ClaimStatus.NOT_FOUND, **base))
+            replies.append(ClaimReply(status=ClaimStatus.NOT_FOUND,
+                                      operation_id=claim.operation_id, epoch=claim.epoch))
             continue
-        state, epoch = op
+        state, epoch = op.state, op.epoch
         h = claims_held.get((claim.operation_id, claim.epoch))
         if h is not None:
-            replies.append(await _held_reply(conn, h, claim, state, epoch, now, journal))
+            replies.append(await _held_reply(conn, h, claim, state, epoch, now, batch))
             continue
         if epoch != claim.epoch or state not in _CLAIMABLE:
-            journal.append(journal_row(
-                operation_id=claim.operation_id, at=now, kind="claim_rejected",
+            batch.note(journal_row(
+                operation_id=claim.operation_id, at=now, kind=JournalKind.CLAIM_REJECTED,
                 actor=claim.dispatcher_id, epoch=claim.epoch,
                 detail={"attempt_id": claim.attempt_id, "current_epoch": epoch, "state": state}))
             status = ClaimStatus.NOT_CLAIMABLE if epoch == claim.epoch else ClaimStatus.STALE_EPOCH
-            replies.append(ClaimReply(status=status, current_epoch=epoch, state=state, **base))
+            replies.append(ClaimReply(status=status, current_epoch=epoch, state=state,
+                                      operation_id=claim.operation_id, epoch=claim.epoch))
             continue
         row = dict(id=claim.attempt_id, operation_id=claim.operation_id, epoch=claim.epoch,
-                   dispatcher_id=claim.dispatcher_id, status="claimed", claimed_at=now)
-        grants.append(dict(b_id=claim.operation_id, b_epoch=claim.epoch, b_from=state,
-                           b_now=now, row=row))
-        claims_held[(claim.operation_id, claim.epoch)] = _Held(claim.attempt_id, "claimed", now,
+                   dispatcher_id=claim.dispatcher_id, status=_CLAIMED, claimed_at=now)
+        step = batch.add(Change(
+            operation_id=claim.operation_id, epoch=claim.epoch, from_state=State(state),
+            event=Event.CLAIM, at=now, actor=claim.dispatcher_id,
+            detail={"attempt_id": claim.attempt_id}))
+        grants.append(row)
+        claims_held[(claim.operation_id, claim.epoch)] = _Held(claim.attempt_id, _CLAIMED, now,
                                                                row)
-        op[0] = State.IN_FLIGHT.value
-        journal.append(journal_row(
-            operation_id=claim.operation_id, at=now, kind="attempt_claimed",
-            actor=claim.dispatcher_id, epoch=claim.epoch, from_state=state,
-            to_state=State.IN_FLIGHT.value, detail={"attempt_id": claim.attempt_id}))
+        op.state = step.to.value
         replies.append(ClaimReply(status=ClaimStatus.GRANTED, attempt_id=claim.attempt_id,
-                                  current_epoch=claim.epoch, state=State.IN_FLIGHT.value,
-                                  **base))
+                                  current_epoch=claim.epoch, state=step.to.value,
+                                  operation_id=claim.operation_id, epoch=claim.epoch))
 
-    if grants:
-        # The guard repeats the decision in SQL; under the row locks it cannot fail.
-        await execute_rows(conn, _GRANT, [
-            {k: g[k] for k in ("b_id", "b_epoch", "b_from", "b_now")} for g in grants])
-        # A unique violation here (a claim racing on another connection, which the lock above
-        # rules out on PostgreSQL) aborts the batch; each claim is then retried on its own.
-        await execute_rows(conn, _INSERT_ATTEMPT, [g["row"] for g in grants])
-        await execute_rows(conn, _CONSUME_DISPATCH, [
-            {"b_id": g["b_id"], "b_epoch": g["b_epoch"]} for g in grants])
-    await insert_journal(conn, journal)
+    # The state changes (and the dispatch commands they consume) and the journal, set-based.
+    await batch.write(conn)
+    # A unique violation here (a claim racing on another connection, which the lock above
+    # rules out on PostgreSQL) aborts the batch; each claim is then retried on its own.
+    await execute_rows(conn, _INSERT_ATTEMPT, grants)
     return replies
 
 
 async def _held_reply(conn: AsyncConnection, held: _Held, claim: ClaimAttempt, state: str,
-                      epoch: int, now: datetime, journal: list[dict[str, Any]]) -> ClaimReply:
-    base = dict(operation_id=claim.operation_id, epoch=claim.epoch, current_epoch=epoch,
-                state=state, attempt_id=held.attempt_id)
+                      epoch: int, now: datetime, batch: Batch) -> ClaimReply:
+    base: dict[str, Any] = dict(operation_id=claim.operation_id, epoch=claim.epoch,
+                                current_epoch=epoch, state=state, attempt_id=held.attempt_id)
     if held.attempt_id == claim.attempt_id:
         # The same attempt asking again (its first reply was lost): still its claim while the
         # attempt is open. Its dispatcher may only now start sending, so the attempt starts
@@ -115,17 +108,17 @@ async def _held_reply(conn: AsyncConnection, held: _Held, claim: ClaimAttempt, s
         if held.granted_here is not None:
             held.granted_here["claimed_at"] = now
             return ClaimReply(status=ClaimStatus.GRANTED, **base)
-        if held.status == "claimed":
+        if held.status == _CLAIMED:
             await conn.execute(
                 attempts.update().where(attempts.c.id == held.attempt_id,
-                                        attempts.c.status == "claimed")
+                                        attempts.c.status == _CLAIMED)
                 .values(claimed_at=now))
             held.claimed_at = now
             return ClaimReply(status=ClaimStatus.GRANTED, **base)
         # The attempt is over for the ledger (outcome recorded, presumed lost, superseded):
         # re-granting it would start a provider call for an epoch already being reconciled.
-        journal.append(journal_row(
-            operation_id=claim.operation_id, at=now, kind="claim_rejected",
+        batch.note(journal_row(
+            operation_id=claim.operation_id, at=now, kind=JournalKind.CLAIM_REJECTED,
             actor=claim.dispatcher_id, epoch=claim.epoch,
             detail={"attempt_id": claim.attempt_id, "reason": "attempt_closed",
                     "attempt_status": held.status, "state": state}))
@@ -137,13 +130,21 @@ async def _held_reply(conn: AsyncConnection, held: _Held, claim: ClaimAttempt, s
     age = (max(0.0, (now - held.claimed_at).total_seconds())
            if held.claimed_at is not None else None)
     return ClaimReply(status=ClaimStatus.ALREADY_CLAIMED,
-                      outcome_recorded=held.status != "claimed", claim_age_s=age, **base)
+                      outcome_recorded=held.status != _CLAIMED, claim_age_s=age, **base)
 
 
-async def claim_many(conn: AsyncConnection, calls: Calls) -> list[ClaimReply]:
-    return await _claims(conn, [(args[0], kwargs["now"]) for args, kwargs in calls])
+@dataclass(frozen=True, slots=True)
+class ClaimCall(BatchCall[ClaimReply]):
+    """One claim, as group commit batches it."""
+
+    claim: ClaimAttempt
+    now: datetime
+
+    @classmethod
+    async def many(cls, conn: AsyncConnection, calls: Sequence[ClaimCall]
+                   ) -> list[ClaimReply | Exception]:
+        return list(await _claims(conn, calls))
 
 
-@batchable(claim_many)
 async def claim_txn(conn: AsyncConnection, claim: ClaimAttempt, *, now: datetime) -> ClaimReply:
-    return (await _claims(conn, [(claim, now)]))[0]
+    return await ClaimCall(claim, now).one(conn)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from effectledger_core.states import JournalKind, State
+
+from .rows import JournalRow
 from .schema import attempts, journal, operations
 
 
@@ -20,24 +25,36 @@ async def insert_ignore(conn: AsyncConnection, table: sa.Table, values: dict[str
     return bool(result.rowcount == 1)
 
 
-def journal_row(*, operation_id: str | None, at: datetime, kind: str, actor: str,
-                epoch: int | None = None, from_state: str | None = None,
-                to_state: str | None = None, detail: dict[str, Any] | None = None
-                ) -> dict[str, Any]:
-    return dict(operation_id=operation_id, at=at, kind=kind, actor=actor[:1024], epoch=epoch,
-                from_state=from_state, to_state=to_state, detail=detail or {})
+def journal_row(*, operation_id: str | None, at: datetime, kind: JournalKind | str, actor: str,
+                epoch: int | None = None, from_state: State | str | None = None,
+                to_state: State | str | None = None, detail: dict[str, Any] | None = None
+                ) -> JournalRow:
+    # Stored as plain strings: drivers and JSON see names, never enum members.
+    return JournalRow(operation_id=operation_id, at=at, kind=_PLAIN.get(kind, kind),
+                      actor=actor[:1024], epoch=epoch,
+                      from_state=None if from_state is None else _PLAIN.get(from_state, from_state),
+                      to_state=None if to_state is None else _PLAIN.get(to_state, to_state),
+                      detail=detail or {})
+
+
+# Enum members to their plain names: a dict lookup is much cheaper than str() on an enum, and
+# journal rows are built on the hot path. A plain name maps to itself.
+_PLAIN: dict[str, str] = {m: m.value for e in (State, JournalKind) for m in e}
 
 
 async def append_journal(conn: AsyncConnection, *, operation_id: str | None, at: datetime,
-                         kind: str, actor: str, epoch: int | None = None,
-                         from_state: str | None = None, to_state: str | None = None,
+                         kind: JournalKind | str, actor: str, epoch: int | None = None,
+                         from_state: State | str | None = None,
+                         to_state: State | str | None = None,
                          detail: dict[str, Any] | None = None) -> None:
     await conn.execute(journal.insert().values(**journal_row(
         operation_id=operation_id, at=at, kind=kind, actor=actor, epoch=epoch,
         from_state=from_state, to_state=to_state, detail=detail)))
 
 
-async def execute_rows(conn: AsyncConnection, stmt: Any, rows: list[dict[str, Any]]) -> Any:
+async def execute_rows(conn: AsyncConnection, stmt: sa.Executable,
+                       rows: Sequence[dict[str, Any]] | Sequence[JournalRow]
+                       ) -> CursorResult[Any] | None:
     """Execute `stmt` for each of `rows` in one call (nothing for none).
 
     One row goes through a plain execute, not the driver's executemany, which costs more for a
@@ -45,13 +62,14 @@ async def execute_rows(conn: AsyncConnection, stmt: Any, rows: list[dict[str, An
     """
     if not rows:
         return None
-    return await conn.execute(stmt, rows[0] if len(rows) == 1 else rows)
+    params: Any = rows[0] if len(rows) == 1 else list(rows)
+    return await conn.execute(stmt, params)
 
 
 _INSERT_JOURNAL = journal.insert()
 
 
-async def insert_journal(conn: AsyncConnection, rows: list[dict[str, Any]]) -> None:
+async def insert_journal(conn: AsyncConnection, rows: Sequence[JournalRow]) -> None:
     """Journal entries made by a set-based transaction: one multi-row INSERT."""
     await execute_rows(conn, _INSERT_JOURNAL, rows)
 
@@ -69,8 +87,14 @@ async def notify_outbox(conn: AsyncConnection) -> None:
         conn.info[NOTIFY_FLAG] = True
 
 
+class LockedOp(NamedTuple):
+    id: str
+    state: str
+    epoch: int
+
+
 async def lock_with_attempts(conn: AsyncConnection, op_ids: list[str]
-                             ) -> tuple[dict[str, Any], dict[tuple[str, int], Any]]:
+                             ) -> tuple[dict[str, LockedOp], dict[tuple[str, int], _Attempt]]:
     """Lock operations (in id order) and read their attempts, in one statement.
 
     Returns the operations by id (id, state, epoch) and their attempts by (operation, epoch)
@@ -79,10 +103,10 @@ async def lock_with_attempts(conn: AsyncConnection, op_ids: list[str]
     in id order makes concurrent batches queue instead of deadlocking.
     """
     rows = (await conn.execute(_LOCK_WITH_ATTEMPTS, {"ids": op_ids})).all()
-    ops: dict[str, Any] = {}
-    held: dict[tuple[str, int], Any] = {}
+    ops: dict[str, LockedOp] = {}
+    held: dict[tuple[str, int], _Attempt] = {}
     for r in rows:
-        ops[r.id] = r
+        ops[r.id] = LockedOp(r.id, r.state, r.epoch)
         if r.attempt_id is not None:
             held[(r.id, r.attempt_epoch)] = _Attempt(r.attempt_id, r.attempt_status,
                                                      r.claimed_at)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -14,33 +15,35 @@ from effectledger_core.errors import EffectLedgerError, IdempotencyConflict
 from effectledger_core.ids import operation_key as derive_operation_key
 from effectledger_core.intents import reject_nul, validate_arguments
 from effectledger_core.messages import DispatchAttempt, SubmitIntent, encode
-from effectledger_core.states import State
+from effectledger_core.states import JournalKind, OutboxKind, State
 from effectledger_core.subjects import Subjects
 
-from .batch import Calls, batchable
+from .batch import BatchCall
 from .common import execute_rows, insert_journal, journal_row, notify_outbox
 from .outbox import OutboxItem
+from .rows import JournalRow, OperationRow
 from .schema import OUTBOX_PENDING, OUTBOX_PUBLISHING, operations, outbox
 
 
 @dataclass(frozen=True)
 class Submitted:
-    operation: dict[str, Any]
+    operation: dict[str, Any]  # the operation's columns (OperationRow.as_dict())
     created: bool
     # The dispatch command, leased to this ledger for publishing right after the commit
     # (only when the caller asked for a lease, see `lease_until`).
     command: OutboxItem | None = None
 
 
-def dispatch_row(op: dict[str, Any], *, subjects: Subjects, outbox_id: str,
+def dispatch_row(op: OperationRow, *, subjects: Subjects, outbox_id: str,
                  now: datetime) -> dict[str, Any]:
     """The outbox row carrying the DispatchAttempt command for `op` at its current epoch."""
     cmd = DispatchAttempt(
-        operation_id=op["id"], operation_key=op["operation_key"], epoch=op["epoch"],
-        tool=op["tool"], arguments=op["arguments"], arguments_digest=op["arguments_digest"],
-        catalog_digest=op["tool_digest"], contract_revision=op["contract_revision"])
-    return dict(id=outbox_id, operation_id=op["id"], epoch=op["epoch"], kind="dispatch",
-                subject=subjects.dispatch(op["tool"]), payload=encode(cmd).decode(),
+        operation_id=op.id, operation_key=op.operation_key, epoch=op.epoch,
+        tool=op.tool, arguments=op.arguments, arguments_digest=op.arguments_digest,
+        catalog_digest=op.tool_digest, contract_revision=op.contract_revision)
+    return dict(id=outbox_id, operation_id=op.id, epoch=op.epoch,
+                kind=OutboxKind.DISPATCH.value,
+                subject=subjects.dispatch(op.tool), payload=encode(cmd).decode(),
                 status=OUTBOX_PENDING, created_at=now, available_at=now, publish_count=0)
 
 
@@ -51,20 +54,20 @@ _INSERT_OPERATION = operations.insert()
 _INSERT_OUTBOX = outbox.insert()
 
 
-async def _submit(conn: AsyncConnection, items: list[dict[str, Any]]
-                  ) -> list[Submitted | EffectLedgerError]:
+async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
+                  ) -> list[Submitted | Exception]:
     """Intents, set-based: one read for the caller keys, one INSERT per table for the batch.
 
     A refused intent (invalid arguments, unknown tool, key reused with other arguments) gets
     its error instead of a result and writes nothing; intents after it are unaffected.
     """
-    results: list[Submitted | EffectLedgerError | None] = [None] * len(items)
+    results: list[Submitted | Exception | None] = [None] * len(items)
     keys: dict[int, str] = {}
     valid: dict[int, tuple[Tool, str]] = {}  # the tool and the arguments digest, by position
     for i, kw in enumerate(items):
-        intent: SubmitIntent = kw["intent"]
+        intent = kw.intent
         try:
-            tool = kw["catalog"].get(intent.tool)
+            tool = kw.catalog.get(intent.tool)
             _canonical, args_digest = validate_arguments(intent.arguments)
             reject_nul(intent.arguments)
         except EffectLedgerError as exc:
@@ -73,60 +76,61 @@ async def _submit(conn: AsyncConnection, items: list[dict[str, Any]]
         valid[i] = (tool, args_digest)
         keys[i] = derive_operation_key(tenant=intent.tenant, task_id=intent.task_id,
                                        caller_key=intent.idempotency_key,
-                                       operation_id=kw["operation_id"])
-    caller_keys = [keys[i] for i in keys if items[i]["intent"].idempotency_key is not None]
-    known: dict[str, dict[str, Any]] = {}
+                                       operation_id=kw.operation_id)
+    caller_keys = [keys[i] for i in keys if items[i].intent.idempotency_key is not None]
+    known: dict[str, OperationRow] = {}
     if caller_keys:
-        known = {r["operation_key"]: dict(r) for r in (await conn.execute(
+        known = {r["operation_key"]: OperationRow.of(r) for r in (await conn.execute(
             _BY_KEYS, {"keys": caller_keys})).mappings()}
 
     relay = False  # whether any command is left to the relays (then wake them)
     new_ops: list[dict[str, Any]] = []
-    entries: list[dict[str, Any]] = []
+    entries: list[JournalRow] = []
     commands: list[dict[str, Any]] = []
     for i, op_key in keys.items():
         kw = items[i]
-        intent = kw["intent"]
+        intent = kw.intent
         tool, args_digest = valid[i]
         existing = known.get(op_key) if intent.idempotency_key is not None else None
         if existing is not None:
-            if existing["tool"] != tool.name or existing["arguments_digest"] != args_digest:
+            if existing.tool != tool.name or existing.arguments_digest != args_digest:
                 results[i] = IdempotencyConflict(
                     "idempotency key already used with different arguments or tool",
-                    operation_id=existing["id"])
+                    operation_id=existing.id)
             else:
-                results[i] = Submitted(dict(existing), created=False)
+                results[i] = Submitted(existing.as_dict(), created=False)
             continue
-        now: datetime = kw["now"]
+        now = kw.now
         state = State.AWAITING_APPROVAL if tool.commit_policy == "approval" else State.PENDING
-        op = dict(
-            id=kw["operation_id"], tenant=intent.tenant, task_id=intent.task_id,
+        op = OperationRow(
+            id=kw.operation_id, tenant=intent.tenant, task_id=intent.task_id,
             caller_key=intent.idempotency_key, operation_key=op_key, tool=tool.name,
             arguments=intent.arguments, arguments_digest=args_digest,
             tool_digest=tool.digest(), contract_revision=tool.contract_revision,
             effect_class=tool.effect_class.value, commit_policy=tool.commit_policy,
-            state=state.value, epoch=1, created_at=now, updated_at=now)
-        new_ops.append(op)
+            state=state, epoch=1, created_at=now, updated_at=now)
+        columns = op.as_dict()
+        new_ops.append(columns)
         known[op_key] = op  # a second intent with this key in the same batch finds it
         entries.append(journal_row(
-            operation_id=op["id"], at=now, kind="intent_accepted", actor=kw.get("actor", "agent"),
+            operation_id=kw.operation_id, at=now, kind=JournalKind.INTENT_ACCEPTED, actor=kw.actor,
             epoch=1, to_state=state.value,
-            detail={"arguments_digest": args_digest, "tool_digest": op["tool_digest"],
+            detail={"arguments_digest": args_digest, "tool_digest": op.tool_digest,
                     "contract_revision": tool.contract_revision, "tenant": intent.tenant,
                     "task_id": intent.task_id}))
         command = None
         if state is State.PENDING:
-            row = dispatch_row(op, subjects=kw["subjects"], outbox_id=kw["outbox_id"], now=now)
-            lease_until = kw.get("lease_until")
+            row = dispatch_row(op, subjects=kw.subjects, outbox_id=kw.outbox_id, now=now)
+            lease_until = kw.lease_until
             if lease_until is not None:
                 # Written as already leased, so no relay takes it while we publish it.
                 row.update(status=OUTBOX_PUBLISHING, lease_until=lease_until)
                 command = OutboxItem(row["id"], row["subject"], row["payload"].encode(), 0,
-                                     "dispatch")
+                                     OutboxKind.DISPATCH.value)
             else:
                 relay = True
             commands.append(row)
-        results[i] = Submitted(op, created=True, command=command)
+        results[i] = Submitted(columns, created=True, command=command)
     if new_ops:
         # A unique violation (the same key committed meanwhile by another transaction) aborts
         # the batch; the service then retries each intent on its own and finds the winner.
@@ -139,18 +143,29 @@ async def _submit(conn: AsyncConnection, items: list[dict[str, Any]]
     return [r for r in results if r is not None]
 
 
-async def submit_many(conn: AsyncConnection, calls: Calls) -> list[Submitted | EffectLedgerError]:
-    return await _submit(conn, [kwargs for _, kwargs in calls])
+@dataclass(frozen=True, slots=True)
+class SubmitCall(BatchCall[Submitted]):
+    """One intent, as group commit batches it."""
+
+    catalog: Catalog
+    intent: SubmitIntent
+    subjects: Subjects
+    operation_id: str
+    outbox_id: str
+    now: datetime
+    actor: str = "agent"
+    # When set, the dispatch command is written already leased to this ledger until then.
+    lease_until: datetime | None = None
+
+    @classmethod
+    async def many(cls, conn: AsyncConnection, calls: Sequence[SubmitCall]
+                   ) -> Sequence[Submitted | Exception]:
+        return await _submit(conn, calls)
 
 
-@batchable(submit_many)
 async def submit_intent_txn(conn: AsyncConnection, *, catalog: Catalog, intent: SubmitIntent,
                             subjects: Subjects, operation_id: str, outbox_id: str,
                             now: datetime, actor: str = "agent",
                             lease_until: datetime | None = None) -> Submitted:
-    [result] = await _submit(conn, [dict(
-        catalog=catalog, intent=intent, subjects=subjects, operation_id=operation_id,
-        outbox_id=outbox_id, now=now, actor=actor, lease_until=lease_until)])
-    if isinstance(result, EffectLedgerError):
-        raise result
-    return result
+    return await SubmitCall(catalog, intent, subjects, operation_id, outbox_id, now, actor,
+                            lease_until).one(conn)

@@ -8,14 +8,18 @@ mid-publish simply lets its lease run out and another relay republishes (same Na
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from .batch import Calls, batchable
+from effectledger_bus import msgids
+from effectledger_core.states import UNRESOLVED, JournalKind, OutboxKind, State
+
+from .batch import BatchCall
 from .common import append_journal
 from .schema import (
     OUTBOX_OBSOLETE,
@@ -40,7 +44,7 @@ class OutboxItem:
         # Each publish generation gets its own Nats-Msg-Id: a relay retry of the same
         # generation is deduplicated by JetStream, while a sweeper republish after message loss
         # must not be swallowed by the duplicate window. Consumers dedup by claim/inbox anyway.
-        return self.id if self.publish_count == 0 else f"{self.id}.r{self.publish_count}"
+        return msgids.dispatch(self.id, self.publish_count)
 
 
 async def lease_batch_txn(conn: AsyncConnection, *, now: datetime, limit: int,
@@ -65,18 +69,27 @@ async def lease_batch_txn(conn: AsyncConnection, *, now: datetime, limit: int,
             for r in rows]
 
 
-async def mark_published_many(conn: AsyncConnection, calls: Calls) -> list[int]:
-    """Several publishers' marks in one statement (each call gets the total)."""
-    ids: list[str] = []
-    seqs: dict[str, int] = {}
-    for args, kwargs in calls:
-        ids.extend(args[0])
-        seqs.update(kwargs.get("seqs") or {})
-    n = await mark_published_txn(conn, ids, now=max(kw["now"] for _, kw in calls), seqs=seqs)
-    return [n] * len(calls)
+@dataclass(frozen=True, slots=True)
+class MarkPublished(BatchCall[int]):
+    """One publisher's marks, as group commit batches them."""
+
+    ids: list[str]
+    now: datetime
+    seqs: dict[str, int] = field(default_factory=dict)  # stream sequence by outbox id
+
+    @classmethod
+    async def many(cls, conn: AsyncConnection, calls: Sequence[MarkPublished]
+                   ) -> Sequence[int | Exception]:
+        """Several publishers' marks in one statement (each call gets the total)."""
+        ids: list[str] = []
+        seqs: dict[str, int] = {}
+        for call in calls:
+            ids.extend(call.ids)
+            seqs.update(call.seqs)
+        n = await mark_published_txn(conn, ids, now=max(c.now for c in calls), seqs=seqs)
+        return [n] * len(calls)
 
 
-@batchable(mark_published_many)
 async def mark_published_txn(conn: AsyncConnection, ids: list[str], *, now: datetime,
                              seqs: dict[str, int] | None = None) -> int:
     """Mark rows published (with their stream sequence) in one statement.
@@ -124,7 +137,7 @@ async def release_txn(conn: AsyncConnection, ids: list[str], *, now: datetime, e
 
 
 async def sweep_unclaimed_txn(conn: AsyncConnection, *, now: datetime, older_than_s: float,
-                              limit: int = 1000, kind: str = "dispatch",
+                              limit: int = 1000, kind: str = OutboxKind.DISPATCH.value,
                               position: StreamPosition | None = None) -> int:
     """Republish rows that were published but never answered (broker message loss).
 
@@ -133,8 +146,8 @@ async def sweep_unclaimed_txn(conn: AsyncConnection, *, now: datetime, older_tha
     claims and verdicts are guarded by epoch in the ledger.
     """
     cutoff = now - timedelta(seconds=older_than_s)
-    waiting = (("pending",) if kind == "dispatch"
-               else ("ambiguous", "awaiting_confirmation"))
+    waiting = ([State.PENDING.value] if kind == OutboxKind.DISPATCH
+               else sorted(s.value for s in UNRESOLVED))
     live = sa.exists().where(operations.c.id == outbox.c.operation_id,
                              operations.c.epoch == outbox.c.epoch,
                              operations.c.state.in_(waiting))
@@ -158,7 +171,7 @@ async def sweep_unclaimed_txn(conn: AsyncConnection, *, now: datetime, older_tha
             .values(status=OUTBOX_PENDING, available_at=now,
                     publish_count=outbox.c.publish_count + 1))
         await append_journal(conn, operation_id=row.operation_id, at=now,
-                             kind=f"{kind}_republished", actor="ledger.sweeper",
+                             kind=JournalKind(f"{kind}_republished"), actor="ledger.sweeper",
                              epoch=row.epoch,
                              detail={"outbox_id": row.id, "unclaimed_for_s": older_than_s,
                                      "generation": row.publish_count + 1})

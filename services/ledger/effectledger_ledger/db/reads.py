@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from effectledger_core.errors import InvalidRequest, NotFound
 from effectledger_core.failures import Failure, Idempotency, policy_digest
 from effectledger_core.messages import FailureClass
-from effectledger_core.states import State
+from effectledger_core.states import UNDECIDED, UNRESOLVED, State
 
 from .schema import attempts, journal, operations
 
@@ -110,8 +110,10 @@ def _recovery(op: dict[str, Any]) -> dict[str, str]:
     from effectledger_core.recovery import inspect_recovery
 
     from .recovery import facts
+    from .rows import OperationRow
 
-    a = inspect_recovery(facts(op))
+    # The view has timestamps as text already; facts() reads none of them.
+    a = inspect_recovery(facts(OperationRow.of(op)))
     return {"fact": a.fact.value, "decision": a.decision.value, "reason": a.reason}
 
 
@@ -129,21 +131,25 @@ def _guidance(last: dict[str, Any]) -> str | None:
 
 
 def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
-    """DESIGN.md section 7. A receipt is evidence, not success: it lists what is still open."""
+    """The receipt: evidence, not success; it lists what is still open."""
     last = op["attempts"][-1] if op["attempts"] else None
-    state = op["state"]
+    state = State(op["state"])
     open_items = []
-    if state in ("pending", "in_flight", "awaiting_approval"):
-        open_items.append(f"operation is {state}: no final outcome yet")
-    if state in ("ambiguous", "awaiting_confirmation"):
+    if state in UNDECIDED:
+        open_items.append(f"operation is {state.value}: no final outcome yet")
+    if state in UNRESOLVED:
         open_items.append("provider outcome unknown: awaiting reconciliation")
-    if state == "needs_review":
+    if state is State.NEEDS_REVIEW:
         open_items.append("no machine can decide: awaiting operator review")
     evidence = op.get("evidence") or None
-    reconciliation = {"ambiguous": "pending", "awaiting_confirmation": "pending",
-                      "needs_review": "needs_review"}.get(
-                          state, "resolved" if evidence and state in ("succeeded", "failed")
-                          else "not_needed")
+    if state in UNRESOLVED:
+        reconciliation = "pending"
+    elif state is State.NEEDS_REVIEW:
+        reconciliation = "needs_review"
+    elif evidence and state in (State.SUCCEEDED, State.FAILED):
+        reconciliation = "resolved"
+    else:
+        reconciliation = "not_needed"
     return {
         "operation_id": op["id"],
         "operation_key": op["operation_key"],
@@ -151,7 +157,7 @@ def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
         "tenant": op["tenant"],
         "attempt_ids": [a["id"] for a in op["attempts"]],
         "tool": op["tool"],
-        "state": state,
+        "state": state.value,
         "epoch": op["epoch"],
         "effect_class": op["effect_class"],
         "commit_policy": op["commit_policy"],

@@ -16,12 +16,13 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from effectledger_core.catalog import Catalog, EffectClass
 from effectledger_core.errors import EffectLedgerError, NotFound, UnknownTool
 from effectledger_core.recovery import OperationFacts, RecoveryRefused, RetryPlan
-from effectledger_core.states import Event, State, sources, transition
+from effectledger_core.states import Event, JournalKind, State, sources
 from effectledger_core.subjects import Subjects
 
-from .common import append_journal, notify_outbox
-from .intents import dispatch_row
+from .common import append_journal
+from .rows import OperationRow
 from .schema import OUTBOX_OBSOLETE, operations, outbox, retry_plans
+from .transitions import Change, Dispatch, apply
 
 
 class ActionRejected(EffectLedgerError):
@@ -31,94 +32,76 @@ class ActionRejected(EffectLedgerError):
     http_status = 409
 
 
-async def load_op(conn: AsyncConnection, operation_id: str) -> dict[str, Any]:
+async def load_op(conn: AsyncConnection, operation_id: str) -> OperationRow:
     op = (await conn.execute(
         sa.select(operations).where(operations.c.id == operation_id))).mappings().first()
     if op is None:
         raise NotFound(f"operation {operation_id!r} not found")
-    return dict(op)
+    return OperationRow.of(op)
 
 
-def facts(op: dict[str, Any]) -> OperationFacts:
-    last = op.get("last_outcome") or {}
+def facts(op: OperationRow) -> OperationFacts:
+    last = op.last_outcome or {}
     return OperationFacts(
-        operation_id=op["id"], operation_key=op["operation_key"] or None, state=op["state"],
-        epoch=op["epoch"], effect_class=EffectClass(op["effect_class"]),
-        arguments_digest=op["arguments_digest"], contract_revision=op["contract_revision"],
+        operation_id=op.id, operation_key=op.operation_key or None, state=op.state.value,
+        epoch=op.epoch, effect_class=EffectClass(op.effect_class),
+        arguments_digest=op.arguments_digest, contract_revision=op.contract_revision,
         last_outcome=last.get("type"))
 
 
-async def move(conn: AsyncConnection, op: dict[str, Any], event: Event, *, now: datetime,
-               actor: str, kind: str, detail: dict[str, Any], subjects: Subjects,
-               outbox_id: str | None = None, available_at: datetime | None = None,
-               extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Apply `event` with a guarded UPDATE; a new epoch also gets its dispatch outbox row."""
-    state = State(op["state"])
-    if state not in sources(event):
-        raise ActionRejected(f"{event.value} is not allowed in state {state.value}",
-                             state=state.value)
-    step = transition(state, event)
-    epoch = op["epoch"] + 1 if step.new_epoch else op["epoch"]
-    values = dict(state=step.to.value, epoch=epoch, updated_at=now, **(extra or {}))
-    updated = await conn.execute(
-        operations.update().where(operations.c.id == op["id"],
-                                  operations.c.epoch == op["epoch"],
-                                  operations.c.state == state.value).values(**values))
-    if updated.rowcount != 1:
+async def move(conn: AsyncConnection, op: OperationRow, event: Event, *, now: datetime,
+               actor: str, detail: dict[str, Any], subjects: Subjects,
+               outbox_id: str | None = None, extra: dict[str, Any] | None = None
+               ) -> OperationRow:
+    """An operator's transition, through the applier; refused when the operation moved on."""
+    if op.state not in sources(event):
+        raise ActionRejected(f"{event.value} is not allowed in state {op.state.value}",
+                             state=op.state.value)
+    applied = await apply(conn, Change(
+        operation_id=op.id, epoch=op.epoch, from_state=op.state, event=event, at=now,
+        actor=actor, detail=detail, values=extra or {}, row=op,
+        dispatch=None if outbox_id is None else Dispatch(outbox_id, subjects)))
+    if applied is None:
         raise ActionRejected("the operation changed concurrently; read it again")
-    await append_journal(conn, operation_id=op["id"], at=now, kind=kind, actor=actor,
-                         epoch=epoch, from_state=state.value, to_state=step.to.value,
-                         detail=detail)
-    new = {**op, **values}
-    if step.to is State.PENDING:
-        assert outbox_id is not None
-        row = dispatch_row(new, subjects=subjects, outbox_id=outbox_id, now=now)
-        if available_at is not None:
-            row["available_at"] = available_at
-        await conn.execute(outbox.insert().values(**row))
-        await notify_outbox(conn)
-    if step.to is State.CANCELLED:
-        await conn.execute(outbox.update().where(outbox.c.operation_id == op["id"],
-                                                 outbox.c.status.in_(("pending", "publishing",
-                                                                      "published")))
-                           .values(status=OUTBOX_OBSOLETE))
-    return new
+    assert applied.row is not None
+    return applied.row
 
 
 async def approve_txn(conn: AsyncConnection, operation_id: str, *, epoch: int,
                       arguments_digest: str, operator: str, subjects: Subjects,
                       outbox_id: str, now: datetime) -> dict[str, Any]:
     op = await load_op(conn, operation_id)
-    if op["state"] != "awaiting_approval":
-        raise ActionRejected(f"operation is {op['state']}, not awaiting approval")
-    if epoch != op["epoch"]:
-        raise ActionRejected(f"approval is for epoch {epoch}; the operation is at {op['epoch']}",
+    if op.state is not State.AWAITING_APPROVAL:
+        raise ActionRejected(f"operation is {op.state.value}, not awaiting approval")
+    if epoch != op.epoch:
+        raise ActionRejected(f"approval is for epoch {epoch}; the operation is at {op.epoch}",
                              reason="stale_epoch")
-    if arguments_digest != op["arguments_digest"]:
+    if arguments_digest != op.arguments_digest:
         raise ActionRejected("approval is for different arguments than the operation's",
                              reason="arguments_changed")
-    return await move(conn, op, Event.APPROVE, now=now, actor=f"operator:{operator}",
-                      kind="approved", subjects=subjects, outbox_id=outbox_id,
-                      detail={"arguments_digest": arguments_digest, "operator": operator})
+    return (await move(conn, op, Event.APPROVE, now=now, actor=f"operator:{operator}",
+                       subjects=subjects, outbox_id=outbox_id,
+                       detail={"arguments_digest": arguments_digest, "operator": operator})
+            ).as_dict()
 
 
 async def reject_txn(conn: AsyncConnection, operation_id: str, *, epoch: int, operator: str,
                      reason: str, subjects: Subjects, now: datetime) -> dict[str, Any]:
     op = await load_op(conn, operation_id)
-    if epoch != op["epoch"]:
+    if epoch != op.epoch:
         raise ActionRejected(f"rejection is for epoch {epoch}; the operation is at "
-                             f"{op['epoch']}", reason="stale_epoch")
-    return await move(conn, op, Event.REJECT, now=now, actor=f"operator:{operator}",
-                      kind="approval_rejected", subjects=subjects,
-                      detail={"operator": operator, "reason": reason})
+                             f"{op.epoch}", reason="stale_epoch")
+    return (await move(conn, op, Event.REJECT, now=now, actor=f"operator:{operator}",
+                       subjects=subjects, detail={"operator": operator, "reason": reason})
+            ).as_dict()
 
 
 async def cancel_txn(conn: AsyncConnection, operation_id: str, *, operator: str, reason: str,
                      subjects: Subjects, now: datetime) -> dict[str, Any]:
     op = await load_op(conn, operation_id)
-    return await move(conn, op, Event.CANCEL, now=now, actor=f"operator:{operator}",
-                      kind="cancelled", subjects=subjects,
-                      detail={"operator": operator, "reason": reason})
+    return (await move(conn, op, Event.CANCEL, now=now, actor=f"operator:{operator}",
+                       subjects=subjects, detail={"operator": operator, "reason": reason})
+            ).as_dict()
 
 
 async def record_plan_txn(conn: AsyncConnection, plan: RetryPlan, *, plan_id: str,
@@ -132,7 +115,8 @@ async def record_plan_txn(conn: AsyncConnection, plan: RetryPlan, *, plan_id: st
         id=plan_id, operation_id=plan.operation_id, epoch=plan.epoch,
         arguments_digest=plan.arguments_digest, contract_revision=plan.contract_revision,
         review=review, requested_by=requested_by, created_at=now))
-    await append_journal(conn, operation_id=plan.operation_id, at=now, kind="retry_planned",
+    await append_journal(conn, operation_id=plan.operation_id, at=now,
+                         kind=JournalKind.RETRY_PLANNED,
                          actor=f"operator:{requested_by}", epoch=plan.epoch,
                          detail={"plan_id": plan_id, "review": review})
 
@@ -163,40 +147,40 @@ async def consume_plan_txn(conn: AsyncConnection, plan_id: str, *, catalog: Cata
     if reason is not None:
         await conn.execute(retry_plans.update().where(retry_plans.c.id == plan_id)
                            .values(admission=f"refused:{reason}"))
-        await append_journal(conn, operation_id=op["id"], at=now, kind="retry_refused",
-                             actor="ledger.admission", epoch=op["epoch"],
+        await append_journal(conn, operation_id=op.id, at=now, kind=JournalKind.RETRY_REFUSED,
+                             actor="ledger.admission", epoch=op.epoch,
                              detail={"plan_id": plan_id, "reason": reason})
         return Admission(False, reason)
-    tool = catalog.get(op["tool"])
+    tool = catalog.get(op.tool)
     new = await move(conn, op, Event.PLAN_ADMITTED, now=now,
                      actor=f"operator:{plan['requested_by']}",
-                     kind="retry_admitted", subjects=subjects, outbox_id=outbox_id,
+                     subjects=subjects, outbox_id=outbox_id,
                      detail={"plan_id": plan_id, "review": plan["review"],
-                             "operation_key": op["operation_key"]})
+                             "operation_key": op.operation_key})
     if tool.commit_policy == "approval":
         # A plan is not a permission: an approval-gated tool needs a fresh approval.
         await conn.execute(outbox.update().where(outbox.c.id == outbox_id)
                            .values(status=OUTBOX_OBSOLETE))
         new = await move(conn, new, Event.REQUIRE_APPROVAL, now=now, actor="ledger.admission",
-                         kind="approval_required", subjects=subjects, detail={})
+                         subjects=subjects, detail={})
     await conn.execute(retry_plans.update().where(retry_plans.c.id == plan_id)
                        .values(admission="admitted"))
-    return Admission(True, "admitted", new)
+    return Admission(True, "admitted", new.as_dict())
 
 
-async def _admission_refusal(op: dict[str, Any], plan: dict[str, Any],
+async def _admission_refusal(op: OperationRow, plan: dict[str, Any],
                              catalog: Catalog) -> str | None:
-    if op["epoch"] != plan["epoch"]:
+    if op.epoch != plan["epoch"]:
         return "superseded_attempt"
-    if op["arguments_digest"] != plan["arguments_digest"]:
+    if op.arguments_digest != plan["arguments_digest"]:
         return "arguments_changed"
     try:
-        tool = catalog.get(op["tool"])
+        tool = catalog.get(op.tool)
     except UnknownTool:
         return "tool_not_in_catalog"
     if tool.contract_revision != plan["contract_revision"] or (
-            tool.contract_revision != op["contract_revision"]):
+            tool.contract_revision != op.contract_revision):
         return "contract_changed"
-    if State(op["state"]) not in sources(Event.PLAN_ADMITTED):
-        return f"state_{op['state']}"
+    if op.state not in sources(Event.PLAN_ADMITTED):
+        return f"state_{op.state.value}"
     return None

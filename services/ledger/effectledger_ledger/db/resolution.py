@@ -1,14 +1,13 @@
 """Resolving uncertainty: reconciler verdicts, verified webhooks and the reconciliation handoff.
 
-All three share one rule (DESIGN.md section 2, rules 3-5): evidence is applied only to the epoch
-it is about and only from a state that is waiting for it, by a guarded UPDATE; anything else is
-rejected and journaled, never silently dropped.
+All three share one rule (the ambiguity firewall, evidence before verdict, fencing): evidence is
+applied only to the epoch it is about and only from a state that is waiting for it, through the
+transition applier's guarded UPDATE; anything else is rejected and journaled, never dropped.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -16,79 +15,31 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.failures import Failure, Idempotency, policy_digest
-from effectledger_core.messages import (
-    FailureClass,
-    ReconcileOperation,
-    VerdictReached,
-    WebhookReceived,
-)
+from effectledger_core.messages import FailureClass, VerdictReached, WebhookReceived
 from effectledger_core.retry_policy import RetryDecision
-from effectledger_core.states import Event, State, sources, transition
+from effectledger_core.states import UNRESOLVED, Event, JournalKind, State
 from effectledger_core.subjects import Subjects
 
-from .common import append_journal, insert_ignore, notify_outbox
-from .intents import dispatch_row
-from .schema import OUTBOX_PENDING, attempts, inbox, operations, outbox, webhook_events
+from .common import append_journal, insert_ignore
+from .rows import OperationRow, Recorded
+from .schema import attempts, inbox, operations, webhook_events
+from .transitions import Change, Dispatch, apply
 
-RetryDecider = Callable[[dict[str, Any], Failure], RetryDecision]
-UNRESOLVED = (State.AMBIGUOUS.value, State.AWAITING_CONFIRMATION.value)
+__all__ = ["Recorded", "RetryDecider", "apply_verdict", "record_verdict_txn",
+           "record_webhook_txn", "settle_from_stored_webhooks"]
 
-
-@dataclass(frozen=True)
-class Recorded:
-    status: str  # applied | duplicate | rejected | kept
-    to_state: str | None = None
-    reason: str | None = None
+RetryDecider = Callable[[OperationRow, Failure], RetryDecision]
 
 
-async def schedule_retry(conn: AsyncConnection, *, op: dict[str, Any], decision: RetryDecision,
-                         now: datetime, subjects: Subjects, outbox_id: str) -> None:
-    """Journal the retry policy's decision; a retry gets the new epoch's delayed outbox row."""
-    detail = {"reason": decision.reason, "delay_s": round(decision.delay_s, 3),
-              "policy_digest": policy_digest()}
-    if not decision.retry:
-        await append_journal(conn, operation_id=op["id"], at=now, kind="retry_declined",
-                             actor="ledger.retry_policy", epoch=op["epoch"], detail=detail)
-        return
-    new_epoch = op["epoch"] + 1
-    due = now + timedelta(seconds=decision.delay_s)
-    row = dispatch_row({**op, "epoch": new_epoch}, subjects=subjects, outbox_id=outbox_id,
-                       now=now)
-    row["available_at"] = due  # the relay publishes it only once the backoff has passed
-    await conn.execute(outbox.insert().values(**row))
-    await append_journal(conn, operation_id=op["id"], at=now, kind="retry_scheduled",
-                         actor="ledger.retry_policy", epoch=new_epoch,
-                         detail={**detail, "due_at": due.isoformat(),
-                                 "operation_key": op["operation_key"]})
-
-
-async def hand_to_reconciler(conn: AsyncConnection, *, op: dict[str, Any], attempt_id: str,
-                             cause: str, reason: str, now: datetime, subjects: Subjects,
-                             outbox_id: str) -> None:
-    """Queue a ReconcileOperation through the outbox: ambiguity never goes back to dispatch."""
-    claimed_at = (await conn.execute(
-        sa.select(attempts.c.claimed_at).where(attempts.c.id == attempt_id))).scalar() or now
-    cmd = ReconcileOperation(
-        operation_id=op["id"], epoch=op["epoch"], attempt_id=attempt_id,
-        operation_key=op["operation_key"], tool=op["tool"], arguments=op["arguments"],
-        cause=cause, reason=reason[:1000], claimed_at=claimed_at, noticed_at=now,
-        provider_ref=op.get("provider_ref"))
-    await conn.execute(outbox.insert().values(
-        id=outbox_id, operation_id=op["id"], epoch=op["epoch"], kind="reconcile",
-        subject=subjects.ambiguous, payload=cmd.model_dump_json(), status=OUTBOX_PENDING,
-        created_at=now, available_at=now, publish_count=0))
-    await notify_outbox(conn)
-
-
-async def apply_verdict(conn: AsyncConnection, *, op: dict[str, Any], epoch: int, verdict: str,
+async def apply_verdict(conn: AsyncConnection, *, op: OperationRow, epoch: int, verdict: str,
                         evidence: dict[str, Any], actor: str, now: datetime,
                         subjects: Subjects, outbox_id: str,
                         decide_retry: RetryDecider | None) -> Recorded:
     """Apply applied / not_applied / undecidable for `epoch` of `op` (already row-locked)."""
-    if op["epoch"] != epoch:
+    if op.epoch != epoch:
         return Recorded("rejected", reason="stale_epoch")
-    if op["state"] not in UNRESOLVED:
-        return Recorded("rejected", reason=f"state_{op['state']}")
+    if op.state not in UNRESOLVED:
+        return Recorded("rejected", reason=f"state_{op.state.value}")
     decision = None
     if verdict == "applied":
         event = Event.VERDICT_APPLIED
@@ -102,39 +53,43 @@ async def apply_verdict(conn: AsyncConnection, *, op: dict[str, Any], epoch: int
                     else RetryDecision(False, "no_retry_policy"))
         event = (Event.VERDICT_NOT_APPLIED_RETRY if decision.retry
                  else Event.VERDICT_NOT_APPLIED_FINAL)
-    step = transition(State(op["state"]), event)
     # The stored evidence names what it proved and for which epoch: a later epoch's receipt
     # must not read an earlier "not applied" readback as the proof of its success.
     evidence = {**evidence, "verdict": verdict, "epoch": epoch}
-    values: dict[str, Any] = dict(state=step.to.value, updated_at=now, evidence=evidence)
-    if step.new_epoch:
-        values["epoch"] = epoch + 1
+    values: dict[str, Any] = {"evidence": evidence}
     if verdict == "applied" and evidence.get("provider_ref"):
         values["provider_ref"] = evidence["provider_ref"]
-    updated = await conn.execute(
-        operations.update().where(operations.c.id == op["id"], operations.c.epoch == epoch,
-                                  operations.c.state.in_([s.value for s in sources(event)]))
-        .values(**values))
-    if updated.rowcount != 1:
+    due = now + timedelta(seconds=decision.delay_s) if decision is not None else now
+    applied = await apply(conn, Change(
+        operation_id=op.id, epoch=epoch, from_state=op.state, event=event, at=now, actor=actor,
+        detail={"verdict": verdict, "evidence": evidence}, values=values, row=op,
+        dispatch=Dispatch(outbox_id, subjects, available_at=due)))
+    if applied is None:
         return Recorded("rejected", reason="concurrent_change")
-    # The reconciliation command for this epoch is answered: the sweeper must not resend it.
-    await conn.execute(outbox.update().where(
-        outbox.c.operation_id == op["id"], outbox.c.epoch == epoch, outbox.c.kind == "reconcile",
-        outbox.c.status == "published").values(status="consumed"))
-    await append_journal(conn, operation_id=op["id"], at=now, kind="verdict_applied",
-                         actor=actor, epoch=epoch, from_state=op["state"],
-                         to_state=step.to.value, detail={"verdict": verdict,
-                                                         "evidence": evidence})
     if decision is not None:
-        await schedule_retry(conn, op=op, decision=decision, now=now, subjects=subjects,
-                             outbox_id=outbox_id)
-    return Recorded("applied", to_state=step.to.value)
+        await _journal_retry(conn, op, decision, now=now, due=due)
+    return Recorded("applied", to_state=applied.step.to.value)
 
 
-async def lock_op(conn: AsyncConnection, operation_id: str) -> dict[str, Any] | None:
+async def _journal_retry(conn: AsyncConnection, op: OperationRow, decision: RetryDecision, *,
+                         now: datetime, due: datetime) -> None:
+    """Journal the retry policy's decision (a retry's delayed command came with the change)."""
+    detail = {"reason": decision.reason, "delay_s": round(decision.delay_s, 3),
+              "policy_digest": policy_digest()}
+    if not decision.retry:
+        await append_journal(conn, operation_id=op.id, at=now, kind=JournalKind.RETRY_DECLINED,
+                             actor="ledger.retry_policy", epoch=op.epoch, detail=detail)
+        return
+    await append_journal(conn, operation_id=op.id, at=now, kind=JournalKind.RETRY_SCHEDULED,
+                         actor="ledger.retry_policy", epoch=op.epoch + 1,
+                         detail={**detail, "due_at": due.isoformat(),
+                                 "operation_key": op.operation_key})
+
+
+async def lock_op(conn: AsyncConnection, operation_id: str) -> OperationRow | None:
     row = (await conn.execute(sa.select(operations).where(operations.c.id == operation_id)
                               .with_for_update())).mappings().first()
-    return dict(row) if row is not None else None
+    return OperationRow.of(row) if row is not None else None
 
 
 async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consumer: str,
@@ -148,7 +103,7 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
     evidence |= {"reason": v.reason, "reconciler_id": v.reconciler_id}
     verdict = v.verdict
     if verdict != "undecidable" and v.evidence is None:
-        # Evidence before verdict (DESIGN.md section 2, rule 4): a bare "applied" or "not
+        # Evidence before verdict: a bare "applied" or "not
         # applied" is a guess, and a guess goes to a human, never to success or a retry.
         evidence["claimed_verdict"], verdict = verdict, "undecidable"
     result = (Recorded("rejected", reason="unknown_operation") if op is None else
@@ -158,7 +113,8 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
                                   decide_retry=decide_retry))
     if result.status == "rejected":
         # A paused replica waking after another decided, or a verdict for a superseded epoch.
-        await append_journal(conn, operation_id=v.operation_id, at=now, kind="verdict_rejected",
+        await append_journal(conn, operation_id=v.operation_id, at=now,
+                             kind=JournalKind.VERDICT_REJECTED,
                              actor=f"reconciler:{v.reconciler_id}", epoch=v.epoch,
                              detail={"reason": result.reason, "verdict": v.verdict,
                                      "message_id": message_id})
@@ -193,7 +149,7 @@ async def record_webhook_txn(conn: AsyncConnection, hook: WebhookReceived, *, no
         return Recorded("duplicate")
     if op is None:
         # Before its operation exists (or for one we never made): kept, never dropped.
-        await append_journal(conn, operation_id=None, at=now, kind="webhook_unmatched",
+        await append_journal(conn, operation_id=None, at=now, kind=JournalKind.WEBHOOK_UNMATCHED,
                              actor=f"webhook:{hook.provider}",
                              detail={"webhook_id": hook.webhook_id,
                                      "operation_key": hook.operation_key})
@@ -204,27 +160,27 @@ async def record_webhook_txn(conn: AsyncConnection, hook: WebhookReceived, *, no
                               decide_retry=decide_retry)
 
 
-async def _use_webhook(conn: AsyncConnection, op: dict[str, Any], hook: dict[str, Any], *,
+async def _use_webhook(conn: AsyncConnection, op: OperationRow, hook: dict[str, Any], *,
                        now: datetime, subjects: Subjects, outbox_id: str,
                        decide_retry: RetryDecider | None) -> Recorded:
     verdict = _webhook_verdict(hook)
     where = sa.and_(webhook_events.c.provider == hook["provider"],
                     webhook_events.c.webhook_id == hook["webhook_id"])
     actor = f"webhook:{hook['provider']}"
-    if verdict is None or op["state"] not in UNRESOLVED:
-        if verdict == "not_applied" and op["state"] == State.SUCCEEDED.value:
+    if verdict is None or op.state not in UNRESOLVED:
+        if verdict == "not_applied" and op.state is State.SUCCEEDED:
             # The provider contradicts a recorded success: a human must look at it.
-            await append_journal(conn, operation_id=op["id"], at=now, kind="evidence_conflict",
-                                 actor=actor, epoch=op["epoch"],
+            await append_journal(conn, operation_id=op.id, at=now,
+                                 kind=JournalKind.EVIDENCE_CONFLICT, actor=actor, epoch=op.epoch,
                                  detail={"webhook_id": hook["webhook_id"], "says": verdict})
         else:
-            await append_journal(conn, operation_id=op["id"], at=now, kind="webhook_kept",
-                                 actor=actor, epoch=op["epoch"],
+            await append_journal(conn, operation_id=op.id, at=now, kind=JournalKind.WEBHOOK_KEPT,
+                                 actor=actor, epoch=op.epoch,
                                  detail={"webhook_id": hook["webhook_id"],
-                                         "outcome": hook["outcome"], "state": op["state"]})
-        return Recorded("kept", reason=f"state_{op['state']}")
+                                         "outcome": hook["outcome"], "state": op.state.value})
+        return Recorded("kept", reason=f"state_{op.state.value}")
     token = hook.get("fencing_token")
-    if verdict == "not_applied" and token is not None and token != op["epoch"]:
+    if verdict == "not_applied" and token is not None and token != op.epoch:
         # "Not applied" speaks only for the attempt it names; "applied" speaks for the key.
         await conn.execute(webhook_events.update().where(where).values(applied="ignored"))
         return Recorded("kept", reason="other_epoch")
@@ -236,7 +192,7 @@ async def _use_webhook(conn: AsyncConnection, op: dict[str, Any], hook: dict[str
     evidence = {"source": "webhook", "provider_ref": hook["provider_ref"],
                 "digest": hook["body_digest"], "at": now.isoformat(),
                 "webhook_id": hook["webhook_id"], "event_type": hook["event_type"]}
-    result = await apply_verdict(conn, op=op, epoch=op["epoch"], verdict=verdict,
+    result = await apply_verdict(conn, op=op, epoch=op.epoch, verdict=verdict,
                                  evidence=evidence, actor=actor, now=now, subjects=subjects,
                                  outbox_id=outbox_id, decide_retry=decide_retry)
     await conn.execute(webhook_events.update().where(where).values(
@@ -244,22 +200,22 @@ async def _use_webhook(conn: AsyncConnection, op: dict[str, Any], hook: dict[str
     return result
 
 
-async def _before_attempt(conn: AsyncConnection, op: dict[str, Any],
+async def _before_attempt(conn: AsyncConnection, op: OperationRow,
                           hook: dict[str, Any]) -> bool:
     claimed_at = (await conn.execute(
-        sa.select(attempts.c.claimed_at).where(attempts.c.operation_id == op["id"],
-                                               attempts.c.epoch == op["epoch"]))).scalar()
+        sa.select(attempts.c.claimed_at).where(attempts.c.operation_id == op.id,
+                                               attempts.c.epoch == op.epoch))).scalar()
     return claimed_at is not None and hook["received_at"] < claimed_at
 
 
-async def apply_stored_webhooks(conn: AsyncConnection, op: dict[str, Any], *, now: datetime,
-                                subjects: Subjects, outbox_id: str,
-                                decide_retry: RetryDecider | None) -> Recorded | None:
+async def settle_from_stored_webhooks(conn: AsyncConnection, op: OperationRow, *,
+                                     now: datetime, subjects: Subjects, outbox_id: str,
+                                     decide_retry: RetryDecider | None) -> Recorded | None:
     """When an operation becomes unresolved, evidence that arrived early decides it at once."""
     rows = (await conn.execute(
         sa.select(webhook_events).where(
-            sa.or_(webhook_events.c.operation_id == op["id"],
-                   webhook_events.c.operation_key == op["operation_key"]),
+            sa.or_(webhook_events.c.operation_id == op.id,
+                   webhook_events.c.operation_key == op.operation_key),
             webhook_events.c.applied.is_(None))
         .order_by(webhook_events.c.id))).mappings().all()
     # "applied" evidence wins over any "not applied": the effect exists.

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.recovery import Conclusion, Review
-from effectledger_core.states import Event
+from effectledger_core.states import EVIDENCE_KINDS, Event, JournalKind, State
 from effectledger_core.subjects import Subjects
 
 from .common import append_journal
@@ -27,11 +27,11 @@ from .schema import inbox, journal, operations, reviews, webhook_events
 async def record_review_txn(conn: AsyncConnection, operation_id: str, *, review: Review,
                             review_id: str, subjects: Subjects, now: datetime) -> dict[str, Any]:
     op = await load_op(conn, operation_id)
-    if review.epoch != op["epoch"]:
+    if review.epoch != op.epoch:
         raise ActionRejected(f"the review is for epoch {review.epoch}; the operation is at "
-                             f"{op['epoch']}", reason="stale_epoch")
-    if op["state"] != "needs_review":
-        raise ActionRejected(f"operation is {op['state']}, not needs_review",
+                             f"{op.epoch}", reason="stale_epoch")
+    if op.state is not State.NEEDS_REVIEW:
+        raise ActionRejected(f"operation is {op.state.value}, not needs_review",
                              reason="not_in_review")
     await conn.execute(reviews.insert().values(
         id=review_id, operation_id=operation_id, epoch=review.epoch, operator=review.operator,
@@ -41,16 +41,17 @@ async def record_review_txn(conn: AsyncConnection, operation_id: str, *, review:
     actor = f"operator:{review.operator}"
     if review.conclusion is Conclusion.COMPLETED:
         evidence = {"source": "operator", "at": now.isoformat(), **detail}
-        return await move(conn, op, Event.REVIEW_COMPLETED, now=now, actor=actor,
-                          kind="review_recorded", detail=detail, subjects=subjects,
-                          extra={"evidence": evidence})
+        return (await move(conn, op, Event.REVIEW_COMPLETED, now=now, actor=actor,
+                           detail=detail, subjects=subjects, extra={"evidence": evidence})
+                ).as_dict()
     if review.conclusion is Conclusion.UNCERTAIN:
-        return await move(conn, op, Event.REVIEW_UNCERTAIN, now=now, actor=actor,
-                          kind="review_recorded", detail=detail, subjects=subjects)
-    await append_journal(conn, operation_id=operation_id, at=now, kind="review_recorded",
-                         actor=actor, epoch=op["epoch"], from_state=op["state"],
-                         to_state=op["state"], detail=detail)
-    return op
+        return (await move(conn, op, Event.REVIEW_UNCERTAIN, now=now, actor=actor,
+                           detail=detail, subjects=subjects)).as_dict()
+    # not_executed changes no state: it is recorded so that a retry plan may build on it.
+    await append_journal(conn, operation_id=operation_id, at=now,
+                         kind=JournalKind.REVIEW_RECORDED, actor=actor, epoch=op.epoch,
+                         from_state=op.state, to_state=op.state, detail=detail)
+    return op.as_dict()
 
 
 async def latest_review(conn: AsyncConnection, operation_id: str, epoch: int) -> Review | None:
@@ -67,15 +68,13 @@ async def latest_review(conn: AsyncConnection, operation_id: str, epoch: int) ->
 async def review_queue(conn: AsyncConnection, *, limit: int) -> list[dict[str, Any]]:
     """Operations in needs_review, each with the evidence gathered so far."""
     ops = (await conn.execute(
-        sa.select(operations).where(operations.c.state == "needs_review")
+        sa.select(operations).where(operations.c.state == State.NEEDS_REVIEW.value)
         .order_by(operations.c.updated_at).limit(limit))).mappings().all()
     out = []
     for op in ops:
         entries = (await conn.execute(
             sa.select(journal).where(journal.c.operation_id == op["id"],
-                                     journal.c.kind.in_(("outcome_recorded", "verdict_applied",
-                                                         "verdict_rejected", "webhook_kept",
-                                                         "review_recorded", "evidence_conflict")))
+                                     journal.c.kind.in_([k.value for k in sorted(EVIDENCE_KINDS)]))
             .order_by(journal.c.id))).mappings().all()
         hooks = (await conn.execute(
             sa.select(webhook_events).where(webhook_events.c.operation_key

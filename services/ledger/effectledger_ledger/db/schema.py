@@ -12,6 +12,8 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
+from effectledger_core.states import ACTIVE, OutboxStatus, State
+
 metadata = sa.MetaData(naming_convention={
     "ix": "ix_%(table_name)s_%(column_0_N_name)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -43,10 +45,9 @@ class UTCDateTime(sa.TypeDecorator[datetime]):
 JSONType = sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 BigId = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
-ACTIVE_STATES = ("pending", "awaiting_approval", "in_flight", "awaiting_confirmation",
-                 "ambiguous", "needs_review")
-_active = sa.text("state IN ('pending', 'awaiting_approval', 'in_flight', "
-                  "'awaiting_confirmation', 'ambiguous', 'needs_review')")
+# In the table's declaration order, so the index predicate reads exactly as the migration's.
+ACTIVE_STATES = tuple(s.value for s in State if s in ACTIVE)
+_active = sa.text(f"state IN ({', '.join(repr(s) for s in ACTIVE_STATES)})")
 
 operations = sa.Table(
     "operations", metadata,
@@ -110,14 +111,15 @@ journal = sa.Table(
 )
 
 OUTBOX_PENDING, OUTBOX_PUBLISHING, OUTBOX_PUBLISHED, OUTBOX_CONSUMED, OUTBOX_OBSOLETE = (
-    "pending", "publishing", "published", "consumed", "obsolete")
+    s.value for s in (OutboxStatus.PENDING, OutboxStatus.PUBLISHING, OutboxStatus.PUBLISHED,
+                      OutboxStatus.CONSUMED, OutboxStatus.OBSOLETE))
 
 outbox = sa.Table(
     "outbox", metadata,
     sa.Column("id", sa.String(64), primary_key=True),
     sa.Column("operation_id", sa.String(64), nullable=False),
     sa.Column("epoch", sa.Integer, nullable=False),
-    sa.Column("kind", sa.String(32), nullable=False),  # dispatch | ambiguous
+    sa.Column("kind", sa.String(32), nullable=False),  # OutboxKind: dispatch | reconcile
     sa.Column("subject", sa.String(512), nullable=False),
     sa.Column("payload", sa.Text, nullable=False),
     sa.Column("status", sa.String(16), nullable=False),
@@ -158,7 +160,7 @@ dead_letters = sa.Table(
     sa.Column("deliveries", sa.Integer, nullable=False),
 )
 
-# Single-use recovery plans (seed 000): bound to operation, epoch, arguments and contract.
+# Single-use recovery plans: bound to operation, epoch, arguments and contract.
 retry_plans = sa.Table(
     "retry_plans", metadata,
     sa.Column("id", sa.String(64), primary_key=True),
@@ -198,7 +200,7 @@ webhook_events = sa.Table(
     sa.Index("ix_webhook_events_received", "received_at"),
 )
 
-# Operator reviews of operations no machine could decide (DESIGN.md section 5).
+# Operator reviews of operations no machine could decide.
 reviews = sa.Table(
     "reviews", metadata,
     sa.Column("id", sa.String(64), primary_key=True),

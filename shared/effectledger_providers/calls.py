@@ -1,25 +1,18 @@
-"""The provider call: exactly one HTTP attempt, classified without guessing.
+"""Provider calls: exactly one HTTP attempt, classified without guessing; and readback.
 
 A timeout is not a failure: the provider may have applied the effect and lost the answer. So an
 outcome is `AttemptFailed` only when it is known that nothing was applied (a definitive refusal,
 or the request never left this process); whenever it may have been applied it is
-`OutcomeAmbiguous` and goes to reconciliation (DESIGN.md sections 2 and 5).
+`OutcomeAmbiguous` and goes to reconciliation.
 
-Classification (the default adapter; custom adapters may read answers differently):
+Classification. What an HTTP status means is decided by the adapter
+(`adapters.classify_http` by default), whose status → failure-class table is
+`effectledger_core.failures.HTTP_STATUS_CLASSES`; a 2xx is `AttemptSucceeded` (or
+`AttemptAccepted`), a 409 under our own idempotency key and any other 5xx are `OutcomeAmbiguous`.
+What happens without a usable status line is decided here:
 
 | what happened                                  | outcome                                   |
 |------------------------------------------------|-------------------------------------------|
-| 2xx (202 + async_acceptance: AttemptAccepted)  | AttemptSucceeded                          |
-| 400, 422                                       | AttemptFailed invalid_argument            |
-| 401                                            | AttemptFailed authentication              |
-| 403                                            | AttemptFailed permission_denied           |
-| 404, 410                                       | AttemptFailed not_found                   |
-| 409                                            | AttemptFailed permanent, `conflict[:<c>]` |
-| 429                                            | AttemptFailed rate_limited, retry_after_s |
-| other 4xx, 501                                 | AttemptFailed permanent                   |
-| 503 + Retry-After ("503 before body" rule)     | AttemptFailed transient, retry_after_s    |
-| other 5xx                                      | OutcomeAmbiguous server_error             |
-| 1xx, 3xx (redirects not followed), other codes | OutcomeAmbiguous invalid_response         |
 | 2xx whose body cannot be read fully            | OutcomeAmbiguous invalid_response         |
 | refused / DNS / connect timeout                | AttemptFailed transient connect_failed    |
 | no pooled connection became free               | AttemptFailed transient pool_timeout      |

@@ -6,8 +6,8 @@ needs two calls) gets an adapter, named in the catalog as `adapter = "package.mo
 or by the name of an entry point in the `effectledger.adapters` group. `Factory()` must return an
 object with the four methods of `ProviderAdapter`.
 
-Adapters only build requests and read responses; they never send anything. The dispatcher
-(`provider.py`) sends exactly one request, digests the bytes it received, removes secrets from
+Adapters only build requests and read responses; they never send anything. `calls.py` sends
+exactly one request, digests the bytes it received, removes secrets from
 messages, and turns a `Classified` into the outcome message. An adapter's `classify` therefore
 decides only *what the answer means*, and must say "ambiguous" whenever the answer does not
 prove whether the effect was applied.
@@ -29,6 +29,7 @@ import httpx
 
 from effectledger_core.catalog import PLACEHOLDER, TemplateError, Tool, render, resolve_env
 from effectledger_core.errors import CatalogError
+from effectledger_core.failures import classify_http_status
 from effectledger_core.messages import DispatchAttempt, FailureClass
 
 ENTRY_POINT_GROUP = "effectledger.adapters"
@@ -126,16 +127,9 @@ def error_message(response: httpx.Response, body: Any) -> str:
     return f"HTTP {response.status_code}" + (f": {text}" if text else "")
 
 
-_FOUR_XX: dict[int, FailureClass] = {
-    400: FailureClass.INVALID_ARGUMENT, 422: FailureClass.INVALID_ARGUMENT,
-    401: FailureClass.AUTHENTICATION, 403: FailureClass.PERMISSION_DENIED,
-    404: FailureClass.NOT_FOUND, 410: FailureClass.NOT_FOUND,
-    429: FailureClass.RATE_LIMITED,
-}
-
-
 def classify_http(tool: Tool, response: httpx.Response) -> Classified:
-    """The default reading of an HTTP answer (the table is in provider.py's docstring)."""
+    """The default reading of an HTTP answer: the status table of `effectledger_core.failures`
+    plus the two rules it cannot hold (a 409 under our own key, and 5xx "may have applied")."""
     status = response.status_code
     _, body = parse_json(response.content)
     ref = provider_ref_of(body, response.headers)
@@ -145,27 +139,20 @@ def classify_http(tool: Tool, response: httpx.Response) -> Classified:
     message = error_message(response, body)
     provider_code = _error_field(body, "code")
     code = provider_code or f"http_{status}"
-    if 400 <= status < 500:
-        if status == 409:
-            code = "conflict" + (f":{provider_code}" if provider_code else "")
-            if provider_code != "stale_fencing_token" and tool.idempotency_header:
-                # With our key sent, a conflict usually means an earlier attempt under the same
-                # key is still being processed: that attempt may apply, so nothing is settled.
-                return Classified("ambiguous", provider_ref=ref, reason="request_in_progress",
-                                  message=message)
-        retry_after = response.headers.get("retry-after") if status == 429 else None
-        return Classified("failed", provider_ref=ref, code=code, message=message,
-                          failure_class=_FOUR_XX.get(status, FailureClass.PERMANENT),
-                          retry_after=retry_after)
-    if status == 501:
-        return Classified("failed", provider_ref=ref, failure_class=FailureClass.PERMANENT,
-                          code=code, message=message)
-    if status == 503 and "retry-after" in response.headers:
-        # The "503 before body" rule: a 503 that names a retry time is the provider saying it
-        # refused the request before starting it (overload, maintenance), so it was not applied.
-        return Classified("failed", provider_ref=ref, failure_class=FailureClass.TRANSIENT,
-                          code=code, message=message,
-                          retry_after=response.headers["retry-after"])
+    if status == 409:
+        code = "conflict" + (f":{provider_code}" if provider_code else "")
+        if provider_code != "stale_fencing_token" and tool.idempotency_header:
+            # With our key sent, a conflict usually means an earlier attempt under the same
+            # key is still being processed: that attempt may apply, so nothing is settled.
+            return Classified("ambiguous", provider_ref=ref, reason="request_in_progress",
+                              message=message)
+    retry_after = response.headers.get("retry-after")
+    failure_class = classify_http_status(status, retry_after=retry_after is not None)
+    if failure_class is not None:
+        # Only a rate limit or an overloaded 503 names when to come back.
+        return Classified("failed", provider_ref=ref, failure_class=failure_class, code=code,
+                          message=message,
+                          retry_after=retry_after if status in (429, 503) else None)
     if 500 <= status < 600:
         return Classified("ambiguous", provider_ref=ref, reason="server_error",
                           message=message + " (the provider may have applied the effect)")

@@ -1,0 +1,86 @@
+"""What the dispatcher does with a claim reply: a pure decision, no I/O.
+
+| claim reply                                       | decision                                   |
+|---------------------------------------------------|--------------------------------------------|
+| none (the ledger did not answer, or refused)      | `Nak`, doubling from the delivery count    |
+| granted                                           | `Attempt` (the one provider call)          |
+| already claimed, outcome recorded                 | `Ack` (a duplicate of a finished attempt)  |
+| already claimed, claimer may still be mid-call    | `Nak` until its call must have ended       |
+| already claimed, claimer overdue                  | `DeclareLost` (ambiguous; never a call)    |
+| stale epoch, not claimable, not found             | `Ack` (the ledger journaled the refusal)   |
+
+"Mid-call" is judged by the tool's timeout plus `LOST_GRACE_S`: a duplicate delivery (a sweeper
+republish, a redelivery) while the claimer may still be calling the provider comes back once
+that call must have ended, rather than declaring a live attempt lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from effectledger_bus.backoff import nak_backoff
+from effectledger_core.messages import ClaimReply, ClaimStatus
+
+# Beyond a tool's timeout, how long a claim may go unanswered before it is presumed lost.
+LOST_GRACE_S = 5.0
+# Redelivery pauses while the ledger does not answer claims: 1 s doubling, at most 10 s.
+UNANSWERED_BASE_S = 1.0
+UNANSWERED_CAP_S = 10.0
+# Past the claimer's patience, a little slack so the nak does not land right at the boundary.
+PATIENCE_SLACK_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """Call the provider once under `attempt_id`."""
+
+    attempt_id: str
+    unsafe: bool = False  # claim-before-call switched off and the claim is held by another
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    reason: Literal["duplicate", "stale"]
+
+
+@dataclass(frozen=True, slots=True)
+class Nak:
+    delay_s: float
+    reason: Literal["claim_unanswered", "claimer_may_be_mid_call"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeclareLost:
+    """Publish an ambiguous outcome for `attempt_id`: claimed, never reported."""
+
+    attempt_id: str
+
+
+Decision = Attempt | Ack | Nak | DeclareLost
+
+
+def decide(reply: ClaimReply | None, *, attempt_id: str, deliveries: int,
+           tool_timeout_s: float, skip_claim: bool = False) -> Decision:
+    """The dispatcher's next step for one command, from the ledger's claim reply."""
+    if reply is None:
+        return Nak(nak_backoff(deliveries, base_s=UNANSWERED_BASE_S, cap_s=UNANSWERED_CAP_S),
+                   "claim_unanswered")
+    if reply.status is ClaimStatus.GRANTED:
+        return Attempt(reply.attempt_id or attempt_id)
+    if reply.status is not ClaimStatus.ALREADY_CLAIMED:
+        return Ack("stale")
+    if skip_claim:
+        # The guard this whole service exists for, switched off: only the chaos harness's
+        # "can it fail" runs do this, to prove that duplicates would be detected.
+        return Attempt(reply.attempt_id or attempt_id, unsafe=True)
+    if reply.outcome_recorded:
+        return Ack("duplicate")
+    patience = tool_timeout_s + LOST_GRACE_S
+    if reply.claim_age_s is not None and reply.claim_age_s < patience:
+        return Nak(patience - reply.claim_age_s + PATIENCE_SLACK_S, "claimer_may_be_mid_call")
+    # Someone claimed this epoch and never reported: nobody can know whether the provider saw
+    # the request, so it is ambiguous. The provider is never called here.
+    if reply.attempt_id is None:
+        raise ValueError("an already_claimed reply must name the attempt that holds the claim")
+    return DeclareLost(reply.attempt_id)

@@ -1,0 +1,90 @@
+"""What the dispatcher's worker needs from the world, as protocols; the NATS and httpx
+implementations live here too, and `effectledger_bus.testing` has fakes of each.
+
+- `LedgerClient`: the claim request-reply (`NatsLedgerClient`);
+- `Publisher`: JetStream publish with publish-ack (`effectledger_bus.publish`);
+- `ProviderCaller`: one provider attempt classified into an outcome (`HttpProviderCaller`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import httpx
+from nats.aio.client import Client as NatsClient
+
+from effectledger_bus.publish import Publisher
+from effectledger_bus.rpc import request
+from effectledger_core.catalog import Tool
+from effectledger_core.ids import Clock, utcnow
+from effectledger_core.messages import (
+    ClaimAnswer,
+    ClaimAttempt,
+    ClaimReply,
+    DispatchAttempt,
+    Outcome,
+    encode,
+)
+from effectledger_core.subjects import Subjects
+from effectledger_providers.calls import call_provider
+
+__all__ = ["HttpProviderCaller", "LedgerClient", "NatsLedgerClient", "ProviderCaller",
+           "Publisher"]
+
+
+class LedgerClient(Protocol):
+    async def claim(self, request: ClaimAttempt) -> ClaimAnswer:
+        """The ledger's answer to a claim: a `ClaimReply`, or an `ErrorReply` if it refused.
+
+        Raises `effectledger_bus.rpc.NoReply` when nobody answered, PoisonMessage when the
+        answer is malformed. Asking again with the same attempt id is safe: the ledger grants
+        the same attempt again.
+        """
+        ...
+
+
+class ProviderCaller(Protocol):
+    async def __call__(self, tool: Tool, cmd: DispatchAttempt, *, attempt_id: str,
+                       dispatcher_id: str, on_sent: Callable[[], None]) -> Outcome:
+        """Exactly one attempt; `on_sent` runs right before the request leaves."""
+        ...
+
+
+class NatsLedgerClient:
+    def __init__(self, nc: NatsClient, subjects: Subjects, *, timeout_s: float = 5.0) -> None:
+        self.nc = nc
+        self.subject = subjects.rpc_claim
+        self.timeout_s = timeout_s
+
+    async def claim(self, claim: ClaimAttempt) -> ClaimAnswer:
+        return await request(self.nc, self.subject, encode(claim), ClaimReply,
+                             timeout_s=self.timeout_s)
+
+
+class HttpProviderCaller:
+    """Provider calls over several small connection pools, taken in turn (see
+    `effectledger_providers.calls.make_clients` for why several)."""
+
+    def __init__(self, clients: list[httpx.AsyncClient], *, env: Mapping[str, str],
+                 clock: Clock = utcnow) -> None:
+        if not clients:
+            raise ValueError("at least one HTTP client")
+        self.clients = clients
+        self.env = env
+        self.clock = clock
+        self._next = 0
+
+    def client(self) -> httpx.AsyncClient:
+        self._next = (self._next + 1) % len(self.clients)
+        return self.clients[self._next]
+
+    async def __call__(self, tool: Tool, cmd: DispatchAttempt, *, attempt_id: str,
+                       dispatcher_id: str, on_sent: Callable[[], None]) -> Outcome:
+        return await call_provider(self.client(), tool, cmd, attempt_id=attempt_id,
+                                   dispatcher_id=dispatcher_id, env=self.env, clock=self.clock,
+                                   on_sent=on_sent)
+
+    async def aclose(self) -> None:
+        for client in self.clients:
+            await client.aclose()

@@ -1,0 +1,105 @@
+"""One JetStream delivery as the services see it: settle it, keep it, or dead-letter it.
+
+Every consumer (the dispatcher's commands, the ledger's inbox, the reconciler's commands) handles
+a `Delivery`: the message, how often it was delivered, and the four ways to settle it. Handlers
+take the protocol, so unit tests drive them with `effectledger_bus.testing.FakeDelivery`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
+
+from nats.aio.msg import Msg
+
+from effectledger_core.messages import DeadLetter, excerpt
+
+# Dead-letter fields are bounded by the `DeadLetter` model (1 KiB each).
+_FIELD_LIMIT = 1024
+
+
+class Delivery(Protocol):
+    """What a handler needs of a JetStream delivery (a nats-py message, or a fake)."""
+
+    subject: str
+    data: bytes
+    headers: Mapping[str, str]
+    deliveries: int  # 1 on the first delivery
+
+    async def ack(self) -> None: ...
+    async def nak(self, delay: float) -> None: ...
+    async def term(self) -> None: ...
+    async def in_progress(self) -> None: ...
+
+
+class JsDelivery:
+    """`Delivery` over a nats-py JetStream message."""
+
+    __slots__ = ("data", "deliveries", "headers", "msg", "subject")
+
+    def __init__(self, msg: Msg) -> None:
+        self.msg = msg
+        self.subject: str = msg.subject
+        self.data: bytes = msg.data
+        self.headers: Mapping[str, str] = msg.headers or {}
+        # A message without a reply subject is not from a JetStream consumer (a test publishing
+        # on core NATS): it has no metadata and counts as a first delivery.
+        self.deliveries: int = msg.metadata.num_delivered if msg.reply else 1
+
+    async def ack(self) -> None:
+        await self.msg.ack()
+
+    async def nak(self, delay: float) -> None:
+        await self.msg.nak(delay=delay)
+
+    async def term(self) -> None:
+        await self.msg.term()
+
+    async def in_progress(self) -> None:
+        await self.msg.in_progress()
+
+
+def message_id(d: Delivery) -> str | None:
+    """The delivery's `Nats-Msg-Id`, if the publisher set one."""
+    return d.headers.get("Nats-Msg-Id") or None
+
+
+async def keep(d: Delivery) -> None:
+    """Tell JetStream the message is still being worked on (`in_progress`), ignoring failure:
+    the worst case is a redelivery to another replica, which every handler tolerates."""
+    with contextlib.suppress(Exception):
+        await d.in_progress()
+
+
+def dead_letter(d: Delivery, *, consumer: str, error: str) -> DeadLetter:
+    """The record of a message that will never be handled: where it came from and why."""
+    msg_id = message_id(d)
+    return DeadLetter(consumer=consumer, subject=d.subject[:_FIELD_LIMIT],
+                      message_id=msg_id[:_FIELD_LIMIT] if msg_id else None,
+                      error=error[:_FIELD_LIMIT], payload_excerpt=excerpt(d.data),
+                      deliveries=d.deliveries)
+
+
+@contextlib.asynccontextmanager
+async def heartbeat(d: Delivery, interval_s: float) -> AsyncIterator[None]:
+    """Send `in_progress` every `interval_s` while the body runs.
+
+    Long work (a provider call, a readback, a slow publish) must not let `ack_wait` expire:
+    JetStream would redeliver the message to another replica while this one still works on it.
+    A failed heartbeat is ignored (see `keep`).
+    """
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(interval_s)  # a period, not synchronisation
+            await keep(d)
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
