@@ -1,4 +1,7 @@
-"""Identities and time, injected so tests and simulations are deterministic (DESIGN.md 3, 8)."""
+"""Identities and time, injected so tests and simulations are deterministic.
+
+Which id is stable across what: docs/design.md, "Identities".
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Size bounds applied at every entry (DESIGN.md sections 5 and 6)."""
+"""Size bounds applied at every entry: identifiers, arguments, messages, provider references."""
 
 MAX_IDENTIFIER_BYTES = 1024
 MAX_ARGUMENTS_BYTES = 64 * 1024

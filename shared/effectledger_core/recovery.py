@@ -1,6 +1,6 @@
 """Explicit, host-driven recovery: inspect an operation, prepare a single-use retry plan.
 
-The recovery table (DESIGN.md section 5):
+The recovery table:
 - succeeded, or an operator verified it completed → refuse any retry;
 - rejected before the body started → a new attempt may be prepared (it passes admission again);
 - outcome uncertain (timeout, lost response, lost dispatcher, 5xx) → a retryable flag does not

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from effectledger_cli.embedded import pg_bindir
+from effectledger_testkit.postgres import pg_bindir
 
 TIME_LIMIT_S = 240  # the quick run takes about 1.5 minutes on the 2-core CI machine
 

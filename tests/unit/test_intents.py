@@ -1,4 +1,4 @@
-"""Intent argument validation and operation-key derivation (DESIGN.md sections 3 and 5)."""
+"""Intent argument validation and operation-key derivation."""
 
 from __future__ import annotations
 

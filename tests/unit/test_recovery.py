@@ -1,5 +1,5 @@
-"""Explicit recovery (DESIGN.md section 5's recovery table): every row, typed refusals, and
-properties over random operations."""
+"""Explicit recovery (the table in effectledger_core.recovery): every row, typed refusals,
+and properties over random operations."""
 
 from __future__ import annotations
 

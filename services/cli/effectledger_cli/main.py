@@ -17,6 +17,8 @@ from typing import Any
 from effectledger_core.config import Settings
 from effectledger_core.errors import EffectLedgerError
 
+from .commands import discover
+
 DEFAULT_LEDGER_URL = "http://127.0.0.1:8600"
 
 
@@ -130,15 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
         "streams", help="apply (or show) the JetStream streams and consumers: the one step "
                         "that owns their configuration"))
 
-    from effectledger_bench.cli import add_arguments as add_bench_arguments
-
-    add_bench_arguments(sub.add_parser(
-        "bench", help="the benchmark: throughput, latency and cost vs the limit and peers"))
-
-    from effectledger_chaos.cli import add_arguments as add_chaos_arguments
-
-    add_chaos_arguments(sub.add_parser(
-        "chaos", help="the proving ground: a seeded fault-injection run against real processes"))
+    sub.add_parser("unsafe-switches",
+                   help="list the switches that turn a guarantee off, and which are armed here")
 
     for name, help_ in (("submit", "submit an intent"), ("show", "show an operation"),
                         ("list", "list operations"),
@@ -188,11 +183,19 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--state")
             p.add_argument("--limit", type=int, default=50)
             p.add_argument("--cursor")
+    # The tools (bench, chaos) when installed; see commands.py.
+    for command in discover(reserved=frozenset(sub.choices)).values():
+        tool = sub.add_parser(command.name, help=command.help)
+        command.add_arguments(tool)
+        tool.set_defaults(tool_run=command.run, tool_any_arguments=command.any_arguments)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not getattr(args, "tool_any_arguments", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return _dispatch(args)
     except EffectLedgerError as exc:
@@ -216,14 +219,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .up import run_up
 
         return run_up(args)
-    if cmd == "chaos":
-        from effectledger_chaos.cli import run as run_chaos
+    tool_run = getattr(args, "tool_run", None)
+    if tool_run is not None:
+        return int(tool_run(args))
+    if cmd == "unsafe-switches":
+        from effectledger_core.unsafe import describe
 
-        return run_chaos(args)
-    if cmd == "bench":
-        from effectledger_bench.cli import run as run_bench
-
-        return run_bench(args)
+        print(describe(os.environ))
+        return 0
     if cmd in ("submit", "show", "list", "approve", "reject", "cancel", "retry", "review"):
         from . import client
 
@@ -269,9 +272,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if cmd == "ledger":
         from effectledger_ledger.app import serve
     elif cmd == "dispatcher":
-        from effectledger_dispatcher.app import serve  # type: ignore[no-redef]
+        from effectledger_dispatcher.app import serve
     else:
-        from effectledger_reconciler.app import serve  # type: ignore[no-redef]
+        from effectledger_reconciler.app import serve
     run_loop(serve(settings))
     return 0
 

@@ -20,6 +20,7 @@ from effectledger_bus import msgids
 from effectledger_bus.delivery import Delivery, dead_letter, heartbeat, keep
 from effectledger_bus.publish import publish_with_retries
 from effectledger_bus.rpc import NoReply
+from effectledger_core import unsafe
 from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import (
@@ -52,11 +53,11 @@ CONSUMER = "dispatcher"
 UNKNOWN_TOOL_RETRY_S = 10.0
 CLAIM_TRIES = 3
 # TEST-ONLY: disables claim-before-call, so the chaos harness can prove it detects duplicates.
-UNSAFE_SKIP_CLAIM_ENV = "EFFECTLEDGER_UNSAFE_SKIP_CLAIM"
+UNSAFE_SKIP_CLAIM_ENV = unsafe.SKIP_CLAIM.env
 
 
 def unsafe_skip_claim(env: Mapping[str, str]) -> bool:
-    return env.get(UNSAFE_SKIP_CLAIM_ENV, "").strip().lower() in ("1", "true", "yes")
+    return unsafe.armed(unsafe.SKIP_CLAIM, env)
 
 
 @dataclass
@@ -86,12 +87,7 @@ class Dispatcher:
     unanswered_claims: dict[tuple[str, int], str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.skip_claim = unsafe_skip_claim(self.env)
-        if self.skip_claim:
-            log.warning("UNSAFE: %s is set: claim-before-call is DISABLED; redelivered "
-                        "commands will call the provider again. This switch exists for the "
-                        "chaos harness only and must never be set in production.",
-                        UNSAFE_SKIP_CLAIM_ENV)
+        self.skip_claim = unsafe.check(unsafe.SKIP_CLAIM, self.env, log)
 
     async def handle(self, d: Delivery) -> None:
         try:

@@ -27,6 +27,7 @@ from effectledger_core.limits import MAX_HTTP_BODY_BYTES, MAX_IDENTIFIER_BYTES
 from effectledger_core.messages import SubmitIntent, parse
 from effectledger_core.recovery import Conclusion, Review
 
+from . import console
 from .auth import Authenticator, Forbidden, Principal, check_tenant, operator_name
 from .service import LedgerService
 
@@ -245,6 +246,8 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
                              "auth": "enabled" if authenticator.enabled else "disabled"},
                             status_code=200 if ok else 503)
 
+    # The operator console at /console, and /docs from its vendored Swagger UI (no CDN).
+    console.mount(app, service, authenticator)
     return app
 
 

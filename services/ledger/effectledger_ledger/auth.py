@@ -56,7 +56,13 @@ class Authenticator:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("a bearer token is required")
+        return self.principal_for(token)
+
+    def principal_for(self, token: str) -> Principal:
+        """The principal a token stands for (also the console's sign-in), or Unauthenticated."""
         given = token.strip().encode()
+        if not given:
+            raise Unauthenticated("a token is required")
         found: Principal | None = None
         # Compare against every token in constant time; never stop at the first match.
         for candidate, name in self._operators:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Mapping
 
 import uvicorn
 from nats.aio.client import Client as NatsClient
@@ -16,6 +17,7 @@ from effectledger_bus.connect import connect
 from effectledger_bus.publish import JetStreamPublisher
 from effectledger_bus.pull import PullConsumer
 from effectledger_bus.streams import ensure_streams
+from effectledger_core import unsafe
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
 from effectledger_providers.adapters import load_adapter
@@ -24,16 +26,15 @@ from effectledger_providers.calls import make_client
 from .ledger_client import NatsLedgerClient
 from .signatures import WebhookVerifier
 from .strategy import Timing
-from .webhooks import SKIP_VERIFICATION_ENV, create_app
+from .webhooks import create_app
 from .worker import ACK_WAIT_S, CONSUMER, Reconciler, http_readback
 
 log = logging.getLogger("effectledger.reconciler")
 CONCURRENCY = 32
 
 
-def skip_verification_requested(env: dict[str, str] | None = None) -> bool:
-    value = (env if env is not None else os.environ).get(SKIP_VERIFICATION_ENV, "")
-    return value.strip().lower() in {"1", "true", "yes"}
+def skip_verification_requested(env: Mapping[str, str] | None = None) -> bool:
+    return unsafe.armed(unsafe.SKIP_WEBHOOK_VERIFICATION, env if env is not None else os.environ)
 
 
 def build_verifier(settings: Settings, *, skip: bool = False) -> WebhookVerifier:

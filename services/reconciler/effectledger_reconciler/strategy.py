@@ -9,7 +9,7 @@ redelivers the command later, to this replica or another. Deadlines therefore co
 message's own timestamps (`claimed_at`, `noticed_at`), never from delivery counts; the delivery
 count only sets the backoff.
 
-Evidence rules (DESIGN.md section 2, rule 4):
+Evidence rules (docs/design.md, "Verdicts and their fencing"):
 - `applied` needs a readback that found the effect;
 - `not_applied` needs a readback that found nothing and was *sent* at or after the provider's
   processing horizon (`claimed_at + tool.horizon_s`): before it, a late apply is still possible,

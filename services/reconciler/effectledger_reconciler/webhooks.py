@@ -39,6 +39,7 @@ from starlette.routing import Route
 
 from effectledger_bus import msgids
 from effectledger_bus.publish import Publisher
+from effectledger_core import unsafe
 from effectledger_core.errors import BrokerUnavailable
 from effectledger_core.ids import Clock, utcnow
 from effectledger_core.messages import WebhookReceived, encode
@@ -47,7 +48,7 @@ from effectledger_core.subjects import Subjects
 from .signatures import Verified, WebhookRejected, WebhookVerifier
 
 log = logging.getLogger(__name__)
-SKIP_VERIFICATION_ENV = "EFFECTLEDGER_UNSAFE_SKIP_WEBHOOK_VERIFICATION"
+SKIP_VERIFICATION_ENV = unsafe.SKIP_WEBHOOK_VERIFICATION.env
 Outcome = Literal["applied", "not_applied", "pending", "unknown"]
 EVENT_OUTCOMES: dict[str, Outcome] = {
     "effect.applied": "applied",
@@ -177,9 +178,7 @@ def create_app(*, verifier: WebhookVerifier, publisher: Publisher, subjects: Sub
                ready: Ready | None = None) -> Starlette:
     """The reconciler's HTTP app: webhook ingestion and health."""
     if verifier.skip_verification:
-        log.critical("UNSAFE: %s is set: webhook signatures and timestamps are NOT verified; "
-                     "anyone can forge provider evidence. Never use this outside tests.",
-                     SKIP_VERIFICATION_ENV)
+        unsafe.announce(unsafe.SKIP_WEBHOOK_VERIFICATION, log)
     ingest = _Ingest(verifier, publisher, subjects, clock, max_body_bytes, ready)
     app = Starlette(routes=[
         Route("/v1/webhooks/{provider}", ingest.receive, methods=["POST"]),

@@ -18,6 +18,9 @@ from typing import Any
 
 from .config import ALL_FAULTS, FAULT_GROUPS, ChaosConfig, parse_faults, parse_tool_mix
 
+# `effectledger <name> --help` line (entry-point group effectledger.commands)
+HELP = "the proving ground: a seeded fault-injection run against real processes"
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.description = ("Seeded fault injection against the real services as processes (own "

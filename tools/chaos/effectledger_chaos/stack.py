@@ -34,10 +34,12 @@ from typing import Any
 import httpx
 
 from effectledger_cli.embedded import free_port
+from effectledger_core import unsafe
+from effectledger_testkit.postgres import PrivatePostgres
 
 from . import catalog
 from .config import TOOL_TYPES, ChaosConfig
-from .procs import NatsServer, PrivatePostgres, Service, python_service, wait_port
+from .procs import NatsServer, Service, private_postgres, python_service, wait_port
 from .proxy import ProxyClient
 
 SUBJECT_PREFIX = "chaos"
@@ -168,7 +170,7 @@ class Stack:
                    "EFFECTLEDGER_DISPATCHER_CONCURRENCY": "16",
                    catalog.API_KEY_ENV: self.api_key}
             if self.cfg.unsafe_skip_claim:
-                env["EFFECTLEDGER_UNSAFE_SKIP_CLAIM"] = "1"
+                env[unsafe.SKIP_CLAIM.env] = "1"
             self.services[name] = python_service(
                 name, "dispatcher", ["-m", "effectledger_cli", "dispatcher"], env, self.logs,
                 self.workdir, f"dispatcher ready: {name}".encode())
@@ -180,7 +182,7 @@ class Stack:
                        {WEBHOOK_PROVIDER: [self.webhook_secret]}),
                    catalog.API_KEY_ENV: self.api_key}
             if self.cfg.unsafe_skip_webhook_verification:
-                env["EFFECTLEDGER_UNSAFE_SKIP_WEBHOOK_VERIFICATION"] = "1"
+                env[unsafe.SKIP_WEBHOOK_VERIFICATION.env] = "1"
             self.services[name] = python_service(
                 name, "reconciler", ["-m", "effectledger_cli", "reconciler"], env, self.logs,
                 self.workdir, b"reconciler ready:")
@@ -200,7 +202,7 @@ class Stack:
             return
         # PostgreSQL runs as the postgres user: its folder lives under /tmp, which it can reach.
         self._pg_root = Path(tempfile.mkdtemp(prefix="effectledger-chaos-pg-"))
-        self.pg = PrivatePostgres(self._pg_root)
+        self.pg = private_postgres(self._pg_root)
         await asyncio.to_thread(self.pg.init)
         await asyncio.to_thread(self.pg.start)
         await asyncio.to_thread(self.pg.create_database, DB_NAME)

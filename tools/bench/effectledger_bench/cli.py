@@ -19,6 +19,10 @@ def _ints(text: str) -> list[int]:
     return [int(x.replace("k", "000")) for x in text.split(",") if x.strip()]
 
 
+# `effectledger <name> --help` line (entry-point group effectledger.commands)
+HELP = "the benchmark: throughput, latency and cost vs the limit and peers"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="small counts, one repetition, no profile (< 3 minutes)")

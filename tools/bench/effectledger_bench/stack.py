@@ -22,8 +22,9 @@ from pathlib import Path
 import httpx
 
 from effectledger_cli.embedded import free_port, start_nats
+from effectledger_testkit.postgres import PrivatePostgres
 
-from .pg import PrivatePostgres
+from .pg import private_postgres
 from .procs import CpuSample, sample
 
 CATALOG = """\
@@ -99,8 +100,7 @@ class Stack:
 
     def start_infra(self) -> None:
         if self.database_url is None:
-            self.pg = PrivatePostgres(self._pg_root())
-            self.pg.start()
+            self.pg = private_postgres(self._pg_root())
             self.database_url = self.pg.create_database(self.db_name)
             pid = int((self.pg.data / "postmaster.pid").read_text().split()[0])
             self.services["postgres"] = Service("postgres", "postgres", None, pid,

@@ -559,7 +559,7 @@ def _read_from(path: Path, offset: int) -> str:
 def _git() -> dict[str, Any]:
     import subprocess
 
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]  # tools/bench/effectledger_bench/runner.py
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=10).stdout.strip()
