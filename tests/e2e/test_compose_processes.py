@@ -23,8 +23,9 @@ from typing import Any
 import httpx
 import pytest
 
-from effectledger_cli import children
+from effectledger_cli import children, healthcheck
 from effectledger_cli.embedded import free_port, nats_server_binary
+from effectledger_core.config import Settings
 from tests.support.compose import INFRA, load_compose
 from tests.support.servers import postgres_database
 
@@ -61,7 +62,7 @@ def test_the_compose_services_run_the_demo_with_their_compose_configuration(
     doc, _ = load_compose("compose.yaml")
     services: dict[str, dict[str, Any]] = doc["services"]
     ports = {name: free_port() for name in ("nats", "nats-monitor", "ledger", "sandbox",
-                                             "reconciler")}
+                                             "reconciler", "dispatcher-health")}
     hosts = {"nats": ports["nats"], "sandbox": ports["sandbox"],
              "reconciler": ports["reconciler"]}
     catalog = tmp_path / "catalog.toml"
@@ -82,6 +83,8 @@ def test_the_compose_services_run_the_demo_with_their_compose_configuration(
                for k, v in services[name].get("environment", {}).items()}
         if "EFFECTLEDGER_CATALOG_PATH" in env:
             env["EFFECTLEDGER_CATALOG_PATH"] = str(catalog)
+        if "EFFECTLEDGER_DISPATCHER_HEALTH_PORT" in env:
+            env["EFFECTLEDGER_DISPATCHER_HEALTH_PORT"] = str(ports["dispatcher-health"])
         return {**base_env, **env}
 
     def run(name: str) -> children.Child:
@@ -107,6 +110,8 @@ def test_the_compose_services_run_the_demo_with_their_compose_configuration(
         reconciler = run("reconciler")
         children.wait_listening(reconciler, ports["reconciler"], 60)
         _run_demo(f"http://127.0.0.1:{ports['ledger']}", env_of("ledger"), started)
+        for name in ("ledger", "dispatcher", "reconciler", "sandbox"):
+            _check_health(name, services[name], env_of(name), ports)
     finally:
         services_first = [c for c in started if c.name != "nats"]
         children.stop(services_first, 10)
@@ -143,3 +148,16 @@ def _run_demo(url: str, ledger_env: dict[str, str], started: list[children.Child
                     child.tail()
             time.sleep(0.2)  # polling the API until every operation is at rest
     assert set(states.values()) == {"succeeded"}, (states, [c.tail() for c in started])
+
+
+def _check_health(name: str, service: dict[str, Any], env: dict[str, str],
+                  ports: dict[str, int]) -> None:
+    """The compose health check of `name` (the image's healthcheck module, with the same
+    command and environment) finds its service healthy."""
+    role = service["command"][0]
+    if role == "dispatcher" and "dispatcher_health_port" not in Settings.model_fields:
+        return  # no health port in this tree yet: its check would probe nothing
+    argv = ["effectledger", *_command(service["command"], ports, role)]
+    url = healthcheck.endpoint(role, env, argv)
+    assert url is not None, name
+    assert httpx.get(url, timeout=5).status_code == 200, (name, url)
