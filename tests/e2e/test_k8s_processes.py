@@ -26,6 +26,7 @@ import pytest
 
 from effectledger_cli import children
 from effectledger_cli.embedded import free_port, nats_server_binary
+from effectledger_core.config import Settings
 from tests.support.k8s import NO_KUBECTL, container_env, find, pod_spec, render
 from tests.support.servers import postgres_database
 from tests.support.upproc import free_ports_in_a_row
@@ -137,6 +138,8 @@ def test_the_embedded_demo_overlay_runs_as_its_pods_would(tmp_path: Path,
                     children.wait_listening(child, port, 60)
         env = env_for(pod_spec(deployments["ledger"])["containers"][0], "ledger-0")
         _demo([f"http://127.0.0.1:{p}" for p in moves.http["ledger"]], env, started)
+        for role in ("sandbox", "ledger", "dispatcher", "reconciler"):
+            _check_probes(role, pod_spec(deployments[role])["containers"][0], moves)
         info = _stream_replicas(moves, env_for(job["containers"][0], "migrate"))
         assert info == {"EFFECTS_DISPATCH": 3, "EFFECTS_EVENTS": 3}
     finally:
@@ -186,3 +189,17 @@ def _demo(urls: list[str], ledger_env: dict[str, str], started: list[children.Ch
                 break
             time.sleep(0.2)  # polling the API until every operation is at rest
     assert set(states.values()) == {"succeeded"}, (states, [c.tail() for c in started])
+
+
+def _check_probes(role: str, container: dict[str, Any], moves: Moves) -> None:
+    """Every replica answers its container's liveness and readiness probes with 200."""
+    if role == "dispatcher" and "dispatcher_health_port" not in Settings.model_fields:
+        return  # no health port in this tree yet
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("livenessProbe", "readinessProbe"):
+        get = container[probe]["httpGet"]
+        assert named[get["port"]]  # the probe names a declared port
+        ports = moves.health if role == "dispatcher" else moves.http[role]
+        for port in ports:
+            resp = httpx.get(f"http://127.0.0.1:{port}{get['path']}", timeout=5)
+            assert resp.status_code == 200, (role, probe, port, resp.text)
