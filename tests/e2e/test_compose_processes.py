@@ -4,15 +4,18 @@ Every service runs with exactly the command and environment infra/compose.yaml g
 after `${VAR}` filled from a fresh `effectledger deploy-env`, with only what a container
 network provides moved to this machine: the service names (nats, postgres, sandbox,
 reconciler) become 127.0.0.1, fixed ports become free ones, the database becomes a fresh one
-on the test PostgreSQL, and NATS runs infra/nats/nats.conf with its ports and folder moved.
+on the test PostgreSQL, and NATS runs the mounted configuration (nats.conf, or with the cluster
+profile nats-cluster.conf on three nodes) with its ports, routes and folder moved.
 So the users and passwords, the API tokens, the one-shot migrate and streams steps (services
 that may not create streams and a ledger that does not migrate), the provider key and the
 webhook secret pairing are all exercised as deployed: demo intents on every kind of tool come
-to rest as succeeded.
+to rest as succeeded, each health check passes, and the streams have one replica, or three
+with the cluster profile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import nats
 import pytest
 
 from effectledger_cli import children, healthcheck
@@ -57,22 +61,24 @@ def _command(command: list[str], ports: dict[str, int], role: str) -> list[str]:
     return out
 
 
+@pytest.mark.parametrize("files", [("compose.yaml",), ("compose.yaml", "compose.cluster.yaml")],
+                         ids=["single", "cluster"])
 def test_the_compose_services_run_the_demo_with_their_compose_configuration(
-        tmp_path: Path, database: str) -> None:
-    doc, _ = load_compose("compose.yaml")
+        tmp_path: Path, database: str, files: tuple[str, ...]) -> None:
+    doc, _ = load_compose(*files)
     services: dict[str, dict[str, Any]] = doc["services"]
-    ports = {name: free_port() for name in ("nats", "nats-monitor", "ledger", "sandbox",
-                                             "reconciler", "dispatcher-health")}
-    hosts = {"nats": ports["nats"], "sandbox": ports["sandbox"],
-             "reconciler": ports["reconciler"]}
+    nodes = sorted(n for n in services if n == "nats" or n.startswith("nats-"))
+    ports = {name: free_port() for name in ("ledger", "sandbox", "reconciler",
+                                             "dispatcher-health")}
+    for node in nodes:
+        for kind in ("client", "monitor", "route"):
+            ports[f"{node}/{kind}"] = free_port()
+    hosts = {"sandbox": ports["sandbox"], "reconciler": ports["reconciler"],
+             **{node: ports[f"{node}/client"] for node in nodes}}
     catalog = tmp_path / "catalog.toml"
     catalog.write_text((INFRA / "catalog.compose.toml").read_text().replace(
         "sandbox:8700", f"127.0.0.1:{ports['sandbox']}"))
-    conf = tmp_path / "nats.conf"
-    conf.write_text((INFRA / "nats" / "nats.conf").read_text()
-                    .replace("port: 4222", f"port: {ports['nats']}")
-                    .replace("http_port: 8222", f"http_port: {ports['nats-monitor']}")
-                    .replace("/data", str(tmp_path / "jetstream")))
+    confs = {node: _nats_conf(services[node], node, nodes, ports, tmp_path) for node in nodes}
     logs = tmp_path / "logs"
     logs.mkdir()
     base_env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
@@ -95,10 +101,11 @@ def test_the_compose_services_run_the_demo_with_their_compose_configuration(
         return child
 
     try:
-        nats = children.spawn("nats", [nats_server_binary(), "-c", str(conf)],
-                              {**base_env, **env_of("nats")}, logs)
-        started.append(nats)
-        children.wait_listening(nats, ports["nats"], 15)
+        for node in nodes:
+            started.append(children.spawn(node, [nats_server_binary(), "-c", str(confs[node])],
+                                          {**base_env, **env_of(node)}, logs))
+        for child in started:
+            children.wait_listening(child, ports[f"{child.name}/client"], 15)
         for step in ("migrate", "streams"):  # compose: service_completed_successfully
             child = run(step)
             assert child.proc.wait(timeout=120) == 0, child.tail()
@@ -112,10 +119,41 @@ def test_the_compose_services_run_the_demo_with_their_compose_configuration(
         _run_demo(f"http://127.0.0.1:{ports['ledger']}", env_of("ledger"), started)
         for name in ("ledger", "dispatcher", "reconciler", "sandbox"):
             _check_health(name, services[name], env_of(name), ports)
+        replicas = asyncio.run(_stream_replicas(env_of("streams")))
+        assert set(replicas.values()) == {len(nodes)}, replicas  # 1, or 3 when clustered
     finally:
-        services_first = [c for c in started if c.name != "nats"]
-        children.stop(services_first, 10)
-        children.stop([c for c in started if c.name == "nats"], 5)
+        children.stop([c for c in started if c.name not in nodes], 10)
+        children.stop([c for c in started if c.name in nodes], 5)
+
+
+def _nats_conf(service: dict[str, Any], node: str, nodes: list[str], ports: dict[str, int],
+               tmp_path: Path) -> Path:
+    """The node's mounted configuration with its ports, routes and folder moved here."""
+    source = next(v.split(":")[0] for v in service["volumes"]
+                  if v.split(":")[1] == "/etc/nats/nats.conf")
+    text = (INFRA / source).read_text()
+    text = text.replace("port: 4222", f"port: {ports[f'{node}/client']}")
+    text = text.replace("http_port: 8222", f"http_port: {ports[f'{node}/monitor']}")
+    text = text.replace("listen: 0.0.0.0:6222", f"listen: 127.0.0.1:{ports[f'{node}/route']}")
+    for other in nodes:
+        text = text.replace(f"nats-route://{other}:6222",
+                            f"nats-route://127.0.0.1:{ports[f'{other}/route']}")
+    text = text.replace("store_dir: /data", f'store_dir: "{tmp_path / node}"')
+    path = tmp_path / f"{node}.conf"
+    path.write_text(text)
+    return path
+
+
+async def _stream_replicas(env: dict[str, str]) -> dict[str, int]:
+    nc = await nats.connect(env["EFFECTLEDGER_NATS_URL"].split(","),
+                            user=env["EFFECTLEDGER_NATS_USER"],
+                            password=env["EFFECTLEDGER_NATS_PASSWORD"])
+    try:
+        js = nc.jetstream()
+        return {name: (await js.stream_info(name)).config.num_replicas or 0
+                for name in ("EFFECTS_DISPATCH", "EFFECTS_EVENTS")}
+    finally:
+        await nc.close()
 
 
 def _run_demo(url: str, ledger_env: dict[str, str], started: list[children.Child]) -> None:
