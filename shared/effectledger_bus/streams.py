@@ -93,7 +93,9 @@ def _value(policy: RetentionPolicy | str | None) -> str:
 
 
 async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:
-    """Check (and, when allowed, create) every stream; ConfigError in one line otherwise."""
+    """Check (and, when allowed, create) every stream; never change one: changing streams
+    is the JetStream API's write side, which NATS permissions give to the ledger and the
+    apply step only. ConfigError in one line when a stream is unusable."""
     for cfg in stream_configs(settings):
         await at_startup(partial(_check_stream, js, cfg, settings.streams_create_missing))
 

@@ -44,7 +44,15 @@ SKIP_WEBHOOK_VERIFICATION = UnsafeSwitch(
     disables="webhook signature and timestamp verification: anyone can forge provider "
               "evidence and move operations")
 
-SWITCHES: tuple[UnsafeSwitch, ...] = (SKIP_CLAIM, SKIP_WEBHOOK_VERIFICATION)
+NATS_WITHOUT_PERMISSIONS = UnsafeSwitch(
+    env=PREFIX + "NATS_WITHOUT_PERMISSIONS",
+    service="up / proving ground",
+    disables="NATS users and subject permissions: the broker runs open, so anyone who can "
+              "connect may publish outcomes, verdicts, webhooks and dispatch commands, and "
+              "submit or read for any tenant")
+
+SWITCHES: tuple[UnsafeSwitch, ...] = (SKIP_CLAIM, SKIP_WEBHOOK_VERIFICATION,
+                                      NATS_WITHOUT_PERMISSIONS)
 BY_ENV: Mapping[str, UnsafeSwitch] = {s.env: s for s in SWITCHES}
 
 

@@ -8,7 +8,10 @@ with its test-only switch and runs seed 1 again, with the faults that matter to 
   reaches the provider again: more than one request per operation epoch, and duplicate effects
   on non-idempotent routes;
 - `EFFECTLEDGER_UNSAFE_SKIP_WEBHOOK_VERIFICATION=1`: reconcilers accept unsigned, forged and
-  expired webhooks, so the harness's lying webhooks are stored as evidence and move operations.
+  expired webhooks, so the harness's lying webhooks are stored as evidence and move operations;
+- `EFFECTLEDGER_UNSAFE_NATS_WITHOUT_PERMISSIONS=1`: the broker has no users or permissions, so
+  the attacker's forgeries (anonymous and with an agent's credentials) reach the services and
+  take effect; the same seed with permissions counts none.
 """
 
 from __future__ import annotations
@@ -47,4 +50,18 @@ def test_without_webhook_verification_forged_webhooks_are_counted(tmp_path: Any)
                   faults=parse_faults("webhook_forged,webhook_expired"))
     inv = report["invariants"]
     assert inv["bad_webhook_state_changes"]["count"] > 0, inv
+    assert not report["invariants_ok"]
+
+
+def test_without_nats_permissions_the_attackers_forgeries_are_counted(tmp_path: Any) -> None:
+    """Seed 1, attacker only: with the product's NATS users and permissions no forgery takes
+    effect; with the broker open the same rounds create operations in another tenant (and
+    whatever else the live operations allowed), and invariant 11 counts them."""
+    options: dict[str, Any] = dict(ops=30, duration_s=10.0, faults=parse_faults("attacker"))
+    guarded = _run(tmp_path / "guarded", **options)
+    assert guarded["invariants"]["forged_messages_effective"]["count"] == 0, guarded["invariants"]
+    assert guarded["invariants_ok"]
+    report = _run(tmp_path / "open", unsafe_nats_without_permissions=True, **options)
+    inv = report["invariants"]
+    assert inv["forged_messages_effective"]["count"] > 0, inv
     assert not report["invariants_ok"]

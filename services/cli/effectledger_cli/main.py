@@ -60,6 +60,8 @@ def port_number(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import nats_config
+
     parser = argparse.ArgumentParser(prog="effectledger", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -134,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("unsafe-switches",
                    help="list the switches that turn a guarantee off, and which are armed here")
+    nats_config.add_parser(sub)
 
     for name, help_ in (("submit", "submit an intent"), ("show", "show an operation"),
                         ("list", "list operations"),

@@ -20,9 +20,11 @@ import time
 
 import httpx
 
+from effectledger_bus.permissions import Role, user_name
 from effectledger_bus.topology import topology
+from effectledger_core.unsafe import NATS_WITHOUT_PERMISSIONS, check
 
-from . import children, up_nats
+from . import children, nats_auth, up_nats
 from .children import Child, StartFailed
 from .stop_signals import Stopped, StopSignals
 from .up_plan import Refused, UpPlan, plan
@@ -33,7 +35,9 @@ STOP_STAGES = ((("dispatcher", "reconciler"), 4.0), (("ledger", "sandbox"), 3.0)
                (("nats",), 2.0))
 # Set per child, so that only the processes that use them see them.
 PER_CHILD = ("EFFECTLEDGER_SANDBOX_API_KEY", "EFFECTLEDGER_WEBHOOK_SECRETS",
-             "EFFECTLEDGER_NATS_USER", "EFFECTLEDGER_NATS_PASSWORD")
+             "EFFECTLEDGER_NATS_USER", "EFFECTLEDGER_NATS_PASSWORD", "EFFECTLEDGER_NATS_TOKEN",
+             "EFFECTLEDGER_NATS_CREDS_FILE")
+TENANT = "default"
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -72,8 +76,19 @@ def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
             procs[name] = children.spawn(name, argv, {**env, **extra}, p.logs)
         return procs[name]
 
-    up_nats.start(p.nats, p.data, start)
-    streams = _apply_streams(p, env)
+    auth = _nats_auth(p, args)
+    up_nats.start(p.nats, p.data, start, config=auth.config if auth else None)
+
+    def nats_env(role: Role, index: int = 0) -> dict[str, str]:
+        """A child's NATS settings: on one node its own least-privilege user
+        (effectledger_bus.permissions), on a cluster its role's user."""
+        if auth is None:
+            return p.nats.client_env(role.value)
+        user = {Role.LEDGER: "ledger", Role.STREAMS: "streams"}.get(role) or user_name(
+            role, f"{role.value}-{index + 1}")
+        return {**auth.child_env(user), "EFFECTLEDGER_STREAM_REPLICAS": "1"}
+
+    streams = _apply_streams(p, env, nats_env(Role.STREAMS))
     if p.with_sandbox:
         sandbox = start("sandbox", children.cli("sandbox", "--port", str(p.sandbox_port)), {
             **provider_env, "EFFECTLEDGER_SANDBOX_WEBHOOK_URL": p.webhook_url,
@@ -82,21 +97,21 @@ def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
         children.wait_listening(sandbox, p.sandbox_port, 30)
     for i, port in enumerate(p.ledger_ports):
         ledger = start(_name("ledger", i), children.cli("ledger", "--port", str(port)),
-                       p.nats.client_env("ledger"))
+                       nats_env(Role.LEDGER))
         children.wait_listening(ledger, port, 60)
     for i in range(p.dispatchers):
         start(_name("dispatcher", i), children.cli("dispatcher", "--id", f"dispatcher-{i + 1}"),
-              {**p.nats.client_env("dispatcher"), **provider_env})
+              {**nats_env(Role.DISPATCHER, i), **provider_env})
     for i, port in enumerate(p.reconciler_ports):
         reconciler = start(_name("reconciler", i), children.cli(
             "reconciler", "--id", f"reconciler-{i + 1}", "--port", str(port)), {
-            **p.nats.client_env("reconciler"), **provider_env,
+            **nats_env(Role.RECONCILER, i), **provider_env,
             "EFFECTLEDGER_WEBHOOK_SECRETS": p.hook_secrets})
         children.wait_listening(reconciler, port, 60)
     ledger_urls = [f"http://127.0.0.1:{port}" for port in p.ledger_ports]
     for url in ledger_urls:
         _wait_ready(url, procs)
-    _announce(p, ledger_urls, streams)
+    _announce(p, ledger_urls, streams, auth)
     if args.demo:
         code = _demo(ledger_urls[0], args.demo)
         if args.exit_after_demo:
@@ -108,12 +123,20 @@ def _name(role: str, index: int) -> str:
     return role if index == 0 else f"{role}-{index + 1}"
 
 
-def _announce(p: UpPlan, ledger_urls: list[str], streams: str) -> None:
+def _announce(p: UpPlan, ledger_urls: list[str], streams: str,
+              auth: nats_auth.AuthFiles | None) -> None:
     print(f"ledger: {', '.join(ledger_urls)}")
     if p.with_sandbox:
         print(f"sandbox: http://127.0.0.1:{p.sandbox_port}")
-    users = " (users: ledger, dispatcher, reconciler, streams)" if p.nats.clustered else ""
-    print(f"nats: {p.nats.url}{users}")
+    if auth is not None:
+        print(f"nats: {p.nats.url}")
+        print(f"agent credentials (tenant {TENANT}, NATS): "
+              f"{auth.credential_file(f'agent-{TENANT}')}")
+        print(f"operator credentials (NATS): {auth.credential_file('operator')}")
+    elif p.nats.clustered:
+        print(f"nats: {p.nats.url} (users: ledger, dispatcher, reconciler, streams)")
+    else:
+        print(f"nats: {p.nats.url} (UNSAFE: no users or permissions)")
     print(f"streams: {streams}")
     print(f"webhooks: {p.webhook_url}")
     print(f"logs: {p.logs}")
@@ -122,14 +145,29 @@ def _announce(p: UpPlan, ledger_urls: list[str], streams: str) -> None:
     sys.stdout.flush()
 
 
-def _apply_streams(p: UpPlan, env: dict[str, str]) -> str:
+def _nats_auth(p: UpPlan, args: argparse.Namespace) -> nats_auth.AuthFiles | None:
+    """One node: a user per process with least-privilege permissions, unless the unsafe
+    switch turns them off. (A cluster's nodes get one user per role: up_nats.)"""
+    if p.nats.clustered or check(NATS_WITHOUT_PERMISSIONS, os.environ,
+                                 logging.getLogger("effectledger.up")):
+        return None
+    from effectledger_core.config import Settings
+
+    subjects = Settings().subjects  # the prefixes the children will read from the env
+    return nats_auth.for_up(
+        p.data, subjects, port=p.nats.client_ports[0],
+        dispatchers=[f"dispatcher-{i + 1}" for i in range(p.dispatchers)],
+        reconcilers=[f"reconciler-{i + 1}" for i in range(len(p.reconciler_ports))],
+        tenants=[TENANT])
+
+
+def _apply_streams(p: UpPlan, env: dict[str, str], client: dict[str, str]) -> str:
     """The stream step runs before any service: services only check streams."""
     from effectledger_core.config import Settings
 
     from .streams_cmd import apply
 
     nats = p.nats
-    client = nats.client_env("streams")
     settings = Settings(nats_url=client["EFFECTLEDGER_NATS_URL"],
                         nats_user=client.get("EFFECTLEDGER_NATS_USER"),
                         nats_password=client.get("EFFECTLEDGER_NATS_PASSWORD"),

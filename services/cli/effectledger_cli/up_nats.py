@@ -93,13 +93,16 @@ authorization {{
 """
 
 
-def start(p: NatsPlan, data: Path, spawn: Callable[[str, list[str], dict[str, str]], Child]
-          ) -> list[Child]:
-    """Start every node (named nats, nats-2, …) and wait until each listens."""
+def start(p: NatsPlan, data: Path, spawn: Callable[[str, list[str], dict[str, str]], Child],
+          *, config: Path | None = None) -> list[Child]:
+    """Start every node (named nats, nats-2, …) and wait until each listens. One node runs
+    `config` when given (nats_auth's users and permissions), else open on loopback."""
     binary = nats_server_binary()
     if not p.clustered:
-        node = spawn("nats", [binary, "-a", "127.0.0.1", "-p", str(p.client_ports[0]), "-js",
-                              "-sd", str(data / "jetstream")], {})
+        argv = ([binary, "-c", str(config)] if config is not None else
+                [binary, "-a", "127.0.0.1", "-p", str(p.client_ports[0]), "-js", "-sd",
+                 str(data / "jetstream")])
+        node = spawn("nats", argv, {})
         wait_listening(node, p.client_ports[0], 15)
         return [node]
     nodes = []
