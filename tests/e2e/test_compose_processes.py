@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ import httpx
 import nats
 import pytest
 
+from effectledger_bus.permissions import inbox_prefix
 from effectledger_cli import children, healthcheck
 from effectledger_cli.embedded import free_port, nats_server_binary
 from effectledger_core.config import Settings
@@ -139,15 +141,19 @@ def _nats_conf(service: dict[str, Any], node: str, nodes: list[str], ports: dict
         text = text.replace(f"nats-route://{other}:6222",
                             f"nats-route://127.0.0.1:{ports[f'{other}/route']}")
     text = text.replace("store_dir: /data", f'store_dir: "{tmp_path / node}"')
-    path = tmp_path / f"{node}.conf"
+    folder = tmp_path / f"{node}-etc"
+    folder.mkdir()
+    shutil.copy(INFRA / "nats" / "permissions.conf", folder)  # included beside it
+    path = folder / "nats.conf"
     path.write_text(text)
     return path
 
 
 async def _stream_replicas(env: dict[str, str]) -> dict[str, int]:
-    nc = await nats.connect(env["EFFECTLEDGER_NATS_URL"].split(","),
-                            user=env["EFFECTLEDGER_NATS_USER"],
-                            password=env["EFFECTLEDGER_NATS_PASSWORD"])
+    user = env["EFFECTLEDGER_NATS_USER"]
+    nc = await nats.connect(env["EFFECTLEDGER_NATS_URL"].split(","), user=user,
+                            password=env["EFFECTLEDGER_NATS_PASSWORD"],
+                            inbox_prefix=inbox_prefix(user).encode())  # its permitted inbox
     try:
         js = nc.jetstream()
         return {name: (await js.stream_info(name)).config.num_replicas or 0

@@ -20,7 +20,12 @@ import sys
 
 from .up_nats import nats_password
 
-NATS_USERS = ("ledger", "dispatcher", "reconciler", "streams")
+# The users of infra/nats/permissions.conf (its $NATS_<USER>_PASSWORD references).
+NATS_USERS = ("ledger", "dispatcher", "reconciler", "streams", "agent-default", "operator")
+
+
+def nats_password_variable(user: str) -> str:
+    return f"NATS_{user.upper().replace('-', '_')}_PASSWORD"
 
 
 def _token(prefix: str = "") -> str:
@@ -46,7 +51,7 @@ def generate() -> dict[str, str]:
         "EFFECTLEDGER_WEBHOOK_SECRETS": json.dumps({"sandbox": [hook]}),
     }
     for user in NATS_USERS:  # referenced as $NAME from nats.conf: see nats_password
-        env[f"NATS_{user.upper()}_PASSWORD"] = nats_password()
+        env[nats_password_variable(user)] = nats_password()
     return env
 
 
