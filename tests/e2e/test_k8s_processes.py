@@ -24,6 +24,7 @@ import httpx
 import nats
 import pytest
 
+from effectledger_bus.permissions import inbox_prefix
 from effectledger_cli import children
 from effectledger_cli.embedded import free_port, nats_server_binary
 from effectledger_core.config import Settings
@@ -110,10 +111,13 @@ def test_the_embedded_demo_overlay_runs_as_its_pods_would(tmp_path: Path,
 
     try:
         nats_container = pod_spec(find(docs, "StatefulSet", "nats"))["containers"][0]
-        conf = find(docs, "ConfigMap", "nats-config")["data"]["nats.conf"]
+        nats_files = find(docs, "ConfigMap", "nats-config")["data"]
         for i in range(3):
-            path = tmp_path / f"nats-{i}.conf"
-            path.write_text(moves.nats_conf(conf, i, tmp_path / f"js-{i}"))
+            folder = tmp_path / f"nats-{i}-etc"
+            folder.mkdir()
+            (folder / "permissions.conf").write_text(nats_files["permissions.conf"])
+            path = folder / "nats.conf"
+            path.write_text(moves.nats_conf(nats_files["nats.conf"], i, tmp_path / f"js-{i}"))
             node = children.spawn(f"nats-{i}", [nats_server_binary(), "-c", str(path)],
                                   env_for(nats_container, f"nats-{i}"), logs)
             started.append(node)
@@ -150,9 +154,10 @@ def test_the_embedded_demo_overlay_runs_as_its_pods_would(tmp_path: Path,
 def _stream_replicas(moves: Moves, env: dict[str, str]) -> dict[str, int]:
     """Stream name -> replicas, as the cluster reports them (with the streams user)."""
     async def ask() -> dict[str, int]:
-        nc = await nats.connect(f"nats://127.0.0.1:{moves.nats[0]}",
-                                user=env["EFFECTLEDGER_NATS_USER"],
-                                password=env["EFFECTLEDGER_NATS_PASSWORD"])
+        user = env["EFFECTLEDGER_NATS_USER"]
+        nc = await nats.connect(f"nats://127.0.0.1:{moves.nats[0]}", user=user,
+                                password=env["EFFECTLEDGER_NATS_PASSWORD"],
+                                inbox_prefix=inbox_prefix(user).encode())
         try:
             js = nc.jetstream()
             return {name: (await js.stream_info(name)).config.num_replicas or 0

@@ -94,8 +94,9 @@ def test_nats_is_a_three_node_jetstream_cluster_the_services_connect_to(
     assert all(f"nats://{p}:6222" in conf for p in pods)
     url = find(docs, "ConfigMap", "effectledger-config")["data"]["EFFECTLEDGER_NATS_URL"]
     assert set(url.split(",")) == {f"nats://{p}:4222" for p in pods}
-    for user in ("ledger", "dispatcher", "reconciler", "streams"):
-        assert f"{{user: {user}, password: $NATS_{user.upper()}_PASSWORD}}" in conf
+    assert 'include "permissions.conf"' in conf
+    permissions = find(docs, "ConfigMap", "nats-config")["data"]["permissions.conf"]
+    assert permissions == (K8S.parent / "nats" / "permissions.conf").read_text()
 
 
 def test_the_webhook_service_reaches_the_reconcilers_listening_port(
@@ -160,8 +161,10 @@ def test_the_nats_configmap_loads_in_nats_server_with_the_secrets_passwords(
     from effectledger_cli.embedded import nats_server_binary
 
     docs = render("production", tmp_path)
+    data = find(docs, "ConfigMap", "nats-config")["data"]
     conf = tmp_path / "nats.conf"
-    conf.write_text(find(docs, "ConfigMap", "nats-config")["data"]["nats.conf"])
+    conf.write_text(data["nats.conf"])
+    (tmp_path / "permissions.conf").write_text(data["permissions.conf"])
     env = {**os.environ, **generate(), "POD_NAME": "nats-0"}
     checked = subprocess.run([nats_server_binary(), "-c", str(conf), "-t"], env=env,
                              capture_output=True, text=True, timeout=30)
