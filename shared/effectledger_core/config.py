@@ -47,7 +47,13 @@ class Settings(BaseSettings):
     subject_prefix: str = Field(default="effects", pattern=r"^[a-zA-Z0-9_-]+(\.[a-zA-Z0-9_-]+)*$")
     stream_prefix: str = Field(default="EFFECTS", pattern=r"^[A-Za-z0-9_-]+$")
     stream_storage: str = Field(default="file", pattern="^(file|memory)$")
-    stream_replicas: int = 1
+    # Replicas and placement of every stream, applied by `effectledger streams apply` only.
+    stream_replicas: int = Field(default=1, ge=1, le=5)
+    stream_placement_cluster: str | None = None
+    stream_placement_tags: list[str] = Field(default_factory=list)
+    # A service finding a stream missing creates it (the embedded default); deployments turn
+    # this off so that streams exist only as the apply step made them.
+    streams_create_missing: bool = True
     stream_max_age_s: float = 7 * 86400
     duplicate_window_s: float = 120.0
 
@@ -56,7 +62,7 @@ class Settings(BaseSettings):
 
     # ledger
     ledger_host: str = "127.0.0.1"
-    ledger_port: int = 8600
+    ledger_port: int = Field(default=8600, ge=1, le=65535)
     # Every HTTP port (ledger API, webhook ingress): a client that has not sent its request
     # headers, or its whole body, within these is cut off (408 for the body).
     http_header_timeout_s: float = Field(default=10.0, gt=0)
@@ -81,6 +87,10 @@ class Settings(BaseSettings):
     lost_outcome_after_s: float = 900.0
     # Outcomes handled at once; more in flight means larger group commits under load.
     inbox_concurrency: int = 64
+    # Submit-and-wait: the longest wait a request may ask for, and how often waits are
+    # re-checked against the database for changes made by another ledger replica.
+    wait_max_s: float = Field(default=60.0, gt=0, le=3600)
+    wait_recheck_s: float = Field(default=2.0, ge=0)
     # How long an unacked inbox message waits before redelivery (a ledger that died mid-commit).
     inbox_ack_wait_s: float = Field(default=30.0, gt=0)
     inbox_retention_s: float = 8 * 86400  # beyond the streams' max age: no redelivery after
@@ -98,7 +108,7 @@ class Settings(BaseSettings):
 
     # reconciler
     reconciler_host: str = "127.0.0.1"
-    reconciler_port: int = 8800
+    reconciler_port: int = Field(default=8800, ge=1, le=65535)
     reconciler_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     # Readback errors are retried until claimed_at + this; then the operation needs review.
     reconcile_deadline_s: float = Field(default=3600.0, gt=0)
@@ -117,7 +127,8 @@ class Settings(BaseSettings):
     dispatcher_health_port: int | None = Field(default=None, ge=0, le=65535)
 
     # logging: text for a terminal, json (one object per line) for collectors
-    log_level: str = "INFO"
+    log_level: str = Field(default="INFO",
+                           pattern=r"(?i)^(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)$")
     log_format: str = Field(default="text", pattern="^(text|json)$")
 
     @property

@@ -42,7 +42,8 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
                                 rate_per_s=settings.tenant_rate_per_s,
                                 burst=settings.tenant_burst,
                                 max_in_flight=settings.tenant_max_in_flight,
-                                max_awaiting_approval=settings.tenant_max_awaiting_approval))
+                                max_awaiting_approval=settings.tenant_max_awaiting_approval),
+                            wait_recheck_s=settings.wait_recheck_s)
 
     nc = await connect(settings, "effectledger-ledger-relay")
     js = nc.jetstream()
@@ -74,7 +75,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     gauges = DbGauges(store, reconcile_deadline_s=settings.reconcile_deadline_s)
     app = create_app(service, ready=ready,
                      auth=Authenticator(settings.agent_tokens, settings.operator_tokens),
-                     before_scrape=gauges.refresh)
+                     max_wait_s=settings.wait_max_s, before_scrape=gauges.refresh)
     server = uvicorn.Server(server_config(
         app, host=settings.ledger_host, port=settings.ledger_port, log_level="warning",
         access_log=False, lifespan="off", header_timeout_s=settings.http_header_timeout_s,

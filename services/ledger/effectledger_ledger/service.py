@@ -15,12 +15,13 @@ from sqlalchemy.exc import IntegrityError
 from effectledger_core.argschema import check_arguments
 from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.crash import crash_point
-from effectledger_core.errors import EffectLedgerError, UnknownTool
+from effectledger_core.errors import EffectLedgerError, NotFound, UnknownTool
 from effectledger_core.failures import Failure
 from effectledger_core.ids import Clock, IdFactory, new_id, utcnow
 from effectledger_core.messages import (
     ClaimAttempt,
     ClaimReply,
+    ClaimStatus,
     DeadLetter,
     Outcome,
     SubmitIntent,
@@ -32,6 +33,7 @@ from effectledger_core.recovery import Assessment, Review, inspect_recovery, pre
 from effectledger_core.retry_policy import RetryBudget, RetryContext, RetryDecision, decide_retry
 from effectledger_core.states import ACTIVE, State
 from effectledger_core.subjects import Subjects
+from effectledger_core.waiting import wait_over
 from effectledger_obs import metrics, tracing
 
 from .db import duplicates, reads
@@ -43,7 +45,9 @@ from .db.outcomes import OutcomeCall, record_dead_letter_txn
 from .db.resolution import record_verdict_txn, record_webhook_txn
 from .db.rows import OperationRow, Recorded
 from .db.store import Store
+from .db.watch import states_of
 from .observe import Observer, keep_trace_txn
+from .waiters import Waiters
 
 if TYPE_CHECKING:
     from .relay import DirectPublisher
@@ -74,6 +78,9 @@ class LedgerService:
     # the app once NATS is connected. Without it every command goes through the relay.
     publisher: DirectPublisher | None = None
     direct_lease_s: float = 10.0
+    # Submit-and-wait: signalled after each commit that moves an operation (waiters.py).
+    waiters: Waiters = field(init=False)
+    wait_recheck_s: float = 2.0
     quotas: QuotaLimits = field(default_factory=QuotaLimits)  # all off unless configured
     rates: TenantRates = field(init=False)
     # Counts, times and logs committed transitions (observe.py), fed by the store.
@@ -84,10 +91,12 @@ class LedgerService:
         workers = self.batch_workers or 1
         self.writes = GroupCommit(self.store, name="ledger", max_batch=self.batch_max,
                                   workers=workers)
+        self.waiters = Waiters(self._states_of, recheck_s=self.wait_recheck_s)
         self.store.on_commit = self.observer.committed
         metrics.RETRY_BUDGET_TOKENS.set_function(lambda: self.budget.tokens)
 
     async def close(self) -> None:
+        await self.waiters.close()
         if self.publisher is not None:
             await self.publisher.close()
         await self.writes.close()
@@ -182,6 +191,8 @@ class LedgerService:
             try:
                 reply = await self.writes.call(ClaimCall(claim, now=self.clock()))
                 metrics.child(metrics.CLAIMS, reply.status.value).inc()
+                if reply.status is ClaimStatus.GRANTED:
+                    self.waiters.changed(claim.operation_id, State.IN_FLIGHT)
                 return reply
             except IntegrityError:
                 continue  # a concurrent claim for this epoch won; re-read answers "already"
@@ -201,6 +212,8 @@ class LedgerService:
         else:
             self.observer.outcome_reported(operation_id=outcome.operation_id, at=outcome.at,
                                            now=self.clock())
+        self.waiters.changed(outcome.operation_id,
+                             result.to_state if result.status == "applied" else None)
         if result.to_state in _NEW_COMMAND:
             await self._keep_trace(follow_up)
             self.outbox_wake.set()
@@ -218,6 +231,8 @@ class LedgerService:
         metrics.child(metrics.VERDICTS, verdict.verdict, result.status).inc()
         if result.status == "duplicate":
             metrics.child(metrics.INBOX_DUPLICATES, "verdict").inc()
+        self.waiters.changed(verdict.operation_id,
+                             result.to_state if result.status == "applied" else None)
         if result.to_state == State.PENDING:
             await self._keep_trace(follow_up)
             self.outbox_wake.set()
@@ -275,6 +290,28 @@ class LedgerService:
         async with self.store.transaction() as conn:
             return await reads.get_operation(conn, operation_id)
 
+    async def wait_operation(self, operation_id: str, wait_s: float, *,
+                             changed_from: str | None = None) -> dict[str, Any]:
+        """The operation once it is settled (or, with `changed_from`, once its state is no
+        longer that one), else after `wait_s` as it is then. Woken by commits, not polling;
+        while it waits only its state is read (batched with other waits, waiters.py)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        with self.waiters.watch(operation_id) as watch:  # before the read: no missed change
+            while True:
+                state = watch.take_told() or await self.waiters.state(operation_id)
+                if state is None:
+                    raise NotFound(f"operation {operation_id!r} not found")
+                watch.seen = state
+                remaining = deadline - loop.time()
+                if remaining <= 0 or wait_over(state, changed_from):
+                    return await self.operation(operation_id)
+                await watch.sleep(remaining)
+
+    async def _states_of(self, operation_ids: list[str]) -> dict[str, str]:
+        async with self.store.transaction() as conn:
+            return await states_of(conn, operation_ids)
+
     async def journal(self, operation_id: str) -> list[dict[str, Any]]:
         async with self.store.transaction() as conn:
             return await reads.get_journal(conn, operation_id)
@@ -306,17 +343,22 @@ class LedgerService:
         op = await self.store.run(rec.approve_txn, operation_id, epoch=epoch,
                                   arguments_digest=arguments_digest, operator=operator,
                                   subjects=self.subjects, outbox_id=self.ids(), now=self.clock())
+        self.waiters.changed(operation_id)
         self.outbox_wake.set()
         return op
 
     async def reject(self, operation_id: str, *, epoch: int, operator: str,
                      reason: str) -> dict[str, Any]:
-        return await self.store.run(rec.reject_txn, operation_id, epoch=epoch, operator=operator,
-                                    reason=reason, subjects=self.subjects, now=self.clock())
+        op = await self.store.run(rec.reject_txn, operation_id, epoch=epoch, operator=operator,
+                                  reason=reason, subjects=self.subjects, now=self.clock())
+        self.waiters.changed(operation_id)
+        return op
 
     async def cancel(self, operation_id: str, *, operator: str, reason: str) -> dict[str, Any]:
-        return await self.store.run(rec.cancel_txn, operation_id, operator=operator,
-                                    reason=reason, subjects=self.subjects, now=self.clock())
+        op = await self.store.run(rec.cancel_txn, operation_id, operator=operator,
+                                  reason=reason, subjects=self.subjects, now=self.clock())
+        self.waiters.changed(operation_id)
+        return op
 
     async def inspect(self, operation_id: str) -> Assessment:
         async with self.store.transaction() as conn:
@@ -343,6 +385,7 @@ class LedgerService:
                                          subjects=self.subjects, outbox_id=self.ids(),
                                          now=self.clock())
         if admission.admitted:
+            self.waiters.changed((admission.operation or {}).get("id"))
             self.outbox_wake.set()
         return admission
 
@@ -351,9 +394,11 @@ class LedgerService:
     async def review(self, operation_id: str, review: Review) -> dict[str, Any]:
         from .db.reviews import record_review_txn
 
-        return await self.store.run(record_review_txn, operation_id, review=review,
-                                    review_id=self.ids(), subjects=self.subjects,
-                                    now=self.clock())
+        op = await self.store.run(record_review_txn, operation_id, review=review,
+                                  review_id=self.ids(), subjects=self.subjects,
+                                  now=self.clock())
+        self.waiters.changed(operation_id)
+        return op
 
     async def review_queue(self, limit: int = 100) -> list[dict[str, Any]]:
         from .db.reviews import review_queue

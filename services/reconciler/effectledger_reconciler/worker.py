@@ -50,7 +50,8 @@ def http_readback(client: httpx.AsyncClient, env: Mapping[str, str]) -> Readback
                                          dict(cmd.arguments), env)
         return ReadbackAnswer(found=result.found, provider_ref=result.provider_ref,
                               digest=result.evidence_digest, http_status=result.http_status,
-                              error=result.error, matches=result.matches)
+                              error=result.error, matches=result.matches,
+                              result=result.result)
 
     return run
 
@@ -146,7 +147,7 @@ class Reconciler:
         verdict = VerdictReached(operation_id=cmd.operation_id, epoch=cmd.epoch,
                                  verdict=decision.verdict, evidence=decision.evidence,
                                  reconciler_id=self.reconciler_id, reason=decision.reason,
-                                 at=self.clock())
+                                 at=self.clock(), result=decision.result)
         try:
             async with heartbeat(d, self.ack_wait_s / 3):
                 await self._publish(self.subjects.verdict, encode(verdict),

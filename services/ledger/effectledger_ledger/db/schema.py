@@ -72,6 +72,9 @@ operations = sa.Table(
     sa.Column("last_outcome", JSONType),
     # How the operation's outcome became known (reconciliation or operator evidence).
     sa.Column("evidence", JSONType),
+    # The provider's answer for the agent (effectledger_core.results.ProviderResult): from the
+    # successful response or the readback that found the effect. Never synthesized.
+    sa.Column("result", JSONType),
     # Operations that are not yet at rest are what relays, sweepers and dashboards query.
     sa.Index("ix_operations_active_state", "state", "updated_at",
              postgresql_where=_active, sqlite_where=_active),
