@@ -38,6 +38,7 @@ def test_ratios_are_medians_against_off_and_small_costs_meet_the_target() -> Non
     assert _row(lines, "metrics on vs off ≤ 3 % CPU/op")[1:] == ["+0.0 %", "met"]
     # tracing 0.01 is compared with metrics alone: 2.14 / 2.1 = +1.9 %
     assert _row(lines, "tracing 0.01 vs metrics only ≤ 3 % CPU/op")[1:] == ["+1.9 %", "met"]
+    assert any("ranged 2.000 to 2.200" in line and "(10 %)" in line for line in lines)
 
 
 def test_costs_over_three_percent_are_reported_as_not_met() -> None:

@@ -89,4 +89,13 @@ def section(phases: list[Phase]) -> list[str]:
                      f"{(cost_t - 1) * 100:+.1f} %" if cost_t is not None else "n/a",
                      _verdict(cost_t - 1 if cost_t is not None else None)])
     lines += [table(verdicts, ["target", "measured", "verdict"]), ""]
+    off_runs = [p.get("system_cpu_ms_per_op") for p in phases
+                if p.get("scenario") == SCENARIO and p["params"].get("setting") == "off"]
+    spread = [v for v in off_runs if v is not None]
+    if len(spread) > 1:
+        # A verdict means little when the same setting moves more than the target between rounds.
+        lines += [f"Noise: `off` alone ranged {fmt(min(spread), 3)} to {fmt(max(spread), 3)} "
+                  f"system CPU ms/op over {len(spread)} rounds "
+                  f"({(max(spread) / min(spread) - 1) * 100:.0f} %); differences smaller than "
+                  "that are not a measured cost.", ""]
     return lines
