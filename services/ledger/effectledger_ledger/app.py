@@ -82,8 +82,9 @@ class NatsPlane:
         self.requests: RequestServer | None = None
 
     def relay_running(self) -> bool:
-        """The relay, sweeper and listener started and none of them ended."""
-        return bool(self.tasks) and not any(t.done() for t in self.tasks)
+        """The relay and the sweeper started and neither ended (the NOTIFY listener ends at
+        once on SQLite, which has no NOTIFY, so it is not counted)."""
+        return bool(self.tasks) and not any(t.done() for t in self.tasks[:2])
 
     async def run(self) -> None:
         try:
