@@ -160,7 +160,9 @@ class Stack:
         await self.services["sandbox"].wait_ready(30)
         await self._configure_sandbox()
         ledger = python_service("ledger", "ledger", ["-m", "effectledger_cli", "ledger"],
-                                dict(base), self.logs, self.workdir, b"ledger ready:")
+                                dict(base), self.logs, self.workdir,
+                                # It accepts intents from then on, with or without NATS.
+                                b"ledger listening:")
         self.services["ledger"] = ledger
         ledger.start()
         await ledger.wait_ready(90)
@@ -171,6 +173,8 @@ class Stack:
                    catalog.API_KEY_ENV: self.api_key}
             if self.cfg.unsafe_skip_claim:
                 env[unsafe.SKIP_CLAIM.env] = "1"
+            if self.cfg.unsafe_no_send_deadline:
+                env[unsafe.NO_SEND_DEADLINE.env] = "1"
             self.services[name] = python_service(
                 name, "dispatcher", ["-m", "effectledger_cli", "dispatcher"], env, self.logs,
                 self.workdir, f"dispatcher ready: {name}".encode())

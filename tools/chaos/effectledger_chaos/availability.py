@@ -1,0 +1,146 @@
+"""Availability of the ledger's intake, from the callers' history and the fault log. Pure.
+
+The rule under test: the ledger accepts intents whenever its database is up, whatever the
+broker does. From the history (every submission attempt, with wall times) and the executed
+faults (phase-relative times) a run reports:
+
+- `stalled_s`: seconds during which some intent had been waiting for at least `GRACE_S` and no
+  intent at all was acknowledged in the last `GRACE_S` (sampled every `STEP_S`);
+- `unavailable_db_up_s`: the stalled seconds while PostgreSQL was up and reachable (not in a
+  `pg_restart` or a black hole on the database link) and the ledger process was not itself
+  being faulted (killed, paused, restarted at a crash point, until it listened again). The
+  goal is zero: nothing else may stop the ledger from acknowledging intents;
+- `ledger_restarts`: for every fault that restarted the ledger, the seconds until the new
+  process listened, and whether the broker was down then (the restart inside the long NATS
+  outage is part of every schedule that has the outage);
+- `ack_latency_during_broker_outage_s`: p50/p99/max of the attempts that were sent while the
+  broker was down (`nats_restart`, `nats_long_outage`), from the attempt to its 2xx.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from .metrics import percentile
+
+GRACE_S = 1.0
+STEP_S = 0.05
+_LEDGER_FAULTS = ("kill", "pause", "crash_point")
+_BROKER_DOWN = ("nats_restart", "nats_long_outage")
+
+
+Interval = tuple[float, float]
+
+
+def _inside(t: float, intervals: list[Interval]) -> bool:
+    return any(lo <= t < hi for lo, hi in intervals)
+
+
+def _merge(intervals: list[Interval]) -> list[Interval]:
+    out: list[Interval] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _windows(records: list[dict[str, Any]], pred: Any, *, end_key: str = "ended_at"
+             ) -> list[Interval]:
+    out = []
+    for r in records:
+        if "started_at" in r and pred(r):
+            out.append((float(r["started_at"]), float(r.get(end_key) or r.get("ended_at")
+                                                        or r["started_at"])))
+    return out
+
+
+def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
+                 phase_start_wall: float) -> dict[str, Any]:
+    waiting: dict[int, list[float]] = defaultdict(list)  # op -> [first invoke, ok or last]
+    acks: list[float] = []
+    attempts: dict[tuple[str, int], float] = {}  # (caller process, op) -> invoke time
+    latencies: list[tuple[float, float]] = []  # (invoke time, seconds to its 2xx)
+    for h in history:
+        if h.get("f") != "submit":
+            continue
+        t = h["wall"] - phase_start_wall
+        op = h["op"]
+        span = waiting[op]
+        if h["type"] == "invoke":
+            if not span:
+                span += [t, t]
+            attempts[(h["process"], op)] = t
+        elif span:
+            span[1] = t
+        if h["type"] == "ok":
+            acks.append(t)
+            sent = attempts.pop((h["process"], op), None)
+            if sent is not None:
+                latencies.append((sent, t - sent))
+    if not waiting:
+        return {"ran": False}
+
+    db_down = _windows(records, lambda r: r["kind"] == "pg_restart"
+                       or (r["kind"] == "net_blackhole" and r["target"] == "pg"))
+    ledger_faulted = _windows(records, lambda r: r["kind"] in _LEDGER_FAULTS
+                              and r["target"] == "ledger", end_key="listening_at")
+    broker_down = _windows(records, lambda r: r["kind"] in _BROKER_DOWN)
+
+    acks.sort()
+    start = min(s for s, _ in waiting.values())
+    end = max(e for _, e in waiting.values())
+    # Moments when some intent has been waiting for GRACE_S or more, as merged intervals.
+    long_waits = _merge([(s + GRACE_S, e) for s, e in waiting.values() if e > s + GRACE_S])
+    wi = 0
+    stalled = unavailable = 0.0
+    examples: list[dict[str, float]] = []
+    run_start: float | None = None
+    ai = 0
+    t = start
+    while t <= end:
+        while ai < len(acks) and acks[ai] <= t:
+            ai += 1
+        recent_ack = ai > 0 and t - acks[ai - 1] < GRACE_S
+        while wi < len(long_waits) and long_waits[wi][1] <= t:
+            wi += 1
+        long_wait = wi < len(long_waits) and long_waits[wi][0] <= t
+        stall = long_wait and not recent_ack
+        counted = stall and not _inside(t, db_down) and not _inside(t, ledger_faulted)
+        if stall:
+            stalled += STEP_S
+        if counted:
+            unavailable += STEP_S
+            run_start = t if run_start is None else run_start
+        elif run_start is not None:
+            examples.append({"from_s": round(run_start, 2), "to_s": round(t, 2)})
+            run_start = None
+        t += STEP_S
+    if run_start is not None:
+        examples.append({"from_s": round(run_start, 2), "to_s": round(end, 2)})
+
+    during = [d for s, d in latencies if _inside(s, broker_down)]
+    restarts = []
+    for r in records:
+        if r["kind"] in _LEDGER_FAULTS and r["target"] == "ledger" and "listening_at" in r:
+            restarts.append({
+                "fault": r["kind"], "at_s": r["started_at"],
+                "restarted_to_listening_s": round(r["listening_at"] - r["restarted_at"], 3)
+                if r.get("restarted_at") is not None else None,
+                "broker_down": _inside(float(r["started_at"]), broker_down)})
+    return {
+        "ran": True,
+        "grace_s": GRACE_S,
+        "stalled_s": round(stalled, 2),
+        "unavailable_db_up_s": round(unavailable, 2),
+        "unavailable_periods": examples[:8],
+        "ledger_restarts": restarts,
+        "ack_latency_during_broker_outage_s": {
+            "n": len(during), "p50": percentile(during, 0.5), "p99": percentile(during, 0.99),
+            "max": round(max(during), 3) if during else None},
+        "ack_latency_s": {
+            "n": len(latencies), "p50": percentile([d for _, d in latencies], 0.5),
+            "p99": percentile([d for _, d in latencies], 0.99)},
+    }
