@@ -3,8 +3,9 @@
 `POST /v1/{route}/effects` is the side effect. Routes named `idempotent*` deduplicate by the
 `Idempotency-Key` header (or the body's `client_reference`); routes named `plain*` apply every
 POST. Routes named `*nofence` ignore the `Fencing-Token` (a provider that never checks it);
-all others refuse a token lower than one already seen for the key. The `/_...` endpoints (truth, request log, faults, config, reset) are the test harness's
-back door and need no credentials.
+all others refuse a token lower than one already seen for the key. The `/_...` endpoints
+(truth, request log, faults, config, reset) are the test harness's back door and need no
+credentials.
 
 A POST goes through fixed steps, and each step is where one class of faults acts:
 arrival (counted in the truth; `status_before_apply`, `rate_limit`) -> fencing check ->
