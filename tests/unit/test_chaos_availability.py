@@ -62,6 +62,14 @@ def test_database_outages_and_ledger_restarts_are_not_counted_but_still_stall() 
     assert restart["broker_down"] is False
 
 
+def test_a_slowed_database_link_is_set_apart_like_an_outage() -> None:
+    history = steady(10.0) + submit(999, 10.0, 20.0) + steady(30.0, first_op=1000, since=20.0)
+    faults = [{"kind": "net_latency", "target": "pg", "started_at": 9.0, "ended_at": 21.0},
+              {"kind": "net_latency", "target": "nats", "started_at": 9.0, "ended_at": 21.0}]
+    a = availability(history, faults, T0)
+    assert a["unavailable_db_up_s"] == 0 and a["stalled_s"] > 8
+
+
 def test_a_ledger_restarted_in_a_broker_outage_that_waits_for_the_broker_is_seen() -> None:
     """The bug this measures: a restarted ledger that listens only once NATS is back."""
     history = steady(10.0) + submit(999, 10.0, 40.0) + steady(50.0, first_op=1000, since=40.0)

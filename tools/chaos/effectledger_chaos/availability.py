@@ -6,8 +6,9 @@ faults (phase-relative times) a run reports:
 
 - `stalled_s`: seconds during which some intent had been waiting for at least `GRACE_S` and no
   intent at all was acknowledged in the last `GRACE_S` (sampled every `STEP_S`);
-- `unavailable_db_up_s`: the stalled seconds while PostgreSQL was up and reachable (not in a
-  `pg_restart` or a black hole on the database link) and the ledger process was not itself
+- `unavailable_db_up_s`: the stalled seconds while PostgreSQL was up and its link healthy (no
+  `pg_restart`, and no black hole, reset or added latency on the database link: a slowed
+  database slows intake, which is not what this measures) and the ledger process was not itself
   being faulted (killed, paused, restarted at a crash point, until it listened again). The
   goal is zero: nothing else may stop the ledger from acknowledging intents;
 - `ledger_restarts`: for every fault that restarted the ledger, the seconds until the new
@@ -83,8 +84,9 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
     if not waiting:
         return {"ran": False}
 
-    db_down = _windows(records, lambda r: r["kind"] == "pg_restart"
-                       or (r["kind"] == "net_blackhole" and r["target"] == "pg"))
+    # Any fault on the database or its link: down, unreachable, reset, or slowed (38 ms per
+    # chunk on the link makes each of a transaction's round trips slow, and intake with it).
+    db_down = _windows(records, lambda r: r["kind"] == "pg_restart" or r["target"] == "pg")
     ledger_faulted = _windows(records, lambda r: r["kind"] in _LEDGER_FAULTS
                               and r["target"] == "ledger", end_key="listening_at")
     broker_down = _windows(records, lambda r: r["kind"] in _BROKER_DOWN)
