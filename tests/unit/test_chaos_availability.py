@@ -90,3 +90,26 @@ def test_ack_latency_during_a_broker_outage_uses_only_attempts_sent_in_it() -> N
     out = availability(history, faults, T0)["ack_latency_during_broker_outage_s"]
     assert out["n"] == 2
     assert out["max"] == pytest.approx(0.5)
+
+
+def test_a_callers_backoff_between_attempts_is_not_the_ledgers() -> None:
+    """Refused while the ledger restarts, the caller waits 2 s before it tries again; the
+    ledger listened long before. Only attempts the ledger held count as stalls."""
+    refused = [
+        {"f": "submit", "type": "invoke", "op": 999, "process": "c9", "wall": T0 + 10.0},
+        {"f": "submit", "type": "fail", "op": 999, "process": "c9", "wall": T0 + 10.01}]
+    history = [*steady(10.0), *refused, *submit(999, 12.0, 12.01, process="c9"),
+               *steady(20.0, first_op=1000, since=12.0)]
+    faults = [{"kind": "kill", "target": "ledger", "started_at": 9.9, "ended_at": 10.2,
+               "restarted_at": 10.2, "listening_at": 10.5}]
+    a = availability(history, faults, T0)
+    assert a["unavailable_db_up_s"] == 0 and a["refused_db_up"] == 0
+
+
+def test_a_refusal_while_the_database_is_up_is_counted() -> None:
+    history = [
+        *steady(10.0),
+        {"f": "submit", "type": "invoke", "op": 999, "process": "c9", "wall": T0 + 10.0},
+        {"f": "submit", "type": "info", "op": 999, "process": "c9", "wall": T0 + 10.01,
+         "status": 503}]
+    assert availability(history, [], T0)["refused_db_up"] == 1

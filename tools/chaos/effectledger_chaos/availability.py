@@ -4,8 +4,11 @@ The rule under test: the ledger accepts intents whenever its database is up, wha
 broker does. From the history (every submission attempt, with wall times) and the executed
 faults (phase-relative times) a run reports:
 
-- `stalled_s`: seconds during which some intent had been waiting for at least `GRACE_S` and no
-  intent at all was acknowledged in the last `GRACE_S` (sampled every `STEP_S`);
+- `stalled_s`: seconds during which some submission attempt had been in flight for at least
+  `GRACE_S` and no intent at all was acknowledged in the last `GRACE_S` (sampled every
+  `STEP_S`). A caller's backoff between attempts is its own, not counted;
+- `refused_db_up`: attempts answered with an error or refused while the database was healthy
+  and the ledger was not being restarted;
 - `unavailable_db_up_s`: the stalled seconds while PostgreSQL was up and its link healthy (no
   `pg_restart`, and no black hole, reset or added latency on the database link: a slowed
   database slows intake, which is not what this measures) and the ledger process was not itself
@@ -20,7 +23,6 @@ faults (phase-relative times) a run reports:
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 from .metrics import percentile
@@ -60,28 +62,33 @@ def _windows(records: list[dict[str, Any]], pred: Any, *, end_key: str = "ended_
 
 def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
                  phase_start_wall: float) -> dict[str, Any]:
-    waiting: dict[int, list[float]] = defaultdict(list)  # op -> [first invoke, ok or last]
+    # Each submission attempt from its send to its answer: the ledger holds it meanwhile. The
+    # caller's own backoff between attempts is not the ledger's doing and is not counted.
+    in_flight: list[Interval] = []
     acks: list[float] = []
+    refused: list[float] = []  # attempts answered with a refusal or an error
     attempts: dict[tuple[str, int], float] = {}  # (caller process, op) -> invoke time
     latencies: list[tuple[float, float]] = []  # (invoke time, seconds to its 2xx)
     for h in history:
         if h.get("f") != "submit":
             continue
         t = h["wall"] - phase_start_wall
-        op = h["op"]
-        span = waiting[op]
+        key = (h["process"], h["op"])
         if h["type"] == "invoke":
-            if not span:
-                span += [t, t]
-            attempts[(h["process"], op)] = t
-        elif span:
-            span[1] = t
+            attempts[key] = t
+            continue
+        sent = attempts.pop(key, None)
+        if sent is None:
+            continue
+        in_flight.append((sent, t))
         if h["type"] == "ok":
             acks.append(t)
-            sent = attempts.pop((h["process"], op), None)
-            if sent is not None:
-                latencies.append((sent, t - sent))
-    if not waiting:
+            latencies.append((sent, t - sent))
+        else:
+            refused.append(t)
+    for sent in attempts.values():  # never answered (the run ended first)
+        in_flight.append((sent, sent))
+    if not in_flight:
         return {"ran": False}
 
     # Any fault on the database or its link: down, unreachable, reset, or slowed (38 ms per
@@ -92,10 +99,10 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
     broker_down = _windows(records, lambda r: r["kind"] in _BROKER_DOWN)
 
     acks.sort()
-    start = min(s for s, _ in waiting.values())
-    end = max(e for _, e in waiting.values())
-    # Moments when some intent has been waiting for GRACE_S or more, as merged intervals.
-    long_waits = _merge([(s + GRACE_S, e) for s, e in waiting.values() if e > s + GRACE_S])
+    start = min(s for s, _ in in_flight)
+    end = max(e for _, e in in_flight)
+    # Moments when some attempt has been in flight for GRACE_S or more, as merged intervals.
+    long_waits = _merge([(s + GRACE_S, e) for s, e in in_flight if e > s + GRACE_S])
     wi = 0
     stalled = unavailable = 0.0
     examples: list[dict[str, float]] = []
@@ -138,6 +145,10 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
         "stalled_s": round(stalled, 2),
         "unavailable_db_up_s": round(unavailable, 2),
         "unavailable_periods": examples[:8],
+        # Refusals and errors answered while the database was healthy and the ledger was not
+        # being restarted (a refused intent is as unavailable as an unanswered one).
+        "refused_db_up": sum(1 for t in refused if not _inside(t, db_down)
+                             and not _inside(t, ledger_faulted)),
         "ledger_restarts": restarts,
         "ack_latency_during_broker_outage_s": {
             "n": len(during), "p50": percentile(during, 0.5), "p99": percentile(during, 0.99),

@@ -74,6 +74,7 @@ def table(reports: list[dict[str, Any]]) -> str:
     lines.append(row("intake unavailable, database up (s)",
                      [x.get("unavailable_db_up_s") for x in a]))
     lines.append(row("intake stalled, any cause (s)", [x.get("stalled_s") for x in a]))
+    lines.append(row("intents refused, database up", [x.get("refused_db_up") for x in a]))
     lines.append(row("ack p50/p99 in broker outages (s)",
                      [f"{x.get('outage_ack_p50')}/{x.get('outage_ack_p99')}" for x in a]))
     lines.append(row("ledger restart to listening (s)",
@@ -101,6 +102,7 @@ def _availability_summary(a: dict[str, Any]) -> dict[str, Any]:
     restarts = [r["restarted_to_listening_s"] for r in a["ledger_restarts"]
                 if r["restarted_to_listening_s"] is not None]
     return {"unavailable_db_up_s": a["unavailable_db_up_s"], "stalled_s": a["stalled_s"],
+            "refused_db_up": a["refused_db_up"],
             "outage_ack_p50": outage["p50"], "outage_ack_p99": outage["p99"],
             "outage_acks": outage["n"],
             "ledger_restart_to_listening": max(restarts) if restarts else None}
