@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from effectledger_chaos.availability import GRACE_S, STEP_S, availability
+from effectledger_chaos.availability import DB_RECOVERY_S, GRACE_S, STEP_S, availability
 
 T0 = 1_000_000.0  # the fault phase's start, wall clock
 
@@ -55,8 +55,10 @@ def test_database_outages_and_ledger_restarts_are_not_counted_but_still_stall() 
                "restarted_at": 15.5, "listening_at": 17.0}]
     a = availability(history, faults, T0)
     assert a["stalled_s"] == pytest.approx(9.0, abs=3 * STEP_S)
-    # 11..20 stalled, minus 11..14 (database down) and 15..17 (ledger restarting).
-    assert a["unavailable_db_up_s"] == pytest.approx(4.0, abs=3 * STEP_S)
+    assert DB_RECOVERY_S == 1.0
+    # 11..20 stalled, minus 11..15 (database down, and its recovery second) and 15..17
+    # (the ledger restarting until it listened).
+    assert a["unavailable_db_up_s"] == pytest.approx(3.0, abs=3 * STEP_S)
     [restart] = a["ledger_restarts"]
     assert restart["restarted_to_listening_s"] == pytest.approx(1.5)
     assert restart["broker_down"] is False

@@ -11,9 +11,10 @@ faults (phase-relative times) a run reports:
   and the ledger was not being restarted;
 - `unavailable_db_up_s`: the stalled seconds while PostgreSQL was up and its link healthy (no
   `pg_restart`, and no black hole, reset or added latency on the database link: a slowed
-  database slows intake, which is not what this measures) and the ledger process was not itself
-  being faulted (killed, paused, restarted at a crash point, until it listened again). The
-  goal is zero: nothing else may stop the ledger from acknowledging intents;
+  database slows intake, which is not what this measures; nor the `DB_RECOVERY_S` after such
+  a fault) and the ledger process was not itself being faulted (killed, paused, restarted at
+  a crash point, until it listened again). The goal is zero: nothing else may stop the
+  ledger from acknowledging intents;
 - `ledger_restarts`: for every fault that restarted the ledger, the seconds until the new
   process listened, and whether the broker was down then (the restart inside the long NATS
   outage is part of every schedule that has the outage);
@@ -28,6 +29,7 @@ from typing import Any
 from .metrics import percentile
 
 GRACE_S = 1.0
+DB_RECOVERY_S = 1.0
 STEP_S = 0.05
 _LEDGER_FAULTS = ("kill", "pause", "crash_point")
 _BROKER_DOWN = ("nats_restart", "nats_long_outage")
@@ -93,7 +95,10 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
 
     # Any fault on the database or its link: down, unreachable, reset, or slowed (38 ms per
     # chunk on the link makes each of a transaction's round trips slow, and intake with it).
-    db_down = _windows(records, lambda r: r["kind"] == "pg_restart" or r["target"] == "pg")
+    # Plus DB_RECOVERY_S after each: the transactions the fault held commit then, and the
+    # first answers leave a few tens of milliseconds after the link heals.
+    db_down = [(lo, hi + DB_RECOVERY_S) for lo, hi in _windows(
+        records, lambda r: r["kind"] == "pg_restart" or r["target"] == "pg")]
     ledger_faulted = _windows(records, lambda r: r["kind"] in _LEDGER_FAULTS
                               and r["target"] == "ledger", end_key="listening_at")
     broker_down = _windows(records, lambda r: r["kind"] in _BROKER_DOWN)
