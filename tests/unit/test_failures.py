@@ -1,4 +1,4 @@
-"""The failure taxonomy (DESIGN.md section 5): the policy table, classification, guidance."""
+"""The failure taxonomy: the policy table, classification, guidance."""
 
 from __future__ import annotations
 
@@ -51,8 +51,8 @@ EXPECTED: dict[FailureClass, tuple[bool, bool, bool, bool, bool, str]] = {
     FC.UNKNOWN: (False, False, False, False, False, "The failure could not be classified."),
 }
 
-# Words and phrases that would make a remediation line carry a retry verdict (seed 002: no
-# "retry", no "wait N seconds", no "needs a human"); the verdict is guidance()'s job alone.
+# Words and phrases that would make a remediation line carry a retry verdict (no "retry", no
+# "wait N seconds", no "needs a human"); the verdict is guidance()'s job alone.
 VERDICT = re.compile(
     r"\b(retr(y|ies|ied|ying)|again|wait(s|ing)?|later|pause|back\s*off|resubmit|repeat|"
     r"re-?send|try|tries|human|operator|person|someone|admin\w*|support)\b"

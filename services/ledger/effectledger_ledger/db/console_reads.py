@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.errors import InvalidRequest
 from effectledger_core.limits import MAX_IDENTIFIER_BYTES
-from effectledger_core.states import State
+from effectledger_core.states import JournalKind, State
 
 from .reads import _row
 from .schema import dead_letters, journal, operations, outbox, webhook_events
@@ -28,8 +28,11 @@ from .schema import dead_letters, journal, operations, outbox, webhook_events
 DUPLICATE_KIND = "duplicate_detected"
 UNRESOLVED = ("ambiguous", "awaiting_confirmation")
 # Journal kinds that are evidence for a reviewer (what the machines saw and concluded).
-EVIDENCE_KINDS = ("outcome_recorded", "outcome_rejected", "verdict_applied", "verdict_rejected",
-                  "webhook_kept", "review_recorded", "evidence_conflict", DUPLICATE_KIND)
+# Every verdict kind: a verdict is journaled as what it says (applied / not applied / undecidable).
+EVIDENCE_KINDS = ("outcome_recorded", "outcome_rejected", JournalKind.VERDICT_APPLIED.value,
+                  JournalKind.VERDICT_NOT_APPLIED.value, JournalKind.VERDICT_UNDECIDABLE.value,
+                  "verdict_rejected", "webhook_kept", "review_recorded", "evidence_conflict",
+                  DUPLICATE_KIND)
 
 
 @dataclass(frozen=True)
