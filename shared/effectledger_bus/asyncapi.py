@@ -41,9 +41,16 @@ _CHANNELS: list[tuple[str, str, str, list[type[BaseModel]], str]] = [
     ("intents", "rpc_intents", "receive", [SubmitIntent, IntentReply, ErrorReply],
      "Request-reply: agents submit intents. Reply: IntentReply, or ErrorReply for anything the "
      "ledger could not serve."),
+    ("intents_tenant", "rpc_intents_for", "receive", [SubmitIntent, IntentReply, ErrorReply],
+     "Request-reply: an agent submits intents on its own tenant's subject (NATS permissions "
+     "let it publish nowhere else); the ledger takes the tenant from the subject, and refuses "
+     "a payload naming another tenant (ErrorReply invalid_request)."),
     ("claim", "rpc_claim", "receive", [ClaimAttempt, ClaimReply, ErrorReply],
      "Request-reply: a dispatcher claims an attempt before calling the provider. Reply: "
      "ClaimReply, or ErrorReply."),
+    ("claim_dispatcher", "rpc_claim_by", "receive", [ClaimAttempt, ClaimReply, ErrorReply],
+     "Request-reply: a dispatcher's own claim subject; a claim naming another dispatcher is "
+     "refused (ErrorReply invalid_request), so the claim's recorded holder is the sender."),
     ("dispatch", "dispatch_all", "send", [DispatchAttempt],
      "JetStream (stream <P>_DISPATCH, work queue): commands relayed from the ledger outbox; "
      "Nats-Msg-Id = outbox id (+ .r<n> for sweeper republishes). Consumer: durable "
@@ -52,7 +59,8 @@ _CHANNELS: list[tuple[str, str, str, list[type[BaseModel]], str]] = [
      [AttemptSucceeded, AttemptAccepted, AttemptFailed, OutcomeAmbiguous, VerdictReached,
       WebhookReceived, DeadLetter],
      "JetStream (stream <P>_EVENTS): everything the ledger's inbox consumes. Outcomes from "
-     "dispatchers (<prefix>.ledger.v1.outcome.<type>, Nats-Msg-Id = <type>:<attempt_id>), "
+     "dispatchers (<prefix>.ledger.v1.outcome.<dispatcher_id>.<type>: one naming another "
+     "dispatcher is dead-lettered; Nats-Msg-Id = <type>:<attempt_id>), "
      "verdicts from reconcilers (<prefix>.ledger.v1.verdict, Nats-Msg-Id = "
      "verdict:<op>:<epoch>:<verdict>), verified webhooks (<prefix>.ledger.v1.webhook, "
      "Nats-Msg-Id = webhook:<provider>:<id>) and dead letters (<prefix>.ledger.v1.deadletter). "
@@ -63,7 +71,14 @@ _CHANNELS: list[tuple[str, str, str, list[type[BaseModel]], str]] = [
     ("operation", "rpc_operation", "receive", [OperationQuery, OperationReply, ErrorReply],
      "Request-reply, read-only: OperationQuery → OperationReply, or ErrorReply (code "
      "not_found for an unknown operation). Used by reconcilers before deciding."),
+    ("operation_tenant", "rpc_operation_for", "receive",
+     [OperationQuery, OperationReply, ErrorReply],
+     "Request-reply, read-only, on an agent's own tenant's subject: another tenant's "
+     "operation reads exactly like a missing one (not_found); no provider reference."),
 ]
+# Channels whose last token names the sender, bound by NATS permissions.
+_PARAMETER = {"rpc_intents_for": "{tenant}", "rpc_operation_for": "{tenant}",
+              "rpc_claim_by": "{dispatcher_id}"}
 
 
 def build(subjects: Subjects | None = None) -> dict[str, Any]:
@@ -77,6 +92,8 @@ def build(subjects: Subjects | None = None) -> dict[str, Any]:
     }
     for cid, attr, action, models, description in _CHANNELS:
         address = getattr(subjects, attr)
+        if attr in _PARAMETER:
+            address = address(_PARAMETER[attr])
         if attr == "ledger_all":
             address = f"{subjects.prefix}.ledger.v1.>"
         refs = {}

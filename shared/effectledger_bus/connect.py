@@ -14,6 +14,8 @@ from nats.aio.client import Client as NatsClient
 
 from effectledger_core.config import Settings
 
+from .permissions import inbox_prefix
+
 log = logging.getLogger(__name__)
 
 
@@ -39,6 +41,9 @@ def connect_options(settings: Settings, name: str) -> dict[str, Any]:
     )
     if settings.nats_user:
         opts["user"] = settings.nats_user
+        # Replies (request-reply, publish-acks) come to this user's own inbox subjects: NATS
+        # permissions let each user subscribe only there (effectledger_bus.permissions).
+        opts["inbox_prefix"] = inbox_prefix(settings.nats_user).encode()
     if settings.nats_password:
         opts["password"] = settings.nats_password.get_secret_value()
     if settings.nats_token:

@@ -36,6 +36,8 @@ from effectledger_core.messages import ErrorDetail, ErrorReply, Message, encode,
 log = logging.getLogger(__name__)
 
 Handler = Callable[[bytes], Awaitable[bytes]]
+# For wildcard subjects whose last tokens say who is asking (a tenant, a dispatcher id).
+SubjectHandler = Callable[[str, bytes], Awaitable[bytes]]
 R = TypeVar("R", bound=Message)
 INTERNAL_ERROR = encode(ErrorReply(error=ErrorDetail(
     code="internal_error", message="the ledger failed to handle this request; retry",
@@ -74,11 +76,22 @@ class RequestServer:
 
     async def serve(self, subject: str, handler: Handler, *, queue: str,
                     concurrency: int = 64) -> Subscription:
+        return await self._serve(subject, lambda msg: handler(msg.data), queue=queue,
+                                 concurrency=concurrency)
+
+    async def serve_by_subject(self, subject: str, handler: SubjectHandler, *, queue: str,
+                               concurrency: int = 64) -> Subscription:
+        """Like `serve`, but the handler also gets the subject the request arrived on."""
+        return await self._serve(subject, lambda msg: handler(msg.subject, msg.data),
+                                 queue=queue, concurrency=concurrency)
+
+    async def _serve(self, subject: str, handler: Callable[[Msg], Awaitable[bytes]], *,
+                     queue: str, concurrency: int) -> Subscription:
         slots = asyncio.Semaphore(concurrency)
 
         async def answer(msg: Msg) -> None:
             try:
-                reply = await handler(msg.data)
+                reply = await handler(msg)
             except Exception:
                 log.exception("request on %s failed", subject)
                 reply = INTERNAL_ERROR

@@ -73,6 +73,9 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
 
 
 async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:
+    """Create missing streams; never change an existing one. Changing streams is the JetStream
+    API's write side, which NATS permissions give to the ledger and the apply step only, so a
+    dispatcher or reconciler that tried would be refused (and wait forever for an answer)."""
     for cfg in stream_configs(settings):
         await at_startup(partial(_ensure_stream, js, cfg))
 
@@ -82,8 +85,6 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
         await js.stream_info(cfg.name)  # type: ignore[arg-type]
     except NotFoundError:
         await js.add_stream(cfg)
-    else:
-        await js.update_stream(cfg)
 
 
 async def delete_streams(js: JetStreamContext, settings: Settings) -> None:

@@ -1,8 +1,9 @@
 """The tool catalog: a TOML file declaring each tool's provider call and contract.
 
-Secrets never live in the file: header values may reference environment variables as
-`${NAME}`, resolved only by the dispatcher at call time. Invalid catalogs fail at load with a
-message naming the tool and the field.
+Secrets never live in the file: header values and URLs may reference environment variables as
+`${NAME}`, resolved only by the processes that call the provider (dispatcher, reconciler).
+Invalid catalogs fail at load with a message naming the tool and the field. `docs/catalog.md`
+describes every field.
 """
 
 from __future__ import annotations
@@ -13,10 +14,19 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import urltemplate
 from .digest import digest
 from .errors import CatalogError, UnknownTool
+from .jsonpaths import check_path
+from .urltemplate import KNOWN, TemplateError, TemplateSyntaxError
+from .webhookspec import WebhookProvider
+
+__all__ = ["Catalog", "EffectClass", "TemplateError", "Tool", "render", "resolve_env",
+           "tool_input_schema"]
 
 TOOL_NAME = re.compile(r"^[a-z][a-z0-9_]{0,62}$")
 ENV_REF = re.compile(r"\$\{([A-Z_][A-Z0-9_]*)\}")
@@ -62,6 +72,25 @@ class Readback(_Strict):
     method: Literal["GET"] = "GET"
     found_when: FoundWhen = FoundWhen(status=200)
     not_found_status: int = 404
+    # JSONPath to the provider's reference of the effect (e.g. `$.data[0].id` in a search).
+    ref_path: str | None = None
+    # JSONPath selecting every effect the answer lists for this key (e.g. `$.data[*]`): more
+    # than one means the provider applied the request more than once (`duplicate_detected`).
+    count_path: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        try:
+            urltemplate.parse(v, allow_epoch=False)
+        except TemplateSyntaxError as exc:
+            raise ValueError(str(exc)) from exc
+        return v
+
+    @field_validator("ref_path", "count_path")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        return check_path(v) if v is not None else None
 
 
 class Tool(_Strict):
@@ -88,6 +117,12 @@ class Tool(_Strict):
     commit_policy: Literal["auto", "approval"] = "auto"
     adapter: str | None = None  # "package.module:Factory" for providers TOML cannot express
     description: str = ""
+    # JSON Schema (draft 2020-12) for the arguments, checked at admission. Absent: one derived
+    # from the {args.*} placeholders the entry uses (each required, any type).
+    input_schema: dict[str, Any] | None = None
+    # The `[webhooks.<provider>]` whose events may decide this tool's operations; no other
+    # provider's webhook ever speaks for it.
+    webhook_provider: str | None = None
 
     @field_validator("name")
     @classmethod
@@ -99,8 +134,32 @@ class Tool(_Strict):
     @field_validator("endpoint")
     @classmethod
     def _endpoint(cls, v: str) -> str:
-        if not v.startswith(("http://", "https://")):
-            raise ValueError("must be an http:// or https:// URL")
+        try:
+            urltemplate.parse(v)
+        except TemplateSyntaxError as exc:
+            raise ValueError(str(exc)) from exc
+        return v
+
+    @field_validator("body")
+    @classmethod
+    def _body(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            for name in _placeholders(v):
+                if not KNOWN.match(name):
+                    raise ValueError(f"unknown placeholder {{{name}}}: use {{operation_key}}, "
+                                     f"{{operation_id}}, {{epoch}} or {{args.<path>}}")
+        return v
+
+    @field_validator("input_schema")
+    @classmethod
+    def _schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            try:
+                Draft202012Validator.check_schema(v)
+            except SchemaError as exc:
+                raise ValueError(f"not a valid JSON Schema (2020-12): {exc.message}") from exc
+            if v.get("type", "object") != "object":
+                raise ValueError("must describe an object (the arguments are a JSON object)")
         return v
 
     @model_validator(mode="after")
@@ -127,7 +186,59 @@ class Tool(_Strict):
         data = self.model_dump(mode="json")
         data["headers"] = sorted(self.headers)
         data["digest"] = self.digest()
+        data["input_schema"] = tool_input_schema(self)
         return data
+
+    def arg_placeholders(self) -> list[str]:
+        """The `args.<path>` placeholders the entry uses (endpoint, body, readback URL)."""
+        names = list(_placeholders(self.body or {}))
+        names += urltemplate.parse(self.endpoint).placeholders
+        if self.readback is not None:
+            names += urltemplate.parse(self.readback.url, allow_epoch=False).placeholders
+        return sorted({n for n in names if n.startswith("args.")})
+
+
+def _placeholders(value: Any) -> list[str]:
+    """Every `{...}` placeholder in the strings of a (nested) template value."""
+    if isinstance(value, dict):
+        return [n for v in value.values() for n in _placeholders(v)]
+    if isinstance(value, list):
+        return [n for v in value for n in _placeholders(v)]
+    if isinstance(value, str):
+        return [p.value for p in urltemplate.tokens(value) if p.kind == "placeholder"
+                and _IDENT.match(p.value)]
+    return []
+
+
+# Only identifier-like braces count as placeholders in a body, so literal JSON-ish text such as
+# "{}" or "{ a: 1 }" in a body value is left alone.
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+
+
+def tool_input_schema(tool: Tool) -> dict[str, Any]:
+    """The JSON Schema (2020-12) the tool's arguments must satisfy.
+
+    The declared `input_schema`, else one derived from the `{args.*}` placeholders: each top-level
+    argument (and each nested one a placeholder walks into) is required, of any type.
+    """
+    if tool.input_schema is not None:
+        return {"$schema": "https://json-schema.org/draft/2020-12/schema", **tool.input_schema}
+    root: dict[str, Any] = {"type": "object", "properties": {}, "required": []}
+    for name in tool.arg_placeholders():
+        node = root
+        parts = name.split(".")[1:]
+        for i, part in enumerate(parts):
+            if part not in node["required"]:
+                node["required"].append(part)
+            if i == len(parts) - 1:
+                node["properties"].setdefault(part, {})
+            else:
+                child = node["properties"].get(part)
+                if not child:
+                    child = {"type": "object", "properties": {}, "required": []}
+                    node["properties"][part] = child
+                node = child
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **root}
 
 
 def _looks_secret(header: str) -> bool:
@@ -136,8 +247,32 @@ def _looks_secret(header: str) -> bool:
 
 
 class Catalog:
-    def __init__(self, tools: dict[str, Tool]) -> None:
+    def __init__(self, tools: dict[str, Tool],
+                 webhooks: dict[str, WebhookProvider] | None = None) -> None:
         self.tools = tools
+        self.webhooks = webhooks or {}
+
+    def webhook_tools(self, provider: str) -> frozenset[str]:
+        """The tools whose operations a verified webhook from `provider` may decide.
+
+        Tools that name a `webhook_provider` accept that provider only. A tool naming none
+        accepts the providers configured outside the catalog (EFFECTLEDGER_WEBHOOK_SECRETS),
+        never a provider the catalog declares for other tools.
+        """
+        return frozenset(
+            n for n, t in self.tools.items()
+            if t.webhook_provider == provider
+            or (t.webhook_provider is None and provider not in self.webhooks))
+
+    def webhook_speaks_for(self, provider: str, tool: str) -> bool:
+        """Whether a verified webhook from `provider` may decide an operation of `tool` (the
+        rule of `webhook_tools`, asked from the tool's side, e.g. for stored early webhooks)."""
+        t = self.tools.get(tool)
+        if t is None:
+            return False
+        if t.webhook_provider is not None:
+            return t.webhook_provider == provider
+        return provider not in self.webhooks
 
     def get(self, name: str) -> Tool:
         tool = self.tools.get(name)
@@ -153,7 +288,7 @@ class Catalog:
         raw_tools = data.get("tools")
         if not isinstance(raw_tools, dict) or not raw_tools:
             raise CatalogError(f"{source}: expected a [tools.<name>] table with at least one tool")
-        unknown_top = set(data) - {"tools", "catalog_version"}
+        unknown_top = set(data) - {"tools", "catalog_version", "webhooks"}
         if unknown_top:
             raise CatalogError(f"{source}: unknown top-level keys {sorted(unknown_top)}")
         tools: dict[str, Tool] = {}
@@ -168,7 +303,9 @@ class Catalog:
                 raise CatalogError(
                     f"{source}: tool {name!r}, field {field!r}: {err['msg']}",
                     tool=name, field=field) from exc
-        return cls(tools)
+        # A tool's webhook_provider may also name a provider configured only through
+        # EFFECTLEDGER_WEBHOOK_SECRETS (Standard Webhooks, effectledger's own event shape).
+        return cls(tools, _webhooks(data.get("webhooks", {}), source))
 
     @classmethod
     def load(cls, path: str | Path) -> Catalog:
@@ -182,8 +319,21 @@ class Catalog:
         return cls.from_mapping(data, str(p))
 
 
-class TemplateError(ValueError):
-    pass
+def _webhooks(raw: Any, source: str) -> dict[str, WebhookProvider]:
+    if not isinstance(raw, dict):
+        raise CatalogError(f"{source}: 'webhooks' must be a table of [webhooks.<provider>]")
+    out: dict[str, WebhookProvider] = {}
+    for name, body in raw.items():
+        if not isinstance(body, dict):
+            raise CatalogError(f"{source}: webhooks {name!r}: expected a table")
+        try:
+            out[name] = WebhookProvider.model_validate({**body, "name": name})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            field = ".".join(str(p) for p in err["loc"]) or "<webhooks>"
+            raise CatalogError(f"{source}: webhooks {name!r}, field {field!r}: {err['msg']}",
+                               provider=name, field=field) from exc
+    return out
 
 
 def render(template: Any, *, operation_key: str, operation_id: str, epoch: int,

@@ -57,6 +57,15 @@ class Settings(BaseSettings):
     # ledger
     ledger_host: str = "127.0.0.1"
     ledger_port: int = 8600
+    # Every HTTP port (ledger API, webhook ingress): a client that has not sent its request
+    # headers, or its whole body, within these is cut off (408 for the body).
+    http_header_timeout_s: float = Field(default=10.0, gt=0)
+    http_body_timeout_s: float = Field(default=30.0, gt=0)
+    # Per-tenant quotas (effectledger_core/quotas.py): 0 is off, the embedded default.
+    tenant_rate_per_s: float = Field(default=0.0, ge=0)
+    tenant_burst: int = Field(default=0, ge=0)
+    tenant_max_in_flight: int = Field(default=0, ge=0)
+    tenant_max_awaiting_approval: int = Field(default=0, ge=0)
     relay_batch_size: int = 256
     relay_poll_interval_s: float = 0.5
     relay_lease_s: float = 30.0
@@ -95,6 +104,8 @@ class Settings(BaseSettings):
     reconcile_deadline_s: float = Field(default=3600.0, gt=0)
     # How long after the ambiguity notice a webhook-capable tool waits for a provider webhook.
     webhook_wait_s: float = Field(default=300.0, ge=0)
+    # The duplicate audit re-reads a retried key this long after the provider's horizon.
+    audit_slack_s: float = Field(default=60.0, ge=0)
     # Provider -> active Standard Webhooks secrets ("whsec_<base64>"); several during rotation.
     # JSON in the environment: EFFECTLEDGER_WEBHOOK_SECRETS='{"sandbox": ["whsec_..."]}'.
     webhook_secrets: dict[str, list[SecretStr]] = Field(default_factory=dict)

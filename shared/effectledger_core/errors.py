@@ -46,6 +46,14 @@ class PayloadTooLarge(EffectLedgerError):
     http_status = 413
 
 
+class QuotaExceeded(EffectLedgerError):
+    """A tenant's rate or open-operation quota (effectledger_core.quotas); nothing recorded."""
+
+    code = "quota_exceeded"
+    http_status = 429
+    retryable = True
+
+
 class IdempotencyConflict(EffectLedgerError):
     code = "idempotency_key_conflict"
     http_status = 409

@@ -28,7 +28,16 @@ def reject_nul(arguments: Any) -> None:
     """Refuse U+0000 in any key or string: the ledger's PostgreSQL jsonb cannot store it (SQLite
     can), so both backends refuse it with a clear error rather than fail in the database."""
     if _has_nul(arguments):
-        raise InvalidArguments("arguments contain a NUL character (U+0000)")
+        raise InvalidArguments("arguments contain a NUL character (U+0000) or an unpaired "
+                               "surrogate (not valid Unicode)")
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _has_nul(value: Any) -> bool:
@@ -36,7 +45,7 @@ def _has_nul(value: Any) -> bool:
     while stack:
         cur = stack.pop()
         if isinstance(cur, str):
-            if "\x00" in cur:
+            if "\x00" in cur or not _encodable(cur):
                 return True
         elif isinstance(cur, dict):
             stack.extend(cur.keys())

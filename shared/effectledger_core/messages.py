@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictInt,
@@ -42,10 +43,38 @@ def _no_nul(value: str) -> str:
     return value
 
 
+def _storable(value: Any) -> Any:
+    return storable(value) if isinstance(value, str) else value
+
+
+def storable(value: str) -> str:
+    """Free text from outside (a provider's error, a webhook's event type, a reference) as a
+    database can hold it: NUL becomes U+FFFD and unpaired surrogates (`"\\ud800"` in JSON)
+    become `?`. PostgreSQL refuses both, and refusing the message instead would dead-letter the
+    outcome that carries the correct verdict. Identifiers are refused instead (`Ident`)."""
+    if "\x00" in value:
+        value = value.replace("\x00", "\ufffd")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        value = value.encode("utf-8", "replace").decode()
+    return value
+
+
+def _encodable(value: str) -> str:
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (no unpaired surrogates)") from None
+    return value
+
+
 Ident = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDENTIFIER_BYTES),
-                  AfterValidator(_within_bytes), AfterValidator(_no_nul)]
-ShortText = Annotated[str, StringConstraints(max_length=1024)]
-ProviderRef = Annotated[str, StringConstraints(max_length=MAX_PROVIDER_REF_BYTES)]
+                  AfterValidator(_encodable), AfterValidator(_within_bytes),
+                  AfterValidator(_no_nul)]
+ShortText = Annotated[str, BeforeValidator(_storable), StringConstraints(max_length=1024)]
+ProviderRef = Annotated[str, BeforeValidator(_storable),
+                        StringConstraints(max_length=MAX_PROVIDER_REF_BYTES)]
 Epoch = Annotated[int, Field(ge=1)]
 M = TypeVar("M", bound="BaseModel")
 T = TypeVar("T")
@@ -88,6 +117,7 @@ class ClaimStatus(StrEnum):
     STALE_EPOCH = "stale_epoch"
     NOT_CLAIMABLE = "not_claimable"  # right epoch, but cancelled / awaiting approval / resolved
     NOT_FOUND = "not_found"
+    COMMAND_MISMATCH = "command_mismatch"  # the claim's tool or arguments are not the operation's
 
 
 class ClaimAttempt(Message):
@@ -98,6 +128,11 @@ class ClaimAttempt(Message):
     epoch: Epoch
     attempt_id: Ident
     dispatcher_id: Ident
+    # The command the dispatcher is about to carry out; the ledger refuses the claim when it is
+    # not the operation's own (effectledger_core.commands). Required on the sender-bound claim
+    # subject dispatchers use; None only from trusted in-process callers.
+    tool: Ident | None = None
+    arguments_digest: Ident | None = None
 
 
 class ClaimReply(Message):
@@ -110,6 +145,10 @@ class ClaimReply(Message):
     outcome_recorded: bool = False
     state: str | None = None
     claim_age_s: float | None = None  # for already_claimed: seconds since the claim
+    # On a grant, the ledger's copy of the command: the dispatcher sends nothing else.
+    tool: str | None = None
+    arguments_digest: str | None = None
+    reason: str | None = None  # for command_mismatch: what differed
 
 
 # --- request-reply answers of the ledger (intents, claims, operation reads) ---
@@ -144,6 +183,7 @@ class OperationSummary(_Part):
     operation_key: str
     tool: str
     provider_ref: str | None = None
+    arguments_digest: str | None = None  # for the reconciler's check of its command
 
 
 class IntentReply(Message):
@@ -244,7 +284,8 @@ class ReconcileOperation(Message):
     operation_key: Ident
     tool: Ident
     arguments: dict[str, Any]
-    cause: Literal["ambiguous", "accepted"]
+    # "audit": re-read a retried key after the horizon to find a late duplicate.
+    cause: Literal["ambiguous", "accepted", "audit"]
     reason: ShortText = ""
     claimed_at: datetime  # when the attempt started: the provider horizon counts from here
     noticed_at: datetime
@@ -257,6 +298,8 @@ class Evidence(Message):
     provider_ref: ProviderRef | None = None
     digest: str | None = None
     detail: ShortText = ""
+    # Effects the provider lists for the operation key (readback.count_path); > 1: duplicate.
+    matches: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
 
 
 class VerdictReached(Message):

@@ -57,7 +57,11 @@ class JournalKind(StrEnum):
     RETRY_DECLINED = "retry_declined"
     WEBHOOK_UNMATCHED = "webhook_unmatched"
     WEBHOOK_KEPT = "webhook_kept"
+    # A verified webhook naming an operation of a tool not bound to its provider.
+    WEBHOOK_REFUSED = "webhook_refused"
     EVIDENCE_CONFLICT = "evidence_conflict"
+    # The provider shows more than one effect for one operation key.
+    DUPLICATE_DETECTED = "duplicate_detected"
     APPROVAL_REQUIRED = "approval_required"
     APPROVED = "approved"
     APPROVAL_REJECTED = "approval_rejected"
@@ -75,12 +79,13 @@ class JournalKind(StrEnum):
 EVIDENCE_KINDS: frozenset[JournalKind] = frozenset({
     JournalKind.OUTCOME_RECORDED, JournalKind.VERDICT_APPLIED, JournalKind.VERDICT_NOT_APPLIED,
     JournalKind.VERDICT_UNDECIDABLE, JournalKind.VERDICT_REJECTED, JournalKind.WEBHOOK_KEPT,
-    JournalKind.REVIEW_RECORDED, JournalKind.EVIDENCE_CONFLICT})
+    JournalKind.REVIEW_RECORDED, JournalKind.EVIDENCE_CONFLICT, JournalKind.DUPLICATE_DETECTED})
 
 
 class OutboxKind(StrEnum):
     DISPATCH = "dispatch"
     RECONCILE = "reconcile"
+    AUDIT = "audit"  # the duplicate audit: answered by nothing, done once published
 
 
 class OutboxStatus(StrEnum):

@@ -26,6 +26,23 @@ class Subjects:
     def outcome(self, kind: str) -> str:
         return f"{self.prefix}.ledger.v1.outcome.{kind}"
 
+    # Each dispatcher publishes its outcomes under its own id, and NATS permissions let it
+    # publish nowhere else: the ledger reads the sender from the subject (`outcome_sender`).
+    def outcome_by(self, dispatcher_id: str, kind: str) -> str:
+        return f"{self.prefix}.ledger.v1.outcome.{dispatcher_id}.{kind}"
+
+    def outcomes_of(self, dispatcher_id: str) -> str:
+        return f"{self.prefix}.ledger.v1.outcome.{dispatcher_id}.>"
+
+    def outcome_sender(self, subject: str) -> str | None:
+        """The dispatcher id an outcome subject names; None for the unbound `outcome(kind)`."""
+        head = f"{self.prefix}.ledger.v1.outcome."
+        if not subject.startswith(head):
+            return None
+        rest = subject[len(head):]
+        sender, _, _kind = rest.rpartition(".")
+        return sender or None
+
     @property
     def verdict(self) -> str:
         return f"{self.prefix}.ledger.v1.verdict"
@@ -52,8 +69,44 @@ class Subjects:
 
     # request-reply (core NATS)
     @property
+    def rpc_all(self) -> str:
+        return f"{self.prefix}.rpc.v1.>"
+
+    @property
     def rpc_intents(self) -> str:
+        """Intents naming their tenant in the payload: for trusted tools (operator role)."""
         return f"{self.prefix}.rpc.v1.intents"
+
+    # Tenant-bound request subjects, all under `rpc.v1.tenant.<tenant>.`: NATS permissions let
+    # an agent publish only under its own tenant's, and the ledger takes the tenant from the
+    # subject, never from the payload. (A subtree of their own, so that no tenant name can
+    # collide with another request subject such as `rpc.v1.operation.wait`.)
+    def tenant_requests(self, tenant: str) -> str:
+        return f"{self.prefix}.rpc.v1.tenant.{tenant}.>"
+
+    def rpc_intents_for(self, tenant: str) -> str:
+        return f"{self.prefix}.rpc.v1.tenant.{tenant}.intents"
+
+    def rpc_operation_for(self, tenant: str) -> str:
+        return f"{self.prefix}.rpc.v1.tenant.{tenant}.operation"
+
+    def tenant_of(self, subject: str) -> str | None:
+        """The tenant a tenant-bound request subject names, or None."""
+        head = f"{self.prefix}.rpc.v1.tenant."
+        if not subject.startswith(head):
+            return None
+        tenant, dot, _rest = subject[len(head):].partition(".")
+        return tenant if tenant and dot else None
+
+    def rpc_claim_by(self, dispatcher_id: str) -> str:
+        """A dispatcher's own claim subject: the claim's holder is the subject's sender."""
+        return f"{self.prefix}.rpc.v1.claim.{dispatcher_id}"
+
+    def rpc_tail(self, subject: str, base: str) -> str | None:
+        """What follows `base.` in `subject` (the tenant or dispatcher id), or None."""
+        if not subject.startswith(base + "."):
+            return None
+        return subject[len(base) + 1:] or None
 
     @property
     def rpc_claim(self) -> str:

@@ -52,7 +52,15 @@ NO_SEND_DEADLINE = UnsafeSwitch(
               "not_applied and a new epoch applied the effect (duplicates on providers that "
               "do not check the fencing token)")
 
-SWITCHES: tuple[UnsafeSwitch, ...] = (SKIP_CLAIM, SKIP_WEBHOOK_VERIFICATION, NO_SEND_DEADLINE)
+NATS_WITHOUT_PERMISSIONS = UnsafeSwitch(
+    env=PREFIX + "NATS_WITHOUT_PERMISSIONS",
+    service="up / proving ground",
+    disables="NATS users and subject permissions: the broker runs open, so anyone who can "
+              "connect may publish outcomes, verdicts, webhooks and dispatch commands, and "
+              "submit or read for any tenant")
+
+SWITCHES: tuple[UnsafeSwitch, ...] = (SKIP_CLAIM, SKIP_WEBHOOK_VERIFICATION,
+                                      NATS_WITHOUT_PERMISSIONS, NO_SEND_DEADLINE)
 BY_ENV: Mapping[str, UnsafeSwitch] = {s.env: s for s in SWITCHES}
 
 

@@ -18,19 +18,19 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Literal, Protocol, runtime_checkable
-from urllib.parse import quote
 
 import httpx
 
-from effectledger_core.catalog import PLACEHOLDER, TemplateError, Tool, render, resolve_env
+from effectledger_core import urltemplate
+from effectledger_core.catalog import TemplateError, Tool, render, resolve_env
 from effectledger_core.errors import CatalogError
 from effectledger_core.failures import classify_http_status
 from effectledger_core.messages import DispatchAttempt, FailureClass
+from effectledger_core.readbacks import read_answer
 
 ENTRY_POINT_GROUP = "effectledger.adapters"
 AmbiguousReason = Literal["timeout", "connection_lost", "server_error", "invalid_response",
@@ -46,6 +46,8 @@ class ReadbackResult:
     evidence_digest: str | None
     http_status: int | None
     error: str | None
+    # How many effects the answer lists for this key (`readback.count_path`); > 1: duplicate.
+    matches: int | None = None
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,9 @@ class DeclarativeAdapter:
             tool.body, operation_key=cmd.operation_key, operation_id=cmd.operation_id,
             epoch=cmd.epoch, arguments=cmd.arguments)
         headers = _headers(tool, env)
+        url = urltemplate.render(
+            urltemplate.parse(tool.endpoint), operation_key=cmd.operation_key,
+            operation_id=cmd.operation_id, epoch=cmd.epoch, arguments=cmd.arguments, env=env)
         # A stable key never hurts: send it whenever a header name is configured, whether or
         # not the provider is known to deduplicate by it.
         if tool.idempotency_header:
@@ -216,10 +221,10 @@ class DeclarativeAdapter:
         if tool.fencing_header:
             headers[tool.fencing_header] = str(cmd.epoch)
         if tool.method == "GET":  # a GET carries its arguments in the query string
-            return httpx.Request("GET", tool.endpoint, headers=headers, params=_flat(body))
+            return httpx.Request("GET", url, headers=headers, params=_flat(body))
         if tool.body_encoding == "form":
-            return httpx.Request(tool.method, tool.endpoint, headers=headers, data=_flat(body))
-        return httpx.Request(tool.method, tool.endpoint, headers=headers, json=body)
+            return httpx.Request(tool.method, url, headers=headers, data=_flat(body))
+        return httpx.Request(tool.method, url, headers=headers, json=body)
 
     def classify(self, tool: Tool, response: httpx.Response) -> Classified:
         return classify_http(tool, response)
@@ -228,46 +233,20 @@ class DeclarativeAdapter:
                        arguments: dict[str, Any], env: Mapping[str, str]) -> httpx.Request | None:
         if tool.readback is None:
             return None
-
-        def sub(match: re.Match[str]) -> str:
-            name = match.group(1)
-            if name == "epoch":
-                raise TemplateError("a readback URL cannot use {epoch}: it spans all epochs")
-            value = render("{" + name + "}", operation_key=operation_key,
-                           operation_id=operation_id, epoch=1, arguments=arguments)
-            return quote(_text(value), safe="")
-
-        url = PLACEHOLDER.sub(sub, tool.readback.url)
+        url = urltemplate.render(
+            urltemplate.parse(tool.readback.url, allow_epoch=False), operation_key=operation_key,
+            operation_id=operation_id, epoch=0, arguments=arguments, env=env)
         return httpx.Request(tool.readback.method, url, headers=_headers(tool, env))
 
     def readback_found(self, tool: Tool, response: httpx.Response) -> ReadbackResult:
-        status = response.status_code
         evidence = "sha256:" + hashlib.sha256(response.content).hexdigest()
-
-        def result(found: bool | None, ref: str | None = None,
-                   error: str | None = None) -> ReadbackResult:
-            return ReadbackResult(found, ref, evidence, status, error)
-
-        rb = tool.readback
-        if rb is None:
-            return result(None, error="the tool has no readback")
-        if status == rb.not_found_status:
-            return result(False)
-        is_json, body = parse_json(response.content)
-        ref = provider_ref_of(body, response.headers)
-        if rb.found_when.status is not None:
-            if status == rb.found_when.status:
-                return result(True, ref)
-            return result(None, error=f"unexpected readback status {status}")
-        if not 200 <= status < 300:
-            return result(None, error=f"unexpected readback status {status}")
-        if not is_json:
-            return result(None, error="readback answer is not JSON")
-        value = json_path(body, rb.found_when.json_path or "$")
-        # Missing, null, false and empty values mean "not there"; anything else is found.
-        if value is None or value is False or value in ("", [], {}):
-            return result(False)
-        return result(True, ref)
+        if tool.readback is None:
+            return ReadbackResult(None, None, evidence, response.status_code,
+                                  "the tool has no readback")
+        r = read_answer(tool.readback, response.status_code, response.content,
+                        response.headers)
+        return ReadbackResult(r.found, r.provider_ref, evidence, response.status_code, r.error,
+                              r.matches)
 
 
 # --- loading ---

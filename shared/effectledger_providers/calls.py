@@ -53,6 +53,7 @@ from effectledger_core.messages import (
     FailureClass,
     Outcome,
     OutcomeAmbiguous,
+    storable,
 )
 
 from .adapters import Classified, ProviderAdapter, ReadbackResult, load_adapter
@@ -236,7 +237,13 @@ def _secrets(tool: Tool, request: httpx.Request | None, env: Mapping[str, str]) 
 def _clean(text: str, secrets: Sequence[str], limit: int) -> str:
     for secret in secrets:  # longest first, so a token inside a header value goes too
         text = text.replace(secret, "[redacted]")
-    return text[:limit]
+    return storable(text)[:limit]
+
+
+def _clean_ref(ref: str | None, secrets: Sequence[str]) -> str | None:
+    """A provider reference is provider text like any other: a provider echoing the API key in
+    its `id` or `X-Request-Id` must not put it into the journal and the receipt."""
+    return _clean(ref, secrets, MAX_PROVIDER_REF_BYTES) if ref else None
 
 
 async def call_provider(
@@ -300,7 +307,7 @@ async def call_provider(
 def _to_outcome(c: Classified, *, cmd: DispatchAttempt, attempt_id: str, dispatcher_id: str,
                 at: datetime, status: int | None, digest: str | None, secrets: Sequence[str],
                 duration_ms: float) -> Outcome:
-    ref = c.provider_ref[:MAX_PROVIDER_REF_BYTES] if c.provider_ref else None
+    ref = _clean_ref(c.provider_ref, secrets)
     common: dict[str, Any] = dict(
         operation_id=cmd.operation_id, epoch=cmd.epoch, attempt_id=attempt_id,
         dispatcher_id=dispatcher_id, at=at, http_status=status, provider_ref=ref,
@@ -356,7 +363,7 @@ async def readback(
         return ReadbackResult(None, None, ex.body.digest, status, _clean(
             f"the adapter could not read the answer: {_describe(exc)}", secrets,
             MAX_MESSAGE_CHARS))
-    ref = result.provider_ref[:MAX_PROVIDER_REF_BYTES] if result.provider_ref else None
+    ref = _clean_ref(result.provider_ref, secrets)
     error = _clean(result.error, secrets, MAX_MESSAGE_CHARS) if result.error else None
     # The digest is of every byte received, whatever the adapter computed from its bounded view.
     return replace(result, provider_ref=ref, evidence_digest=ex.body.digest, http_status=status,

@@ -13,6 +13,9 @@ with its test-only switch and runs seed 1 again, with the faults that matter to 
   (`pause_before_send`) sends on waking, long after the horizon, when the reconciler has decided
   `not_applied` and a new epoch applied the effect: a second effect on the type-b provider,
   which ignores the fencing token. The same run with the deadline on passes.
+- `EFFECTLEDGER_UNSAFE_NATS_WITHOUT_PERMISSIONS=1`: the broker has no users or permissions, so
+  the attacker's forgeries (anonymous and with an agent's credentials) reach the services and
+  take effect; the same seed with permissions counts none.
 """
 
 from __future__ import annotations
@@ -79,3 +82,15 @@ def test_with_the_send_deadline_the_same_pause_sends_nothing(tmp_path: Any) -> N
     # The woken dispatcher reported its attempt as not sent; the ledger, already at a later
     # epoch, journaled that outcome as stale.
     assert report["fencing"].get("outcome_rejected:stale_epoch", 0) >= 1, report["fencing"]
+def test_without_nats_permissions_the_attackers_forgeries_are_counted(tmp_path: Any) -> None:
+    """Seed 1, attacker only: with the product's NATS users and permissions no forgery takes
+    effect; with the broker open the same rounds create operations in another tenant (and
+    whatever else the live operations allowed), and invariant 11 counts them."""
+    options: dict[str, Any] = dict(ops=30, duration_s=10.0, faults=parse_faults("attacker"))
+    guarded = _run(tmp_path / "guarded", **options)
+    assert guarded["invariants"]["forged_messages_effective"]["count"] == 0, guarded["invariants"]
+    assert guarded["invariants_ok"]
+    report = _run(tmp_path / "open", unsafe_nats_without_permissions=True, **options)
+    inv = report["invariants"]
+    assert inv["forged_messages_effective"]["count"] > 0, inv
+    assert not report["invariants_ok"]

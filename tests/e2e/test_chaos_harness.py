@@ -64,7 +64,7 @@ def test_fault_and_tool_mix_options() -> None:
     assert "nats_long_outage" not in parse_faults("all,-nats_long_outage")
     with pytest.raises(ValueError, match="unknown fault"):
         parse_faults("meteor")
-    assert parse_tool_mix("a=1,d=2") == {"a": 1, "b": 0, "c": 0, "d": 2}
+    assert parse_tool_mix("a=1,d=2") == {"a": 1, "b": 0, "c": 0, "d": 2, "e": 0, "f": 0}
     assert parse_tool_mix("plain_blind=1")["d"] == 1
     with pytest.raises(ValueError):
         parse_tool_mix("a=0")
@@ -177,6 +177,30 @@ def test_each_invariant_counts_its_violation() -> None:
     plan, data, history = _world(cfg)
     leak = [{"where": "ledger.1.log", "canary": "provider_api_key"}]
     assert _check(plan, data, history, canaries=leak)["canary_leaks"] == 1
+
+
+def test_each_effective_forgery_is_counted_and_refused_ones_are_not() -> None:
+    """Invariant 11: a state change by a forged sender, a granted forged claim, a stored forged
+    webhook, an operation in the forged tenant and a request under a forged key each count; a
+    forged outcome the ledger rejected (journaled, no state change) does not."""
+    plan, data, history = _world(ChaosConfig(ops=5, seed=1, tool_mix={"b": 1}))
+    db = data["db"]
+    db["journal"].append({"id": 4, "operation_id": "op1", "at": T1, "kind": "outcome_rejected",
+                          "epoch": 1, "from_state": "succeeded", "to_state": "succeeded",
+                          "actor": "forged-dispatcher", "detail": {}})
+    assert _check(plan, data, history)["forged_messages_effective"] == 0
+    db["journal"].append({"id": 5, "operation_id": "op1", "at": T1, "kind": "verdict_applied",
+                          "epoch": 1, "from_state": "ambiguous", "to_state": "succeeded",
+                          "actor": "reconciler:forged-reconciler", "detail": {}})
+    db["attempts"].append({"id": "forged-attempt-1-0", "operation_id": "op1", "epoch": 2,
+                           "dispatcher_id": "forged-dispatcher", "status": "claimed"})
+    db["webhook_events"].append({"webhook_id": "forged-1-0", "operation_id": "op1",
+                                 "applied": None})
+    db["operations"].append({**db["operations"][0], "id": "op2", "caller_key": None,
+                             "tenant": "forged-tenant"})
+    data["sandbox"]["requests"].append({"seq": 2, "key": "forged-key-1-0", "fencing_token": 1,
+                                        "outcome": "applied", "route": "plainrb"})
+    assert _check(plan, data, history)["forged_messages_effective"] == 5
 
 
 def test_an_idempotent_readback_tool_in_review_is_an_unneeded_review() -> None:

@@ -4,7 +4,9 @@ httpx.ASGITransport on both databases."""
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import random
 import tomllib
 from collections.abc import AsyncIterator
@@ -160,6 +162,9 @@ async def test_agent_gets_not_found_for_other_tenants_operations(
         assert_error(resp, 404, "not_found")
         missing = await client.get(f"/v1/operations/nope{suffix}", headers=auth(AGENT_A))
         assert_error(missing, 404, "not_found")
+        # Word for word, once the id itself is set aside.
+        assert resp.json()["error"]["message"].replace(theirs["id"], "X") == \
+            missing.json()["error"]["message"].replace("nope", "X")
     listed = (await client.get("/v1/operations", headers=auth(AGENT_A))).json()
     assert listed["items"] == []
 
@@ -353,3 +358,80 @@ async def test_stats_show_an_agent_only_its_tenants_counts(client: httpx.AsyncCl
     assert mine == {"operations": {"pending": 1}}
     everyone = (await client.get("/v1/stats", headers=auth(OPERATOR))).json()
     assert everyone["operations"] == {"pending": 3} and "outbox" in everyone
+
+
+def _cursor(value: object) -> str:
+    return _raw_b64(json.dumps(value))
+
+
+def _raw_b64(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode()
+
+
+@pytest.mark.parametrize("cursor", [
+    _cursor(["2026-11-30T09:00:00", "id1"]),  # a naive time: no time zone
+    _cursor(["2026-11-30T09:00:00+00:00", "id\u0000x"]),
+    _cursor(["2026-11-30T09:00:00+00:00", "i" * 65]),
+    _cursor(["2026-11-30T09:00:00+00:00", 7]),
+    _cursor("[" * 3000 + "]" * 3000),
+    _raw_b64("[" * 3000 + "]" * 3000),  # nested 3,000 deep
+    "not base64 !",
+    "A" * 5000,
+])
+async def test_every_malformed_cursor_is_a_4xx_before_any_query(
+        client: httpx.AsyncClient, cursor: str) -> None:
+    resp = await client.get("/v1/operations", params={"cursor": cursor},
+                            headers=auth(OPERATOR))
+    assert_error(resp, 422, "invalid_request")
+
+
+async def test_quotas_answer_429_with_retry_after_over_http_and_the_same_error_over_nats(
+        store: Store) -> None:
+    """Off by default; configured, a tenant over its rate, its in-flight or its
+    awaiting-approval bound is refused with nothing recorded, other tenants unaffected."""
+    from effectledger_core.quotas import QuotaLimits
+    from effectledger_ledger.messaging import Requests
+
+    counter = itertools.count(1)
+    limited = LedgerService(store=store, catalog=CATALOG, subjects=SUBJECTS, clock=lambda: NOW,
+                            ids=lambda: f"q{next(counter):05d}",
+                            quotas=QuotaLimits(rate_per_s=1e-3, burst=3, max_in_flight=100,
+                                               max_awaiting_approval=1))
+    app = create_app(limited, ready=_ready, auth=Authenticator(AGENTS, OPERATORS))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://ledger.test") as c:
+        await submit(c, AGENT_A, "payout")  # awaiting approval: the bound of 1 is reached
+        refused = await c.post("/v1/intents", headers=auth(AGENT_A),
+                               json={"tool": "payout", "arguments": {"q": 2}})
+        assert_error(refused, 429, "quota_exceeded")
+        assert refused.headers["Retry-After"] == "60"
+        assert refused.json()["error"]["details"]["limit"] == "awaiting_approval"
+        await submit(c, AGENT_B, "payout")  # another tenant's own bound
+        await submit(c, AGENT_A, "lookup")  # third of the burst of 3
+        over = await c.post("/v1/intents", headers=auth(AGENT_A),
+                            json={"tool": "lookup", "arguments": {"q": 3}})
+        assert_error(over, 429, "quota_exceeded")
+        assert int(over.headers["Retry-After"]) >= 1
+    listed = await limited.list_operations(state=None, limit=100, cursor=None,
+                                           tenant="tenant-a")
+    assert len(listed["items"]) == 2  # nothing recorded for the refusals
+
+    reply = json.loads(await Requests(limited).intent(json.dumps(
+        {"tool": "lookup", "arguments": {"q": 4}, "tenant": "tenant-a"}).encode()))
+    assert reply["ok"] is False and reply["error"]["code"] == "quota_exceeded"
+    assert reply["error"]["details"]["retry_after_s"] > 0
+
+
+@pytest.mark.parametrize("text", ["a\u0000b", "x\ud800y"])
+async def test_operator_text_a_database_cannot_hold_is_a_422_and_changes_nothing(
+        client: httpx.AsyncClient, text: str) -> None:
+    gated = await submit(client, AGENT_A, "payout")
+    for path, body in (("reject", {"epoch": 1, "reason": text}),
+                       ("cancel", {"reason": text}),
+                       ("reject", {"epoch": 1, "operator": text})):
+        resp = await client.post(f"/v1/operations/{gated['id']}/{path}",
+                                  headers={**auth(OPERATOR), "content-type": "application/json"},
+                                  content=json.dumps({k: v for k, v in body.items()}))
+        assert_error(resp, 422, "invalid_request")
+    now = (await client.get(f"/v1/operations/{gated['id']}", headers=auth(OPERATOR))).json()
+    assert now["state"] == "awaiting_approval"

@@ -12,6 +12,7 @@ import sqlalchemy as sa
 
 from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.config import DEMO_CATALOG
+from effectledger_core.digest import digest
 from effectledger_core.messages import (
     AttemptSucceeded,
     ClaimAttempt,
@@ -218,3 +219,53 @@ async def test_concurrent_claims_across_operations_all_succeed(store: Store) -> 
         claim(store, f"a{next(counter)}", op_id=f"op{i}") for i in range(10)))
     assert all(r.status is ClaimStatus.GRANTED for r in replies)
     assert {r["state"] for r in await rows(store, operations)} == {"in_flight"}
+
+
+async def test_claim_for_another_tool_is_refused_and_journaled(store: Store) -> None:
+    """A claim naming another tool under this operation's id and epoch (a forged dispatch
+    command) is refused before anything is recorded, and the refusal is journaled."""
+    await submit(store)
+    reply = await store.run(claim_txn, ClaimAttempt(
+        operation_id="op1", epoch=1, attempt_id="forged", dispatcher_id="d1",
+        tool="wire_money", arguments_digest=digest({"title": "x"})), now=LATER)
+    assert reply.status is ClaimStatus.COMMAND_MISMATCH
+    assert reply.reason is not None and "wire_money" in reply.reason
+    assert await rows(store, attempts) == []
+    [op] = await rows(store, operations)
+    assert op["state"] == "pending"
+    [rejected] = [j for j in await rows(store, journal) if j["kind"] == "claim_rejected"]
+    assert rejected["detail"]["reason"] == "command_mismatch"
+
+
+async def test_claim_with_other_arguments_is_refused_even_while_the_claim_is_held(
+        store: Store) -> None:
+    """Other arguments under a held claim are refused too: the mismatch is decided before the
+    "already claimed" path that could declare the real attempt lost."""
+    await submit(store)
+    good = await store.run(claim_txn, ClaimAttempt(
+        operation_id="op1", epoch=1, attempt_id="a1", dispatcher_id="d1",
+        tool="create_ticket", arguments_digest=digest({"title": "x"})), now=LATER)
+    assert good.status is ClaimStatus.GRANTED
+    assert (good.tool, good.arguments_digest) == ("create_ticket", digest({"title": "x"}))
+    forged = await store.run(claim_txn, ClaimAttempt(
+        operation_id="op1", epoch=1, attempt_id="a2", dispatcher_id="d2",
+        tool="create_ticket", arguments_digest=digest({"title": "y"})), now=LATER)
+    assert forged.status is ClaimStatus.COMMAND_MISMATCH
+    [op] = await rows(store, operations)
+    assert op["state"] == "in_flight"
+    assert [a["id"] for a in await rows(store, attempts)] == ["a1"]
+
+
+async def test_a_retry_rendered_from_stored_arguments_still_matches_its_operation(
+        store: Store) -> None:
+    """A large number may come back from the database in another form (jsonb writes 1e16 as an
+    integer); a claim carrying the digest of the arguments as stored is the operation's own."""
+    await store.run(submit_intent_txn, catalog=CATALOG,
+                    intent=SubmitIntent(tool="create_ticket", arguments={"n": 1e16}),
+                    subjects=SUBJECTS, operation_id="op1", outbox_id="ob_op1", now=NOW)
+    await set_op(store, "op1", arguments={"n": 10**16})
+    reply = await store.run(claim_txn, ClaimAttempt(
+        operation_id="op1", epoch=1, attempt_id="a1", dispatcher_id="d1",
+        tool="create_ticket", arguments_digest=digest({"n": 10**16})), now=LATER)
+    assert reply.status is ClaimStatus.GRANTED
+    assert reply.arguments_digest == digest({"n": 10**16})

@@ -337,3 +337,17 @@ async def test_success_racing_an_ambiguous_outcome_is_not_lost(store: Store) -> 
     result = await late
     assert result == Recorded("applied", to_state="succeeded")
     assert (await op_row(store))["state"] == "succeeded"
+
+
+async def test_only_the_claims_holder_may_report_what_its_call_did(store: Store) -> None:
+    """d1 holds the claim: a success or a failure for its attempt id sent by d2 is rejected and
+    journaled (not_the_claim_holder) and the operation stays in flight; d2 may still report
+    d1 lost mid-attempt (ambiguous), which only sends the operation to reconciliation."""
+    await in_flight(store)
+    for i, forged in enumerate([succeeded(dispatcher_id="d2"), failed(dispatcher_id="d2")]):
+        result = await record(store, forged, f"m_forged{i}")
+        assert (result.status, result.reason) == ("rejected", "not_the_claim_holder")
+    [op] = await rows(store, operations, operations.c.id == "op1")
+    assert op["state"] == "in_flight"
+    lost = await record(store, ambiguous(dispatcher_id="d2"), "m_lost")
+    assert lost.to_state == "ambiguous"

@@ -521,3 +521,141 @@ async def test_stored_applied_webhook_speaks_for_the_key_at_any_epoch(store: Sto
     assert kept.status == "kept"
     led.now += timedelta(seconds=2)
     assert (await led.ambiguous(op_id, epoch=2)).to_state == "succeeded"
+
+
+# --- issue 12: current-epoch evidence, duplicates found by readback ---------------------------
+
+async def test_operation_view_shows_only_the_current_epochs_evidence(store: Store) -> None:
+    """Epoch 1 verified not applied, epoch 2 succeeded by response: the view carries no
+    epoch-1 "not applied" next to the success; the journal still has it."""
+    ledger = Ledger(store)
+    op_id = await ledger.submit("charge")
+    await ledger.ambiguous(op_id)
+    assert (await ledger.verdict(op_id, "not_applied")).to_state == "pending"
+    assert (await ledger.op(op_id))["evidence"] is None  # epoch 2 has no evidence yet
+    attempt = await ledger.claim(op_id, 2)
+    await ledger.svc.record_outcome(AttemptSucceeded(
+        operation_id=op_id, epoch=2, attempt_id=attempt, dispatcher_id="d1", at=ledger.now,
+        http_status=201, provider_ref="ch_2", response_digest="sha256:r"),
+        consumer="ledger", message_id=ledger.mid())
+    op = await ledger.op(op_id)
+    assert (op["state"], op["epoch"], op["evidence"]) == ("succeeded", 2, None)
+    receipt = await ledger.svc.receipt(op_id)
+    assert receipt["evidence"] is None and receipt["open_uncertainties"] == []
+    [entry] = await ledger.entries(op_id, "verdict_not_applied")
+    assert entry["detail"]["verdict"] == "not_applied" and entry["epoch"] == 1
+
+
+async def test_readback_with_two_matches_records_duplicate_detected(store: Store) -> None:
+    """A verdict whose readback counted two effects: needs_review, a duplicate_detected
+    journal entry, an open uncertainty on the receipt, and an item in the review queue."""
+    from effectledger_ledger.db import duplicates
+
+    seen: list[tuple[str, int]] = []
+    duplicates.observers.append(lambda tool, n: seen.append((tool, n)))
+    try:
+        ledger = Ledger(store)
+        op_id = await ledger.submit("charge")
+        await ledger.ambiguous(op_id)
+        result = await ledger.svc.record_verdict(VerdictReached(
+            operation_id=op_id, epoch=1, verdict="undecidable", reconciler_id="r1",
+            reason="duplicate_detected: 2 effects", at=ledger.now, evidence=Evidence(
+                source="readback", at=ledger.now, provider_ref="cus_1", digest="sha256:x",
+                matches=2, detail="readback found 2 effects for one key")),
+            consumer="ledger", message_id=ledger.mid())
+    finally:
+        duplicates.observers.clear()
+    assert result.to_state == "needs_review"
+    [entry] = await ledger.entries(op_id, "duplicate_detected")
+    assert entry["detail"]["matches"] == 2 and entry["detail"]["provider_ref"] == "cus_1"
+    receipt = await ledger.svc.receipt(op_id)
+    assert any(u.startswith("duplicate_detected") for u in receipt["open_uncertainties"])
+    [item] = await ledger.svc.review_queue()
+    assert "duplicate_detected" in [e["kind"] for e in item["evidence"]]
+    assert seen == [("charge", 2)]
+
+
+async def test_a_single_match_records_no_duplicate(store: Store) -> None:
+    ledger = Ledger(store)
+    op_id = await ledger.submit("ticket")
+    await ledger.ambiguous(op_id)
+    await ledger.svc.record_verdict(VerdictReached(
+        operation_id=op_id, epoch=1, verdict="applied", reconciler_id="r1", at=ledger.now,
+        evidence=Evidence(source="readback", at=ledger.now, matches=1)),
+        consumer="ledger", message_id=ledger.mid())
+    assert (await ledger.op(op_id))["state"] == "succeeded"
+    assert await ledger.entries(op_id, "duplicate_detected") == []
+
+
+async def test_retry_on_not_applied_schedules_an_audit_and_its_duplicate_is_recorded(
+        store: Store) -> None:
+    """A not-applied verdict that retries also queues a duplicate audit for that epoch; the
+    audit's finding on the succeeded operation keeps it succeeded, marks its evidence, lists it
+    on the receipt and in the review queue, and journals duplicate_detected."""
+    from effectledger_ledger.db.outbox import mark_published_txn
+
+    ledger = Ledger(store)
+    op_id = await ledger.submit("charge")
+    await ledger.ambiguous(op_id)
+    await ledger.verdict(op_id, "not_applied")
+    [row] = await ledger.rows(outbox, outbox.c.operation_id == op_id, outbox.c.kind == "audit")
+    cmd = parse(ReconcileOperation, row["payload"].encode())
+    assert (cmd.cause, cmd.epoch, cmd.operation_key) == ("audit", 1, await ledger.key(op_id))
+    async with store.transaction() as conn:
+        await conn.execute(outbox.update().where(outbox.c.id == row["id"])
+                           .values(status="publishing"))
+        await mark_published_txn(conn, [row["id"]], now=ledger.now)
+    # An audit command needs no answer: once published its row is done, never swept.
+    [row] = await ledger.rows(outbox, outbox.c.id == row["id"])
+    assert row["status"] == "consumed"
+
+    attempt = await ledger.claim(op_id, 2)
+    await ledger.svc.record_outcome(AttemptSucceeded(
+        operation_id=op_id, epoch=2, attempt_id=attempt, dispatcher_id="d1", at=ledger.now,
+        http_status=201, provider_ref="ch_2", response_digest="sha256:r"),
+        consumer="ledger", message_id=ledger.mid())
+    result = await ledger.svc.record_verdict(VerdictReached(
+        operation_id=op_id, epoch=1, verdict="undecidable", reconciler_id="r1",
+        reason="duplicate_detected: audit", at=ledger.now, evidence=Evidence(
+            source="readback", at=ledger.now, provider_ref="ch_1", matches=2)),
+        consumer="ledger", message_id=ledger.mid())
+    assert (result.status, result.reason) == ("applied", "duplicate_detected")
+    op = await ledger.op(op_id)
+    assert op["state"] == "succeeded" and op["evidence"]["duplicate"]["matches"] == 2
+    [entry] = await ledger.entries(op_id, "duplicate_detected")
+    assert entry["epoch"] == 1
+    receipt = await ledger.svc.receipt(op_id)
+    assert receipt["open_uncertainties"] == [
+        "duplicate_detected: the provider lists 2 effects for this operation key"]
+    assert [i["operation"]["id"] for i in await ledger.svc.review_queue()] == [op_id]
+
+    # An operator closes it with a "completed" review naming how the extra effect was handled;
+    # any other conclusion is refused. The operation stays succeeded, the mark stays as evidence.
+    from effectledger_core.recovery import Conclusion, Review
+    from effectledger_ledger.db.recovery import ActionRejected
+
+    with pytest.raises(ActionRejected):
+        await ledger.svc.review(op_id, Review(operator="alice", evidence_ref="T-1",
+                                              conclusion=Conclusion.UNCERTAIN, epoch=2))
+    await ledger.svc.review(op_id, Review(operator="alice", evidence_ref="refund re_1",
+                                          conclusion=Conclusion.COMPLETED, epoch=2))
+    op = await ledger.op(op_id)
+    assert op["state"] == "succeeded"
+    assert op["evidence"]["duplicate"]["reviewed"]["evidence_ref"] == "refund re_1"
+    assert (await ledger.svc.receipt(op_id))["open_uncertainties"] == []
+    assert await ledger.svc.review_queue() == []
+
+
+async def test_an_audit_finding_one_effect_changes_nothing(store: Store) -> None:
+    """No verdict is sent for a clean audit; a stray one with one match is rejected as usual."""
+    ledger = Ledger(store)
+    op_id = await ledger.submit("charge")
+    await ledger.ambiguous(op_id)
+    await ledger.verdict(op_id, "applied")
+    result = await ledger.svc.record_verdict(VerdictReached(
+        operation_id=op_id, epoch=1, verdict="undecidable", reconciler_id="r1",
+        at=ledger.now, evidence=Evidence(source="readback", at=ledger.now, matches=1)),
+        consumer="ledger", message_id=ledger.mid())
+    assert result.status == "rejected"
+    assert await ledger.entries(op_id, "duplicate_detected") == []
+    assert await ledger.svc.review_queue() == []

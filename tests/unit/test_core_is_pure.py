@@ -28,6 +28,7 @@ IO_STDLIB = frozenset({"asyncio", "socket", "selectors", "ssl", "http", "urllib"
 # Stdlib modules with a narrow use, named so a new use is a decision, not an accident.
 ALLOWED = {
     ("effectledger_core.config", "socket"): "socket.gethostname() for default service ids",
+    ("effectledger_core.urltemplate", "urllib"): "urllib.parse: quote and urlsplit on strings",
 }
 CORE_DIR = Path(effectledger_core.__file__).parent
 

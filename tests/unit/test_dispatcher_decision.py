@@ -36,7 +36,7 @@ def test_no_claim_reply_naks_with_a_doubling_capped_delay(deliveries: int, delay
 
 
 @pytest.mark.parametrize("status", [ClaimStatus.STALE_EPOCH, ClaimStatus.NOT_CLAIMABLE,
-                                    ClaimStatus.NOT_FOUND])
+                                    ClaimStatus.NOT_FOUND, ClaimStatus.COMMAND_MISMATCH])
 def test_a_refused_claim_is_acked_without_a_call(status: ClaimStatus) -> None:
     assert decide(reply(status), attempt_id="a", deliveries=1, tool_timeout_s=TIMEOUT_S) \
         == Ack("stale")
@@ -74,3 +74,16 @@ def test_an_already_claimed_reply_without_its_attempt_is_an_error_not_a_guess() 
     held = reply(ClaimStatus.ALREADY_CLAIMED, claim_age_s=999.0)
     with pytest.raises(ValueError, match="must name the attempt"):
         decide(held, attempt_id="a", deliveries=1, tool_timeout_s=TIMEOUT_S)
+
+
+def test_a_grant_for_other_arguments_than_those_about_to_be_sent_is_refused() -> None:
+    grant = reply(ClaimStatus.GRANTED, attempt_id="a", tool="send_email",
+                  arguments_digest="sha256:ledger")
+    assert decide(grant, attempt_id="a", deliveries=1, tool_timeout_s=TIMEOUT_S,
+                  tool="send_email", arguments_digest="sha256:forged") \
+        == Ack("command_mismatch")
+    assert decide(grant, attempt_id="a", deliveries=1, tool_timeout_s=TIMEOUT_S,
+                  tool="wire_funds", arguments_digest="sha256:ledger") \
+        == Ack("command_mismatch")
+    assert decide(grant, attempt_id="a", deliveries=1, tool_timeout_s=TIMEOUT_S,
+                  tool="send_email", arguments_digest="sha256:ledger") == Attempt("a")

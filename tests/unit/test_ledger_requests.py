@@ -62,6 +62,17 @@ async def test_an_operation_read_answers_the_summary_with_the_provider_ref(
     assert (answer.operation.epoch, answer.operation.provider_ref) == (2, "eff_1")
 
 
+async def test_an_operation_read_gives_the_digest_of_the_arguments_as_stored(
+        requests: Requests) -> None:
+    """What a reconcile command is rendered from, so the reconciler can compare its own."""
+    from effectledger_core.digest import digest
+
+    answer = parse_answer(OperationReply,
+                          await requests.operation(encode(OperationQuery(operation_id="op1"))))
+    assert isinstance(answer, OperationReply)
+    assert answer.operation.arguments_digest == digest(OP["arguments"])
+
+
 async def test_an_old_style_operation_query_without_a_schema_version_is_served(
         requests: Requests) -> None:
     answer = parse_answer(OperationReply, await requests.operation(b'{"operation_id": "op1"}'))

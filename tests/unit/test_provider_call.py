@@ -22,6 +22,7 @@ from urllib.parse import parse_qs
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
 import effectledger_core
 from effectledger_cli.embedded import free_port
@@ -386,6 +387,45 @@ async def test_secrets_from_headers_never_appear_in_outcome_messages() -> None:
         assert "[redacted]" in dumped
 
 
+async def test_a_provider_echoing_the_key_in_its_reference_never_puts_it_in_provider_ref(
+        ) -> None:
+    """`provider_ref` is provider text like any other: an API key echoed in `id` or
+    `X-Request-Id` is redacted before it can reach the journal or the receipt."""
+    def in_id(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"id": f"obj-{SECRET}"})
+
+    def in_request_id(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={}, headers={"X-Request-Id": SECRET})
+
+    for answer in (in_id, in_request_id):
+        outcome, _ = await call(make_tool(), answer)
+        assert isinstance(outcome, AttemptSucceeded)
+        assert outcome.provider_ref is not None and SECRET not in outcome.provider_ref
+        assert "[redacted]" in outcome.provider_ref
+
+
+async def test_nul_and_unpaired_surrogates_from_a_provider_keep_the_verdict() -> None:
+    """Bytes a database cannot hold are escaped, so the right outcome (here failed, and
+    succeeded with its reference) can still be recorded."""
+    def refused(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, content=b'{"error": {"code": "bad\\u0000", '
+                                            b'"message": "no\\u0000\\ud800pe"}}',
+                              headers={"content-type": "application/json"})
+
+    def applied(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b'{"id": "ref\\u0000x"}',
+                              headers={"content-type": "application/json"})
+
+    failed, _ = await call(make_tool(), refused)
+    assert isinstance(failed, AttemptFailed)
+    succeeded, _ = await call(make_tool(), applied)
+    assert isinstance(succeeded, AttemptSucceeded) and succeeded.provider_ref == "ref\ufffdx"
+    for outcome in (failed, succeeded):
+        dumped = outcome.model_dump_json()
+        assert "\\u0000" not in dumped and "\\ud800" not in dumped
+        dumped.encode()
+
+
 # --- transport failures ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("exc_type, code", [
@@ -606,13 +646,16 @@ async def test_readback_says_found_not_found_or_cannot_tell(
     assert (result.error is None) == (found is not None)
 
 
-async def test_readback_without_configuration_or_with_epoch_cannot_tell() -> None:
+async def test_readback_without_configuration_cannot_tell() -> None:
     result, provider = await do_readback(make_tool(), status(200))
     assert result.found is None and result.error == "the tool has no readback"
-    tool = make_tool(readback={"url": "http://provider.test/{epoch}"})
-    result, _ = await do_readback(tool, status(200))
-    assert result.found is None and result.error and "epoch" in result.error
     assert provider.requests == []
+
+
+def test_readback_url_with_epoch_is_refused_at_load() -> None:
+    """A readback spans all epochs, so `{epoch}` in its URL is a catalog error, not a 404."""
+    with pytest.raises(ValidationError, match="epoch"):
+        make_tool(readback={"url": "http://provider.test/{epoch}"})
 
 
 # --- adapter loading ------------------------------------------------------------------------

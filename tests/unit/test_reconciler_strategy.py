@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from effectledger_core.catalog import Capabilities, Readback, Tool
+from effectledger_core.digest import digest
 from effectledger_core.messages import ReconcileOperation
 from effectledger_core.states import State
 from effectledger_reconciler import strategy
@@ -95,6 +96,26 @@ def test_a_command_for_another_epoch_is_done_without_any_work(ledger_epoch: int)
 def test_an_operation_no_longer_waiting_for_a_verdict_is_done(state: str) -> None:
     d = run_decide(make_tool(readback=True, webhooks=True), 20, op=view(state=state))
     assert d == Done(f"already decided: the operation is {state}")
+
+
+@pytest.mark.parametrize("ledger", [
+    OperationView(id="op1", state="ambiguous", epoch=2, operation_key="k1", tool="other"),
+    OperationView(id="op1", state="ambiguous", epoch=2, operation_key="k9", tool="t"),
+    OperationView(id="op1", state="ambiguous", epoch=2, operation_key="k1", tool="t",
+                  arguments_digest=digest({"amount": 1})),
+])
+def test_a_command_that_is_not_the_ledgers_operation_is_rejected_before_any_readback(
+        ledger: OperationView) -> None:
+    """Another tool, key or arguments than the ledger's: a readback would ask the provider
+    about another effect, so the command goes to the dead letters instead."""
+    d = run_decide(make_tool(readback=True), 20, op=ledger)
+    assert isinstance(d, Reject) and "not the ledger's operation" in d.reason
+
+
+def test_a_command_matching_the_ledgers_digest_is_read_back() -> None:
+    ledger = OperationView(id="op1", state="ambiguous", epoch=2, operation_key="k1", tool="t",
+                           arguments_digest=digest({}))
+    assert isinstance(run_decide(make_tool(readback=True), 20, op=ledger), NeedReadback)
 
 
 # -- strategy by capability -------------------------------------------------------------------
@@ -334,3 +355,23 @@ def test_after_readback_invariants(answer: ReadbackAnswer) -> None:
             assert answer is ERROR and sent + took >= TIMING.reconcile_deadline_s
         if answer is NOT_FOUND:
             assert (d.verdict == "not_applied") == (sent >= HORIZON)
+
+
+@pytest.mark.parametrize("sent", [NOTICED, HORIZON + 1])
+def test_two_matches_are_a_duplicate_for_review_never_a_quiet_applied(sent: float) -> None:
+    """A readback listing two effects for one key: undecidable (the review queue), with the
+    count in the evidence, whenever the readback ran."""
+    dup = ReadbackAnswer(True, provider_ref="cus_1", digest="sha256:cc", http_status=200,
+                         matches=2)
+    d = run_after(make_tool(readback=True), dup, sent)
+    assert isinstance(d, Decide) and d.verdict == "undecidable"
+    assert d.reason.startswith("duplicate_detected")
+    assert d.evidence is not None and d.evidence.matches == 2
+    assert d.evidence.provider_ref == "cus_1"
+
+
+def test_one_match_is_applied() -> None:
+    one = ReadbackAnswer(True, provider_ref="cus_1", digest="sha256:cc", http_status=200,
+                         matches=1)
+    d = run_after(make_tool(readback=True), one, NOTICED)
+    assert isinstance(d, Decide) and d.verdict == "applied"

@@ -159,7 +159,8 @@ async def test_route_config_shows_and_sets_webhook_flags(rig: Rig) -> None:
                                                   "not_applied_webhooks": True})
     assert r.json() == {"route": "pay", "webhooks": True, "not_applied_webhooks": True}
     assert (await c.get("/_config/routes/pay")).json() == {
-        "route": "pay", "idempotent": True, "webhooks": True, "not_applied_webhooks": True}
+        "route": "pay", "idempotent": True, "webhooks": True, "not_applied_webhooks": True,
+        "scheme": "standard", "url": None}
     for bad in ({}, {"webhooks": "yes"}, {"colour": True}, [True]):
         assert (await c.post("/_config/routes/pay", json=bad)).status_code == 400
 

@@ -152,6 +152,10 @@ def _rejections() -> list[Any]:
                      id="float-timestamp"),
         pytest.param(body, {**ok, "webhook-timestamp": "soon"}, 400, "invalid_timestamp",
                      id="text-timestamp"),
+        pytest.param(body, {**ok, "webhook-timestamp": "253402300800"}, 401,
+                     "timestamp_in_future", id="past-the-year-9999"),
+        pytest.param(body, {**ok, "webhook-timestamp": "999999999999"}, 401,
+                     "timestamp_in_future", id="beyond-datetime"),
         pytest.param(b"{not json", signed(b"{not json"), 400, "invalid_json",
                      id="malformed-json"),
         pytest.param(b"[1, 2]", signed(b"[1, 2]"), 400, "invalid_event", id="json-array"),
@@ -328,3 +332,16 @@ def test_secrets_come_from_settings_json_and_bad_ones_fail_at_start(
     assert "whsec_" not in info.value.details.get("provider", "")
     with pytest.raises(ConfigError, match="provider name"):
         WebhookVerifier({"bad provider": [SECRET]})
+
+
+async def test_nul_and_unpaired_surrogates_in_a_signed_event_are_stored_escaped(
+        client: httpx.AsyncClient, publisher: FakePublisher) -> None:
+    """Provider text a database cannot hold (NUL, "\\ud800") is escaped, not lost: the event
+    still reaches the ledger as evidence."""
+    body = json.dumps({"type": "effect.applied\u0000x", "data": {
+        "id": "ref\u0000\ud800", "idempotency_key": "ck_1", "final": True}}).encode()
+    r = await client.post(URL, content=body, headers=signed(body))
+    assert r.status_code == 200, r.text
+    [(_subject, payload, _msg_id)] = publisher.messages
+    sent = json.loads(payload)
+    assert (sent["event_type"], sent["provider_ref"]) == ("effect.applied\ufffdx", "ref\ufffd?")

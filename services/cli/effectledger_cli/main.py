@@ -49,6 +49,8 @@ def _common(p: argparse.ArgumentParser, *, db: bool = False, nats: bool = False)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import nats_config
+
     parser = argparse.ArgumentParser(prog="effectledger", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -104,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("unsafe-switches",
                    help="list the switches that turn a guarantee off, and which are armed here")
+    nats_config.add_parser(sub)
 
     for name, help_ in (("submit", "submit an intent"), ("show", "show an operation"),
                         ("list", "list operations"),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import logging
 import os
 import secrets
 import signal
@@ -20,9 +21,17 @@ from pathlib import Path
 
 import httpx
 
+from effectledger_bus.permissions import Role, user_name
+from effectledger_core.unsafe import NATS_WITHOUT_PERMISSIONS, check
+
+from . import nats_auth
 from .embedded import free_port, start_nats, wait_for_port
 
 AT_REST = {"succeeded", "failed", "cancelled", "needs_review"}
+DISPATCHER_ID, RECONCILER_ID, TENANT = "dispatcher-1", "reconciler-1", "default"
+# Each child gets its own NATS user and password (nats_auth.child_env), never another's.
+NATS_CREDENTIALS = ("EFFECTLEDGER_NATS_USER", "EFFECTLEDGER_NATS_PASSWORD",
+                    "EFFECTLEDGER_NATS_TOKEN", "EFFECTLEDGER_NATS_CREDS_FILE")
 
 
 def _spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path
@@ -38,9 +47,23 @@ def run_up(args: argparse.Namespace) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     nats_port = args.nats_port or free_port()
     procs: dict[str, subprocess.Popen[bytes]] = {}
+    log = logging.getLogger("effectledger.up")
+    open_nats = check(NATS_WITHOUT_PERMISSIONS, os.environ, log)
     try:
-        procs["nats"] = start_nats(data / "jetstream", nats_port, log_file=logs / "nats.log")
-        env = dict(os.environ)
+        from effectledger_core.config import Settings
+
+        subjects = Settings().subjects  # the prefixes the children will read from the env
+        auth = nats_auth.for_up(data, subjects, port=nats_port, dispatchers=[DISPATCHER_ID],
+                                reconcilers=[RECONCILER_ID], tenants=[TENANT])
+        if open_nats:
+            procs["nats"] = start_nats(data / "jetstream", nats_port, log_file=logs / "nats.log")
+        else:
+            procs["nats"] = nats_auth.start(auth, nats_port, log_file=logs / "nats.log")
+        env = {k: v for k, v in os.environ.items() if k not in NATS_CREDENTIALS}
+
+        def creds(user: str) -> dict[str, str]:
+            return {**env, **auth.child_env(user)}
+
         env.update({
             "EFFECTLEDGER_NATS_URL": f"nats://127.0.0.1:{nats_port}",
             "EFFECTLEDGER_DATABASE_URL": args.database_url or os.environ.get(
@@ -64,18 +87,24 @@ def run_up(args: argparse.Namespace) -> int:
             "sandbox", "--port", str(args.sandbox_port), "--webhook-url", webhook_url,
             "--webhook-secret", secret, "--webhook-routes", "plainhooks"], env, logs)
         wait_for_port("127.0.0.1", args.sandbox_port, 30, procs["sandbox"])
-        procs["ledger"] = _spawn("ledger", ["ledger"], env, logs)
+        procs["ledger"] = _spawn("ledger", ["ledger"], creds("ledger"), logs)
         wait_for_port("127.0.0.1", args.ledger_port, 60, procs["ledger"])
-        procs["dispatcher"] = _spawn("dispatcher", ["dispatcher", "--id", "dispatcher-1"], env,
-                                     logs)
-        procs["reconciler"] = _spawn("reconciler", ["reconciler", "--id", "reconciler-1"], env,
-                                     logs)
+        dispatcher_user = user_name(Role.DISPATCHER, DISPATCHER_ID)
+        reconciler_user = user_name(Role.RECONCILER, RECONCILER_ID)
+        procs["dispatcher"] = _spawn("dispatcher", ["dispatcher", "--id", DISPATCHER_ID],
+                                     creds(dispatcher_user), logs)
+        procs["reconciler"] = _spawn("reconciler", ["reconciler", "--id", RECONCILER_ID],
+                                     creds(reconciler_user), logs)
         wait_for_port("127.0.0.1", args.reconciler_port, 60, procs["reconciler"])
         ledger_url = f"http://127.0.0.1:{args.ledger_port}"
         _wait_ready(ledger_url, procs)
         print(f"ledger: {ledger_url}")
         print(f"sandbox: http://127.0.0.1:{args.sandbox_port}")
-        print(f"nats: nats://127.0.0.1:{nats_port}")
+        print(f"nats: nats://127.0.0.1:{nats_port}"
+              + (" (UNSAFE: no users or permissions)" if open_nats else ""))
+        print(f"agent credentials (tenant {TENANT}, NATS): "
+              f"{auth.credential_file(f'agent-{TENANT}')}")
+        print(f"operator credentials (NATS): {auth.credential_file('operator')}")
         print(f"webhooks: {webhook_url}")
         print(f"logs: {logs}")
         print("try: effectledger submit create_ticket --args '{\"title\": \"hello\"}' --wait 5")

@@ -55,7 +55,8 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     caller = HttpProviderCaller(make_clients(max(16, settings.dispatcher_concurrency * 2)),
                                 env=env)
     dispatcher = Dispatcher(
-        ledger=NatsLedgerClient(nc, settings.subjects, timeout_s=settings.claim_timeout_s),
+        ledger=NatsLedgerClient(nc, settings.subjects, dispatcher_id=settings.dispatcher_id,
+                                timeout_s=settings.claim_timeout_s),
         publisher=JetStreamPublisher(nc.jetstream()), call=caller, catalog=catalog,
         subjects=settings.subjects, dispatcher_id=settings.dispatcher_id,
         ack_wait_s=settings.ack_wait_s, max_deliver=settings.max_deliver, env=env)

@@ -4,10 +4,11 @@
 |---------------------------------------------------|--------------------------------------------|
 | none (the ledger did not answer, or refused)      | `Nak`, doubling from the delivery count    |
 | granted                                           | `Attempt` (the one provider call)          |
+| granted, but for another tool or other arguments  | `Ack` (refused: nothing is sent)           |
 | already claimed, outcome recorded                 | `Ack` (a duplicate of a finished attempt)  |
 | already claimed, claimer may still be mid-call    | `Nak` until its call must have ended       |
 | already claimed, claimer overdue                  | `DeclareLost` (ambiguous; never a call)    |
-| stale epoch, not claimable, not found             | `Ack` (the ledger journaled the refusal)   |
+| stale epoch, not claimable, not found, mismatch   | `Ack` (the ledger journaled the refusal)   |
 
 "Mid-call" is judged by the tool's timeout plus `LOST_GRACE_S`: a duplicate delivery (a sweeper
 republish, a redelivery) while the claimer may still be calling the provider comes back once
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from effectledger_bus.backoff import nak_backoff
+from effectledger_core.commands import mismatch
 from effectledger_core.messages import ClaimReply, ClaimStatus
 
 # Beyond a tool's timeout, how long a claim may go unanswered before it is presumed lost.
@@ -41,7 +43,7 @@ class Attempt:
 
 @dataclass(frozen=True, slots=True)
 class Ack:
-    reason: Literal["duplicate", "stale"]
+    reason: Literal["duplicate", "stale", "command_mismatch"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +63,23 @@ Decision = Attempt | Ack | Nak | DeclareLost
 
 
 def decide(reply: ClaimReply | None, *, attempt_id: str, deliveries: int,
-           tool_timeout_s: float, skip_claim: bool = False) -> Decision:
-    """The dispatcher's next step for one command, from the ledger's claim reply."""
+           tool_timeout_s: float, skip_claim: bool = False, tool: str | None = None,
+           arguments_digest: str | None = None) -> Decision:
+    """The dispatcher's next step for one command, from the ledger's claim reply.
+
+    `tool` and `arguments_digest` are those of the command about to be sent (the digest computed
+    here from its arguments, not copied from the message): a grant for anything else is refused.
+    """
     if reply is None:
         return Nak(nak_backoff(deliveries, base_s=UNANSWERED_BASE_S, cap_s=UNANSWERED_CAP_S),
                    "claim_unanswered")
     if reply.status is ClaimStatus.GRANTED:
+        if tool is not None and reply.tool is not None and mismatch(
+                ledger_tool=reply.tool, ledger_digest=reply.arguments_digest, tool=tool,
+                digest_=arguments_digest) is not None:
+            # The claim stays unreported; the lost-outcome sweep hands it to reconciliation,
+            # which finds nothing sent. Calling would run a command the ledger never accepted.
+            return Ack("command_mismatch")
         return Attempt(reply.attempt_id or attempt_id)
     if reply.status is not ClaimStatus.ALREADY_CLAIMED:
         return Ack("stale")

@@ -55,9 +55,12 @@ class ProviderCaller(Protocol):
 
 
 class NatsLedgerClient:
-    def __init__(self, nc: NatsClient, subjects: Subjects, *, timeout_s: float = 5.0) -> None:
+    def __init__(self, nc: NatsClient, subjects: Subjects, *, dispatcher_id: str,
+                 timeout_s: float = 5.0) -> None:
         self.nc = nc
-        self.subject = subjects.rpc_claim
+        # The dispatcher's own claim subject: NATS lets it publish there only, so the ledger
+        # records the claim's holder from the subject (see effectledger_bus.permissions).
+        self.subject = subjects.rpc_claim_by(dispatcher_id)
         self.timeout_s = timeout_s
 
     async def claim(self, claim: ClaimAttempt) -> ClaimAnswer:

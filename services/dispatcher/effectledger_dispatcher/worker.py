@@ -26,6 +26,7 @@ from effectledger_bus.publish import publish_with_retries
 from effectledger_bus.rpc import NoReply
 from effectledger_core import unsafe
 from effectledger_core.catalog import Catalog, Tool
+from effectledger_core.commands import arguments_digest
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import (
     BrokerUnavailable,
@@ -125,12 +126,18 @@ class Dispatcher:
         window = SendWindow.for_horizon(self.monotonic(), tool.horizon_s)
         reply = await self._claim(cmd, attempt_id, d)
         step = decision.decide(reply, attempt_id=attempt_id, deliveries=d.deliveries,
-                               tool_timeout_s=tool.timeout_s, skip_claim=self.skip_claim)
+                               tool_timeout_s=tool.timeout_s, skip_claim=self.skip_claim,
+                               tool=cmd.tool, arguments_digest=arguments_digest(cmd.arguments))
         self._note_claim(key, attempt_id, reply)
         if isinstance(step, decision.Nak):
             await d.nak(delay=step.delay_s)
             return
         if isinstance(step, decision.Ack):
+            if step.reason == "command_mismatch" or (
+                    reply is not None and reply.status is ClaimStatus.COMMAND_MISMATCH):
+                log.error("refused %s epoch %d: the command (tool %r) is not the ledger's "
+                          "operation: %s", cmd.operation_id, cmd.epoch, cmd.tool[:64],
+                          (reply.reason if reply is not None else None) or "the grant differs")
             await d.ack()
             return
         if isinstance(step, decision.Attempt):
@@ -197,8 +204,11 @@ class Dispatcher:
     async def _claim(self, cmd: DispatchAttempt, attempt_id: str,
                      d: Delivery) -> ClaimReply | None:
         """The ledger's claim reply; None if it did not answer or refused the request."""
+        # The digest is computed from the arguments this process would send, never copied from
+        # the command's own `arguments_digest` field, which a forger writes as easily.
         request = ClaimAttempt(operation_id=cmd.operation_id, epoch=cmd.epoch,
-                               attempt_id=attempt_id, dispatcher_id=self.dispatcher_id)
+                               attempt_id=attempt_id, dispatcher_id=self.dispatcher_id,
+                               tool=cmd.tool, arguments_digest=arguments_digest(cmd.arguments))
         # Retrying with the same attempt id is safe: the ledger re-grants the same attempt.
         for tries in range(CLAIM_TRIES):
             if tries:
@@ -224,7 +234,8 @@ class Dispatcher:
         try:
             # Not a heartbeat before the first try: the call's heartbeat covered us until now.
             await publish_with_retries(
-                self.publisher, self.subjects.outcome(outcome.type), encode(outcome),
+                self.publisher, self.subjects.outcome_by(self.dispatcher_id, outcome.type),
+                encode(outcome),
                 msg_id=msgids.outcome(outcome), within_s=self._publish_window(),
                 before_retry=lambda: keep(d))
         except BrokerUnavailable as exc:

@@ -8,14 +8,16 @@ with the operator's name from the token.
 # No `from __future__ import annotations` here: FastAPI resolves string annotations in the
 # module's globals, so the `Who` dependency (local to create_app) would silently become a
 # required query parameter `p` on every route.
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from effectledger_core.errors import (
     EffectLedgerError,
@@ -25,14 +27,31 @@ from effectledger_core.errors import (
 )
 from effectledger_core.limits import MAX_HTTP_BODY_BYTES, MAX_IDENTIFIER_BYTES
 from effectledger_core.messages import SubmitIntent, parse
+from effectledger_core.quotas import retry_after_header
 from effectledger_core.recovery import Conclusion, Review
 
 from . import console
 from .auth import Authenticator, Forbidden, Principal, check_tenant, operator_name
 from .service import LedgerService
 
-Bounded = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDENTIFIER_BYTES)]
-Text = Annotated[str, StringConstraints(max_length=MAX_IDENTIFIER_BYTES)]
+log = logging.getLogger(__name__)
+
+def _storable(value: str) -> str:
+    # Journaled as jsonb on PostgreSQL, which holds neither NUL nor an unpaired surrogate: a
+    # clear 422 here instead of a failed transaction (a 500).
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode (no unpaired surrogates)") from None
+    return value
+
+
+Bounded = Annotated[str, StringConstraints(min_length=1, max_length=MAX_IDENTIFIER_BYTES),
+                    AfterValidator(_storable)]
+Text = Annotated[str, StringConstraints(max_length=MAX_IDENTIFIER_BYTES),
+                 AfterValidator(_storable)]
 
 
 class _Body(BaseModel):
@@ -85,11 +104,17 @@ async def read_bounded(request: Request, limit: int = MAX_HTTP_BODY_BYTES) -> by
         if int(declared) > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Anyone can do this, unauthenticated: one line, not a traceback per request.
+        log.info("%s %s: the client went away mid-body", request.method,
+                 request.url.path[:200])
+        raise InvalidRequest("the client disconnected before sending the whole body") from None
     return b"".join(chunks)
 
 
@@ -114,7 +139,8 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
 
     async def visible(p: Principal, operation_id: str) -> dict[str, Any]:
         op = await service.operation(operation_id)
-        check_tenant(p, op["tenant"])
+        # Another tenant's operation reads exactly like a missing one, message included.
+        check_tenant(p, op["tenant"], operation_id)
         return op
 
     @app.exception_handler(EffectLedgerError)
@@ -123,6 +149,9 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
         if exc.http_status == 401:
             # RFC 9110: a 401 names the scheme the client must use.
             response.headers["WWW-Authenticate"] = 'Bearer realm="effectledger"'
+        wait = exc.details.get("retry_after_s")
+        if exc.http_status == 429 and isinstance(wait, int | float):
+            response.headers["Retry-After"] = retry_after_header(wait)
         return response
 
     @app.exception_handler(RequestValidationError)

@@ -12,11 +12,13 @@ from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
 from effectledger_bus.connect import connect_client
+from effectledger_bus.httpedge import server_config
 from effectledger_bus.pull import PullConsumer
 from effectledger_bus.rpc import RequestServer
 from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
+from effectledger_core.quotas import QuotaLimits
 
 from .api import create_app
 from .auth import Authenticator
@@ -37,7 +39,12 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         await upgrade_when_reachable(store, wait_s=settings.db_startup_wait_s)
     service = LedgerService(store=store, catalog=catalog, subjects=settings.subjects,
                             batch_max=settings.db_batch_max,
-                            batch_workers=settings.db_batch_workers)
+                            batch_workers=settings.db_batch_workers,
+                            quotas=QuotaLimits(
+                                rate_per_s=settings.tenant_rate_per_s,
+                                burst=settings.tenant_burst,
+                                max_in_flight=settings.tenant_max_in_flight,
+                                max_awaiting_approval=settings.tenant_max_awaiting_approval))
 
     # The database is the ledger's only hard dependency: it listens and accepts intents,
     # approvals and reads while NATS is down or not yet reachable. The outbox keeps every
@@ -52,9 +59,10 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
 
     app = create_app(service, ready=ready,
                      auth=Authenticator(settings.agent_tokens, settings.operator_tokens))
-    server = uvicorn.Server(uvicorn.Config(
+    server = uvicorn.Server(server_config(
         app, host=settings.ledger_host, port=settings.ledger_port, log_level="warning",
-        access_log=False, lifespan="off"))
+        access_log=False, lifespan="off", header_timeout_s=settings.http_header_timeout_s,
+        body_timeout_s=settings.http_body_timeout_s))
     watcher = asyncio.create_task(_announce(server, settings, plane_task, started))
     try:
         await server.serve()

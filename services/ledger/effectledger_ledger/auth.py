@@ -93,9 +93,11 @@ def operator_name(p: Principal, claimed: str | None) -> str:
     return claimed
 
 
-def check_tenant(p: Principal, tenant: str) -> None:
+def check_tenant(p: Principal, tenant: str, operation_id: str | None = None) -> None:
     if p.role == "agent" and p.tenant != tenant:
-        # Not found rather than forbidden: agents learn nothing about other tenants.
+        # Not found rather than forbidden, worded as for a missing operation (db/reads.py):
+        # agents learn nothing about other tenants.
         from effectledger_core.errors import NotFound
 
-        raise NotFound("operation not found")
+        raise NotFound(f"operation {operation_id!r} not found" if operation_id is not None
+                       else "operation not found")

@@ -17,9 +17,12 @@ from effectledger_bus.backoff import nak_backoff
 from effectledger_bus.delivery import Delivery, dead_letter, message_id
 from effectledger_bus.pull import PullConsumer
 from effectledger_bus.rpc import RequestServer
+from effectledger_core.commands import arguments_digest
 from effectledger_core.config import Settings
 from effectledger_core.errors import (
     EffectLedgerError,
+    InvalidRequest,
+    NotFound,
     PayloadTooLarge,
     PoisonMessage,
 )
@@ -55,7 +58,11 @@ def _error_reply(exc: EffectLedgerError) -> bytes:
 def _summary(op: dict[str, Any], *, with_ref: bool) -> OperationSummary:
     return OperationSummary(id=op["id"], state=op["state"], epoch=op["epoch"],
                             operation_key=op["operation_key"], tool=op["tool"],
-                            provider_ref=op.get("provider_ref") if with_ref else None)
+                            provider_ref=op.get("provider_ref") if with_ref else None,
+                            # Of the arguments as stored, which is what every reconcile
+                            # command is rendered from (jsonb may rewrite a large number).
+                            arguments_digest=arguments_digest(op["arguments"])
+                            if "arguments" in op else op.get("arguments_digest"))
 
 
 class Requests:
@@ -75,12 +82,62 @@ class Requests:
         return encode(IntentReply(created=submitted.created,
                                   operation=_summary(submitted.operation, with_ref=False)))
 
+    async def intent_for(self, subject: str, raw: bytes) -> bytes:
+        """An agent's intent on its tenant's subject: the tenant is the subject's, whatever the
+        payload says (NATS lets an agent publish only on its own tenant's subject)."""
+        try:
+            tenant = self.service.subjects.tenant_of(subject)
+            intent = parse(SubmitIntent, raw)
+            if tenant is None:
+                raise InvalidRequest(f"no tenant in subject {subject[:200]!r}")
+            if "tenant" in intent.model_fields_set and intent.tenant != tenant:
+                raise InvalidRequest(f"tenant {intent.tenant!r} in the payload differs from "
+                                     f"the credentials' tenant {tenant!r}")
+            bound = intent.model_copy(update={"tenant": tenant})
+            submitted = await self.service.submit(bound, actor=f"agent:{tenant}")
+        except EffectLedgerError as exc:
+            return _error_reply(exc)
+        return encode(IntentReply(created=submitted.created,
+                                  operation=_summary(submitted.operation, with_ref=False)))
+
+    async def operation_for(self, subject: str, raw: bytes) -> bytes:
+        """An agent's read: another tenant's operation reads exactly like a missing one."""
+        try:
+            tenant = self.service.subjects.tenant_of(subject)
+            query = parse(OperationQuery, raw)
+            try:
+                op = await self.service.operation(query.operation_id)
+            except NotFound:
+                op = None
+            if op is None or tenant is None or op.get("tenant") != tenant:
+                raise NotFound(f"operation {query.operation_id!r} not found")
+        except EffectLedgerError as exc:
+            return _error_reply(exc)
+        return encode(OperationReply(operation=_summary(op, with_ref=False)))
+
     async def claim(self, raw: bytes) -> bytes:
         try:
             claim = parse(ClaimAttempt, raw)
             return encode(await self.service.claim(claim))
         except EffectLedgerError as exc:
             # No reply would leave the dispatcher waiting; an error reply makes it retry later.
+            return _error_reply(exc)
+
+    async def claim_by(self, subject: str, raw: bytes) -> bytes:
+        """A claim on a dispatcher's own subject: the holder recorded is the subject's sender,
+        so a claim in another dispatcher's name is refused."""
+        try:
+            sender = self.service.subjects.rpc_tail(subject, self.service.subjects.rpc_claim)
+            claim = parse(ClaimAttempt, raw)
+            if sender != claim.dispatcher_id:
+                raise InvalidRequest(f"claim for dispatcher {claim.dispatcher_id!r} sent on "
+                                     f"{subject[:200]!r}: a dispatcher claims only in its "
+                                     "own name")
+            if claim.tool is None or claim.arguments_digest is None:
+                raise InvalidRequest("a claim must name the tool and the arguments digest of "
+                                     "the command it is for")
+            return encode(await self.service.claim(claim))
+        except EffectLedgerError as exc:
             return _error_reply(exc)
 
     async def operation(self, raw: bytes) -> bytes:
@@ -94,13 +151,23 @@ class Requests:
 
 async def serve_requests(nc: NatsClient, settings: Settings,
                          service: LedgerService) -> RequestServer:
-    """Intents, claims and operation reads (request-reply), queue group `ledger`."""
+    """Intents, claims and operation reads (request-reply), queue group `ledger`.
+
+    The subjects naming a sender (`.tenant.<tenant>.intents`, `.tenant.<tenant>.operation`,
+    `.claim.<dispatcher id>`) bind it: NATS permissions let each principal publish only
+    on its own. The plain subjects serve trusted callers (operator tools, older dispatchers)."""
     subjects, handlers = settings.subjects, Requests(service)
     server = RequestServer(nc)
     await server.serve(subjects.rpc_intents, handlers.intent, queue="ledger", concurrency=256)
+    await server.serve_by_subject(subjects.rpc_intents_for("*"), handlers.intent_for,
+                                  queue="ledger", concurrency=256)
     await server.serve(subjects.rpc_claim, handlers.claim, queue="ledger", concurrency=256)
+    await server.serve_by_subject(subjects.rpc_claim_by(">"), handlers.claim_by,
+                                  queue="ledger", concurrency=256)
     await server.serve(subjects.rpc_operation, handlers.operation, queue="ledger",
                        concurrency=16)
+    await server.serve_by_subject(subjects.rpc_operation_for("*"), handlers.operation_for,
+                                  queue="ledger", concurrency=16)
     return server
 
 
@@ -154,5 +221,13 @@ async def _handle_event(service: LedgerService, d: Delivery) -> None:
     elif isinstance(event, WebhookReceived):
         await service.record_webhook(event)  # deduplicated by (provider, webhook id)
     else:
+        sender = service.subjects.outcome_sender(d.subject)
+        if sender is not None and sender != event.dispatcher_id:
+            # The subject is the sender's identity (only that dispatcher may publish on it);
+            # an outcome claiming another dispatcher's name is a forgery, kept as evidence.
+            await service.record_dead_letter(dead_letter(
+                d, consumer=INBOX_CONSUMER,
+                error=f"outcome from {sender!r} names dispatcher {event.dispatcher_id!r}"))
+            return
         await service.record_outcome(event, consumer=INBOX_CONSUMER,
                                      message_id=msg_id or msgids.outcome(event))

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy.exc import IntegrityError
 
-from effectledger_core.catalog import Catalog
+from effectledger_core.argschema import check_arguments
+from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import UnknownTool
 from effectledger_core.failures import Failure
@@ -26,12 +27,13 @@ from effectledger_core.messages import (
     VerdictReached,
     WebhookReceived,
 )
+from effectledger_core.quotas import QuotaLimits, TenantRates, check_open, check_rate
 from effectledger_core.recovery import Assessment, Review, inspect_recovery, prepare_retry
 from effectledger_core.retry_policy import RetryBudget, RetryContext, RetryDecision, decide_retry
-from effectledger_core.states import State
+from effectledger_core.states import ACTIVE, State
 from effectledger_core.subjects import Subjects
 
-from .db import reads
+from .db import duplicates, reads
 from .db import recovery as rec
 from .db.batch import GroupCommit
 from .db.claims import ClaimCall
@@ -68,8 +70,11 @@ class LedgerService:
     # the app once NATS is connected. Without it every command goes through the relay.
     publisher: DirectPublisher | None = None
     direct_lease_s: float = 10.0
+    quotas: QuotaLimits = field(default_factory=QuotaLimits)  # all off unless configured
+    rates: TenantRates = field(init=False)
 
     def __post_init__(self) -> None:
+        self.rates = TenantRates(self.quotas.rate_per_s, self.quotas.burst)
         workers = self.batch_workers or 1
         self.writes = GroupCommit(self.store, name="ledger", max_batch=self.batch_max,
                                   workers=workers)
@@ -97,7 +102,11 @@ class LedgerService:
         return decision
 
     async def submit(self, intent: SubmitIntent, *, actor: str = "agent") -> Submitted:
-        self.catalog.get(intent.tool)  # unknown tool: a clear error before any transaction
+        # Unknown tool or arguments the tool can never be sent with: a clear error (422, with
+        # the JSON pointer of each bad field) before any transaction, so nothing is enqueued.
+        tool = self.catalog.get(intent.tool)
+        check_arguments(tool, intent.arguments)
+        await self._admit(intent, tool)
         direct = self.publisher is not None and self.direct_lease_s > 0
         for _ in range(3):
             now = self.clock()
@@ -119,6 +128,31 @@ class LedgerService:
             return result
         raise RuntimeError("intent submission kept conflicting")
 
+    async def _admit(self, intent: SubmitIntent, tool: Tool) -> None:
+        """The tenant's quotas (HTTP and NATS intents both come here); QuotaExceeded if over.
+
+        The counts are read before the intent's own transaction, so concurrent submissions of
+        one tenant may overshoot a count limit by their number: a bound, not an exact cap."""
+        q = self.quotas
+        if not q.any:
+            return
+        check_rate(self.rates, intent.tenant, time.monotonic())
+        gated = q.max_awaiting_approval > 0 and tool.commit_policy == "approval"
+        if q.max_in_flight <= 0 and not gated:
+            return
+        async with self.store.transaction() as conn:
+            if q.max_in_flight > 0:
+                n = await reads.count_in_states(conn, intent.tenant, ACTIVE,
+                                                cap=q.max_in_flight)
+                check_open(q.max_in_flight, n, tenant=intent.tenant, what="in flight",
+                           retry_after_s=1.0)
+            if gated:
+                n = await reads.count_in_states(conn, intent.tenant,
+                                                {State.AWAITING_APPROVAL},
+                                                cap=q.max_awaiting_approval)
+                check_open(q.max_awaiting_approval, n, tenant=intent.tenant,
+                           what="awaiting approval", retry_after_s=60.0)
+
     async def claim(self, claim: ClaimAttempt) -> ClaimReply:
         for _ in range(3):
             try:
@@ -131,7 +165,8 @@ class LedgerService:
                              message_id: str) -> Recorded:
         result = await self.writes.call(OutcomeCall(
             outcome, consumer=consumer, message_id=message_id, subjects=self.subjects,
-            now=self.clock(), ambiguous_outbox_id=self.ids(), decide_retry=self.decide_retry))
+            now=self.clock(), ambiguous_outbox_id=self.ids(), decide_retry=self.decide_retry,
+            webhook_binding=self.catalog.webhook_speaks_for))
         crash_point("ledger.inbox.after_commit")
         if result.to_state in _NEW_COMMAND:
             self.outbox_wake.set()
@@ -147,12 +182,17 @@ class LedgerService:
             decide_retry=self.decide_retry)
         if result.to_state == State.PENDING:
             self.outbox_wake.set()
+        evidence = verdict.evidence
+        if result.status == "applied" and evidence is not None and (evidence.matches or 0) > 1:
+            op = await self.operation(verdict.operation_id)  # rare: one read for the label
+            duplicates.announce(op["tool"], evidence.matches or 0, verdict.operation_id)
         return result
 
     async def record_webhook(self, hook: WebhookReceived) -> Recorded:
         result = await self.store.run(
             record_webhook_txn, hook, now=self.clock(), subjects=self.subjects,
-            outbox_id=self.ids(), decide_retry=self.decide_retry)
+            outbox_id=self.ids(), decide_retry=self.decide_retry,
+            tools=self.catalog.webhook_tools(hook.provider))
         if result.to_state == State.PENDING:
             self.outbox_wake.set()
         return result
@@ -163,7 +203,8 @@ class LedgerService:
 
         return await self.store.run(sweep_lost_outcomes_txn, now=self.clock(),
                                     older_than_s=older_than_s, subjects=self.subjects,
-                                    new_id=self.ids, decide_retry=self.decide_retry)
+                                    new_id=self.ids, decide_retry=self.decide_retry,
+                                    webhook_binding=self.catalog.webhook_speaks_for)
 
     async def record_dead_letter(self, letter: DeadLetter) -> None:
         await self.store.run(record_dead_letter_txn, letter, now=self.clock())

@@ -14,6 +14,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from starlette.applications import Starlette
 
 from effectledger_bus.connect import connect_client
+from effectledger_bus.httpedge import server_config
 from effectledger_bus.publish import JetStreamPublisher
 from effectledger_bus.pull import PullConsumer
 from effectledger_bus.streams import ensure_streams
@@ -24,6 +25,7 @@ from effectledger_providers.adapters import load_adapter
 from effectledger_providers.calls import make_client
 
 from .ledger_client import NatsLedgerClient
+from .native import NativeWebhooks
 from .signatures import WebhookVerifier
 from .strategy import Timing
 from .webhooks import create_app
@@ -67,7 +69,8 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         load_adapter(tool)  # a bad adapter path fails the deployment, not each operation
     skip = skip_verification_requested()
     verifier = build_verifier(settings, skip=skip)  # bad secrets fail before connecting
-    if not verifier.providers and not skip:
+    native = NativeWebhooks.from_catalog(catalog, os.environ)  # so do missing native secrets
+    if not verifier.providers and not native.providers and not skip:
         log.warning("no webhook secrets configured (EFFECTLEDGER_WEBHOOK_SECRETS): every "
                     "webhook will be refused")
     # The client exists before the broker answers: the webhook endpoint listens from the
@@ -80,14 +83,16 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         subjects=settings.subjects, reconciler_id=settings.reconciler_id,
         readback=http_readback(http, dict(os.environ)),
         timing=Timing(reconcile_deadline_s=settings.reconcile_deadline_s,
-                      webhook_wait_s=settings.webhook_wait_s))
+                      webhook_wait_s=settings.webhook_wait_s,
+                      audit_slack_s=settings.audit_slack_s))
     consumer = build_consumer(nc, settings, reconciler)
 
     async def ready() -> dict[str, bool]:
         return {"nats": nc.is_connected}
 
     app = create_app(verifier=verifier, publisher=publisher, subjects=settings.subjects,
-                     max_body_bytes=settings.webhook_max_body_bytes, ready=ready)
+                     max_body_bytes=settings.webhook_max_body_bytes, ready=ready,
+                     native=native)
     app.state.reconciler = reconciler
     listening = asyncio.Event()
     nats_side = asyncio.create_task(_start_nats(nc, settings, consumer), name="nats")
@@ -134,9 +139,10 @@ async def _announce(settings: Settings, listening: asyncio.Event,
 
 async def _serve_http(app: Starlette, settings: Settings, listening: asyncio.Event) -> None:
     """Run uvicorn until it stops (SIGINT/SIGTERM, handled by uvicorn) or is cancelled."""
-    server = uvicorn.Server(uvicorn.Config(
+    server = uvicorn.Server(server_config(
         app, host=settings.reconciler_host, port=settings.reconciler_port, log_level="warning",
-        access_log=False, lifespan="off"))
+        access_log=False, lifespan="off", header_timeout_s=settings.http_header_timeout_s,
+        body_timeout_s=settings.http_body_timeout_s))
     task = asyncio.create_task(_run(server, settings))
     try:
         while not server.started:  # uvicorn exposes a flag, not an event

@@ -57,7 +57,7 @@ def operation_view(answer: OperationAnswer) -> OperationView | None:
     op = answer.operation
     return OperationView(id=op.id, state=op.state, epoch=op.epoch,
                          operation_key=op.operation_key, tool=op.tool,
-                         provider_ref=op.provider_ref)
+                         provider_ref=op.provider_ref, arguments_digest=op.arguments_digest)
 
 
 def parse_operation_reply(raw: bytes) -> OperationView | None:

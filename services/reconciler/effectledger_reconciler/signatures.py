@@ -117,7 +117,11 @@ class WebhookVerifier:
         if not _TIMESTAMP.match(raw_ts):
             raise WebhookRejected(400, "invalid_timestamp",
                                   "webhook-timestamp must be integer seconds since the epoch")
-        signed_at = datetime.fromtimestamp(int(raw_ts), tz=UTC)
+        signed_at = _instant(raw_ts)
+        if signed_at is None:
+            # Past datetime's range (253402300800 is the year 10000): out of any tolerance.
+            raise WebhookRejected(401, "timestamp_in_future",
+                                  "webhook-timestamp is outside any tolerance")
         skew = (signed_at - self.clock()).total_seconds()
         if skew < -self.tolerance_s:
             raise WebhookRejected(401, "timestamp_too_old",
@@ -146,8 +150,16 @@ class WebhookVerifier:
     def _timestamp_or_now(self, headers: Mapping[str, str]) -> datetime:
         raw = headers.get("webhook-timestamp") or ""
         if _TIMESTAMP.match(raw):
-            return datetime.fromtimestamp(int(raw), tz=UTC)
+            return _instant(raw) or self.clock()
         return self.clock()
+
+
+def _instant(raw: str) -> datetime | None:
+    """Integer seconds since the epoch as a UTC instant; None when no datetime can hold it."""
+    try:
+        return datetime.fromtimestamp(int(raw), tz=UTC)
+    except (OverflowError, OSError, ValueError):
+        return None
 
 
 def _signatures(header: str) -> list[bytes]:

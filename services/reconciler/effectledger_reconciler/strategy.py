@@ -26,6 +26,7 @@ from typing import Literal
 
 from effectledger_bus.backoff import nak_backoff
 from effectledger_core.catalog import Tool
+from effectledger_core.commands import arguments_digest, mismatch
 from effectledger_core.messages import Evidence, ReconcileOperation
 
 # States in which the ledger still waits for a verdict for the operation's current epoch.
@@ -44,6 +45,8 @@ class Timing:
     webhook_wait_s: float = 300.0
     backoff_base_s: float = 0.5
     backoff_cap_s: float = 30.0
+    # The duplicate audit re-reads this long after the provider's horizon (audit.py).
+    audit_slack_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +59,7 @@ class OperationView:
     operation_key: str | None = None
     tool: str | None = None
     provider_ref: str | None = None
+    arguments_digest: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,7 @@ class ReadbackAnswer:
     digest: str | None = None
     http_status: int | None = None
     error: str | None = None
+    matches: int | None = None  # effects listed for the key (readback.count_path)
 
 
 # -- decisions ------------------------------------------------------------------------------
@@ -108,6 +113,7 @@ class NeedReadback:
 
 
 Decision = Done | Wait | Decide | Reject | NeedReadback
+AfterReadback = Decide | Wait | Done  # Done: an audit that found nothing to report
 
 
 def backoff(deliveries: int, timing: Timing) -> float:
@@ -149,6 +155,10 @@ def decide(cmd: ReconcileOperation, op: OperationView | None, tool: Tool | None,
     `op` is the ledger's answer (None: the ledger does not know the operation); `tool` is the
     catalog entry for `cmd.tool` (None: not in this reconciler's catalog).
     """
+    if cmd.cause == "audit":
+        from . import audit  # audit builds on this module's types: imported where used
+
+        return audit.decide(cmd, op, tool, now=now, deliveries=deliveries, timing=timing)
     if op is None:
         return Reject(f"the ledger does not know operation {cmd.operation_id!r}")
     if op.epoch != cmd.epoch:
@@ -156,6 +166,11 @@ def decide(cmd: ReconcileOperation, op: OperationView | None, tool: Tool | None,
                     f"epoch {cmd.epoch}")
     if op.state not in OPEN_STATES:
         return Done(f"already decided: the operation is {op.state}")
+    wrong = command_mismatch(cmd, op)
+    if wrong is not None:
+        # A readback built from another tool's or other arguments would ask the provider about
+        # a different effect, and its answer would decide this operation: never act on it.
+        return Reject(_bounded(f"the command is not the ledger's operation: {wrong}"))
     if tool is None:
         # The ledger accepted the tool, so our catalog is behind: wait for a rollout, and
         # give the operation to a human once the reconciliation deadline has passed.
@@ -180,12 +195,37 @@ def decide(cmd: ReconcileOperation, op: OperationView | None, tool: Tool | None,
     return Decide("undecidable", "no readback or webhook oracle")
 
 
+def command_mismatch(cmd: ReconcileOperation, op: OperationView) -> str | None:
+    """Why the command differs from the ledger's view of its operation, or None."""
+    if op.operation_key is not None and op.operation_key != cmd.operation_key:
+        return "the command's operation key is not the operation's"
+    if op.tool is None:
+        return None
+    return mismatch(ledger_tool=op.tool, ledger_digest=op.arguments_digest, tool=cmd.tool,
+                    digest_=arguments_digest(cmd.arguments))
+
+
 def after_readback(cmd: ReconcileOperation, tool: Tool, answer: ReadbackAnswer, *,
                    sent_at: datetime, answered_at: datetime, deliveries: int,
-                   timing: Timing) -> Decide | Wait:
+                   timing: Timing) -> AfterReadback:
     """The decision once the readback (sent at `sent_at`) has answered at `answered_at`."""
+    if cmd.cause == "audit":
+        from . import audit
+
+        return audit.after_readback(cmd, tool, answer, answered_at=answered_at,
+                                    deliveries=deliveries, timing=timing)
     horizon = horizon_at(cmd, tool)
     status = f"HTTP {answer.http_status}" if answer.http_status is not None else "no answer"
+    if answer.found is True and answer.matches is not None and answer.matches > 1:
+        # More than one effect for one key: the provider applied the request more than once.
+        # That is not a quiet "applied": the ledger records duplicate_detected and a human
+        # decides (refund, cancel the extra effect) from the review queue.
+        return Decide("undecidable", _bounded(
+            f"duplicate_detected: the provider's readback lists {answer.matches} effects for "
+            f"this operation key"), Evidence(
+                source="readback", at=answered_at, provider_ref=answer.provider_ref,
+                digest=answer.digest, matches=answer.matches,
+                detail=f"readback found {answer.matches} effects for one key ({status})"))
     if answer.found is True:
         return Decide("applied", "the provider's readback shows the effect", Evidence(
             source="readback", at=answered_at, provider_ref=answer.provider_ref,

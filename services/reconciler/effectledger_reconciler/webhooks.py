@@ -7,6 +7,9 @@ Steps, each one able to refuse with a 4xx JSON error before anything is publishe
 3. Standard Webhooks verification (signatures.py): signature over the raw bytes, any active
    secret, timestamp within the tolerance both ways (401; malformed headers 400);
 4. the event is parsed into `WebhookReceived` (malformed JSON 400, out-of-bounds fields 422).
+A provider declared in the catalog (`[webhooks.<provider>]`, native.py) is verified by its own
+scheme (schemes.py: standard, stripe, github, hmac_header) and its events are read through the
+catalog's paths and event-type table instead of steps 1, 3 and 4; ignored types get 200.
 Then the message is published to `<prefix>.ledger.v1.webhook` with
 `Nats-Msg-Id = webhook:<provider>:<webhook-id>` and the answer is 2xx only after JetStream's
 publish-ack; if NATS cannot store it the answer is 503, so the provider retries. A valid
@@ -33,7 +36,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -45,6 +48,7 @@ from effectledger_core.ids import Clock, utcnow
 from effectledger_core.messages import WebhookReceived, encode
 from effectledger_core.subjects import Subjects
 
+from .native import NativeWebhooks
 from .signatures import Verified, WebhookRejected, WebhookVerifier
 
 log = logging.getLogger(__name__)
@@ -74,11 +78,16 @@ async def read_bounded(request: Request, limit: int) -> bytes:
             raise WebhookRejected(413, "payload_too_large", f"body exceeds {limit} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise WebhookRejected(413, "payload_too_large", f"body exceeds {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise WebhookRejected(413, "payload_too_large", f"body exceeds {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        # Unauthenticated senders can do this at will: one log line (below), no traceback.
+        raise WebhookRejected(400, "client_disconnected",
+                              "the client went away before sending the whole body") from None
     return b"".join(chunks)
 
 
@@ -123,31 +132,42 @@ RETRY_AFTER_S = "5"
 
 class _Ingest:
     def __init__(self, verifier: WebhookVerifier, publisher: Publisher, subjects: Subjects,
-                 clock: Clock, max_body_bytes: int, ready: Ready | None) -> None:
+                 clock: Clock, max_body_bytes: int, ready: Ready | None,
+                 native: NativeWebhooks | None = None) -> None:
         self.verifier = verifier
+        self.native = native
         self.publisher = publisher
         self.subjects = subjects
         self.clock = clock
         self.max_body_bytes = max_body_bytes
         self.ready_check = ready
         self.stats: dict[str, int] = {"accepted": 0, "duplicates": 0, "rejected": 0,
-                                      "unavailable": 0}
+                                      "unavailable": 0, "ignored": 0}
 
     async def receive(self, request: Request) -> Response:
         provider: str = request.path_params["provider"]
         try:
-            self.verifier.check_provider(provider)  # before reading any of the body
-            body = await read_bounded(request, self.max_body_bytes)
-            verified = self.verifier.verify(provider, request.headers, body)
-            message = to_message(provider, verified, body, self.clock())
+            if self.native is not None and provider in self.native:
+                # Declared in the catalog: the provider's own scheme and event shape.
+                body = await read_bounded(request, self.max_body_bytes)
+                native = self.native.message(provider, request.headers, body, self.clock())
+                if native is None:
+                    self.stats["ignored"] += 1
+                    return JSONResponse({"ok": True, "ignored": True})
+                message = native
+            else:
+                self.verifier.check_provider(provider)  # before reading any of the body
+                body = await read_bounded(request, self.max_body_bytes)
+                verified = self.verifier.verify(provider, request.headers, body)
+                message = to_message(provider, verified, body, self.clock())
+                if not verified.verified:
+                    log.warning("UNSAFE: webhook %r from %r accepted WITHOUT signature "
+                                "verification", verified.webhook_id, provider)
         except WebhookRejected as exc:
             self.stats["rejected"] += 1
             log.info("webhook from %r rejected: %s (%s)", provider[:64], exc.code, exc.message)
             return error(exc.status, exc.code, exc.message)
-        if not verified.verified:
-            log.warning("UNSAFE: webhook %r from %r accepted WITHOUT signature verification",
-                        verified.webhook_id, provider)
-        msg_id = msgids.webhook(provider, verified.webhook_id)
+        msg_id = msgids.webhook(provider, message.webhook_id)
         if not await self._ready():
             # The broker is away: say so now rather than wait out a publish timeout, so the
             # provider's retry schedule, not our socket, holds the event (never hangs).
@@ -160,12 +180,12 @@ class _Ingest:
         except BrokerUnavailable as exc:
             # Never 2xx without the publish-ack: the provider must deliver it again.
             self.stats["unavailable"] += 1
-            log.warning("webhook %r from %r not stored: %s", verified.webhook_id, provider,
+            log.warning("webhook %r from %r not stored: %s", message.webhook_id, provider,
                         exc.message)
             return error(503, "broker_unavailable", "the webhook could not be stored; retry",
                          {"Retry-After": RETRY_AFTER_S})
         self.stats["duplicates" if duplicate else "accepted"] += 1
-        return JSONResponse({"ok": True, "webhook_id": verified.webhook_id,
+        return JSONResponse({"ok": True, "webhook_id": message.webhook_id,
                              "duplicate": duplicate})
 
     async def _ready(self) -> bool:
@@ -188,11 +208,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 
 def create_app(*, verifier: WebhookVerifier, publisher: Publisher, subjects: Subjects,
                clock: Clock = utcnow, max_body_bytes: int = 256 * 1024,
-               ready: Ready | None = None) -> Starlette:
+               ready: Ready | None = None, native: NativeWebhooks | None = None) -> Starlette:
     """The reconciler's HTTP app: webhook ingestion and health."""
     if verifier.skip_verification:
         unsafe.announce(unsafe.SKIP_WEBHOOK_VERIFICATION, log)
-    ingest = _Ingest(verifier, publisher, subjects, clock, max_body_bytes, ready)
+    ingest = _Ingest(verifier, publisher, subjects, clock, max_body_bytes, ready, native)
     app = Starlette(routes=[
         Route("/v1/webhooks/{provider}", ingest.receive, methods=["POST"]),
         Route("/healthz", ingest.healthz, methods=["GET"]),

@@ -49,7 +49,7 @@ def http_readback(client: httpx.AsyncClient, env: Mapping[str, str]) -> Readback
                                          dict(cmd.arguments), env)
         return ReadbackAnswer(found=result.found, provider_ref=result.provider_ref,
                               digest=result.evidence_digest, http_status=result.http_status,
-                              error=result.error)
+                              error=result.error, matches=result.matches)
 
     return run
 
@@ -112,7 +112,7 @@ class Reconciler:
             await self._verdict(d, cmd, decision)
 
     async def _readback(self, d: Delivery, cmd: ReconcileOperation,
-                        tool: Tool) -> strategy.Decide | strategy.Wait:
+                        tool: Tool) -> strategy.AfterReadback:
         self.stats["readbacks"] += 1
         sent_at = self.clock()  # taken before sending: "not found" counts from here
         async with heartbeat(d, self.ack_wait_s / 3):

@@ -1,11 +1,12 @@
 """The sandbox provider's HTTP API: a careful payments-style provider with injectable faults.
 
-`POST /v1/{route}/effects` is the side effect. Routes named `idempotent*` deduplicate by the
-`Idempotency-Key` header (or the body's `client_reference`); routes named `plain*` apply every
-POST. Routes named `*nofence` ignore the `Fencing-Token` (a provider that never checks it);
-all others refuse a token lower than one already seen for the key. The `/_...` endpoints
-(truth, request log, faults, config, reset) are the test harness's back door and need no
-credentials.
+`POST /v1/{route}/effects` is the side effect (`POST|PATCH /v1/{route}/objects/{id}` the same,
+on the object the path names; `GET /v1/{route}/effects?key=K` lists a key's effects). Routes
+named `idempotent*` deduplicate by the `Idempotency-Key` header (or the body's
+`client_reference`); routes named `plain*` apply every POST. Routes named `*nofence` ignore
+the `Fencing-Token` (a provider that never checks it); all others refuse a token lower than one
+already seen for the key. The `/_...` endpoints (truth, request log, faults, config, reset) are
+the test harness's back door and need no credentials.
 
 A POST goes through fixed steps, and each step is where one class of faults acts:
 arrival (counted in the truth; `status_before_apply`, `rate_limit`) -> fencing check ->
@@ -27,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -39,7 +40,7 @@ from starlette.types import Receive, Scope, Send
 from .faults import FaultError, Phase, parse_fault
 from .responses import RAW_SEND, DropConnection, SlowBodyResponse
 from .state import Claim, Effect, SandboxState, body_digest
-from .webhooks import SEND_MODES, WebhookSender, parse_webhook_fault
+from .webhooks import SCHEMES, SEND_MODES, WebhookSender, parse_webhook_fault
 
 
 class SandboxApp(Starlette):
@@ -55,6 +56,11 @@ def sandbox_state(app: Starlette) -> SandboxState:
     """The in-memory state behind an app from `create_app`, for in-process tests."""
     state: SandboxState = app.state.sandbox
     return state
+
+
+# JSON escapes of NUL and of an unpaired surrogate: valid JSON, not storable in PostgreSQL.
+HOSTILE_REFUSAL = (b'{"error": {"code": "invalid\\u0000argument", '
+                   b'"message": "refused \\u0000 \\ud800 here"}}')
 
 
 def error(status: int, code: str, message: str = "",
@@ -101,6 +107,24 @@ class _Api:
     # -- the side effect ----------------------------------------------------------------------
 
     async def create_effect(self, request: Request) -> Response:
+        return await self._effect(request, target=None)
+
+    async def update_object(self, request: Request) -> Response:
+        """`POST|PATCH /v1/{route}/objects/{id}`: an effect on the object the path names.
+
+        The id is read from the raw path, before any percent-decoding, so a request whose
+        id arrived as several segments (an unencoded `/`) or as a dot segment is refused
+        (404), as a real provider's router would route it elsewhere.
+        """
+        route: str = request.path_params["route"]
+        raw = request.scope.get("raw_path", b"").decode("latin-1").split("?", 1)[0]
+        prefix = f"/v1/{route}/objects/"
+        rest = raw[len(prefix):] if raw.startswith(prefix) else ""
+        if not rest or "/" in rest or unquote(rest) in (".", ".."):
+            return error(404, "not_found", f"no object at {raw!r}")
+        return await self._effect(request, target=unquote(rest))
+
+    async def _effect(self, request: Request, *, target: str | None) -> Response:
         if (denied := self.denied(request)) is not None:
             return denied
         route: str = request.path_params["route"]
@@ -126,6 +150,11 @@ class _Api:
                 headers["Retry-After"] = before.retry_after
             self._refused(route, key, token, "injected_fault")
             return error(before.status, "injected_fault", "injected before apply", headers)
+        if before is not None and before.kind == "hostile_refusal":
+            entry["outcome"] = "fault:hostile_refusal"
+            self._refused(route, key, token, "injected_fault")
+            return Response(HOSTILE_REFUSAL, status_code=400, headers=headers,
+                            media_type="application/json")
         if before is not None and before.kind == "rate_limit":
             entry["outcome"] = "fault:rate_limit"
             headers["Retry-After"] = before.retry_after or "1"
@@ -164,13 +193,16 @@ class _Api:
                 entry["outcome"] = "replayed"
                 return await self._answer(route, key, replayed, entry, headers, replay=True)
             late = state.faults.pick(Phase.APPLY, route, key)
+            if late is not None and late.kind == "duplicate_apply":
+                state.apply(route, key, body, token, target)  # the extra effect
+                late = None
             if late is not None:
                 entry["outcome"] = "late_apply:scheduled"
-                self._apply_later(route, key, body, token, late.seconds, entry)
+                self._apply_later(route, key, body, token, late.seconds, entry, target)
                 owns_claim = False  # the background apply now holds the key in progress
                 self.hooks.pending(route, key, token)
                 return DropConnection()
-            effect = state.apply(route, key, body, token)
+            effect = state.apply(route, key, body, token, target)
             owns_claim = False
             entry["outcome"] = "applied"
             entry["effect_id"] = effect.id
@@ -201,11 +233,14 @@ class _Api:
             return DropConnection()
         if after.kind == "status_after_apply":
             return error(after.status, "injected_fault", "injected after apply", headers)
+        if after.kind == "hostile_answer":
+            answer = {**effect.to_json(), "id": f"{effect.id}\u0000x"}
+            return JSONResponse(answer, status_code=201, headers=headers)
         return SlowBodyResponse(effect.to_json(), status_code=201, headers=headers,
                                 seconds=after.seconds)
 
     def _apply_later(self, route: str, key: str | None, body: Any, token: int | None,
-                     seconds: float, entry: dict[str, Any]) -> None:
+                     seconds: float, entry: dict[str, Any], target: str | None = None) -> None:
         generation = self._generation
 
         async def apply_later() -> None:
@@ -216,7 +251,7 @@ class _Api:
                     self.state.release(route, key)
                 raise
             if generation == self._generation:
-                effect = self.state.apply(route, key, body, token)
+                effect = self.state.apply(route, key, body, token, target)
                 entry["outcome"] = "late_apply:applied"
                 entry["effect_id"] = effect.id
                 self.hooks.applied(route, key, effect.to_json())
@@ -236,6 +271,15 @@ class _Api:
         if effect is None:
             return error(404, "not_found", f"no effect for key {key!r} on route {route!r}")
         return JSONResponse(effect.to_json())
+
+    async def effects_by_query(self, request: Request) -> Response:
+        """`GET /v1/{route}/effects?key=K`: a search answer, `{"data": [every effect]}`."""
+        if (denied := self.denied(request)) is not None:
+            return denied
+        route, key = request.path_params["route"], request.query_params.get("key")
+        if not key:
+            return error(400, "invalid_query", "the 'key' query parameter is required")
+        return JSONResponse({"data": [e.to_json() for e in self.state.listed(route, key)]})
 
     async def effect_by_id(self, request: Request) -> Response:
         if (denied := self.denied(request)) is not None:
@@ -288,24 +332,32 @@ class _Api:
         hooks = self.hooks.route(route)
         return JSONResponse({"route": route, "idempotent": self.state.is_idempotent(route),
                              "webhooks": hooks.webhooks,
-                             "not_applied_webhooks": hooks.not_applied_webhooks})
+                             "not_applied_webhooks": hooks.not_applied_webhooks,
+                             "scheme": hooks.scheme, "url": hooks.url})
 
     async def set_route(self, request: Request) -> Response:
-        """Set any of `idempotent`, `webhooks`, `not_applied_webhooks`; echoes what was set."""
+        """Set any of `idempotent`, `webhooks`, `not_applied_webhooks` (booleans), `scheme`
+        ("standard" or "stripe") and `url` (this route's webhook receiver); echoes what was set."""
         route = request.path_params["route"]
         try:
             raw = await request.json()
         except ValueError:
             raw = None
-        names = ("idempotent", "webhooks", "not_applied_webhooks")
-        if not isinstance(raw, dict) or not raw or set(raw) - set(names) \
-                or not all(isinstance(v, bool) for v in raw.values()):
+        flags = ("idempotent", "webhooks", "not_applied_webhooks")
+        ok = isinstance(raw, dict) and bool(raw) \
+            and not set(raw) - {*flags, "scheme", "url"} \
+            and all(isinstance(raw[k], bool) for k in flags if k in raw) \
+            and raw.get("scheme", "standard") in SCHEMES \
+            and isinstance(raw.get("url", ""), str)
+        if not ok:
             return error(400, "invalid_config", 'expected {"idempotent": true|false} and/or '
-                         '{"webhooks": true|false, "not_applied_webhooks": true|false}')
+                         '{"webhooks": true|false, "not_applied_webhooks": true|false, '
+                         f'"scheme": one of {list(SCHEMES)}, "url": "http://..."}}')
         if "idempotent" in raw:
             self.state.configure_route(route, idempotent=raw["idempotent"])
         self.hooks.configure_route(route, webhooks=raw.get("webhooks"),
-                                   not_applied_webhooks=raw.get("not_applied_webhooks"))
+                                   not_applied_webhooks=raw.get("not_applied_webhooks"),
+                                   scheme=raw.get("scheme"), url=raw.get("url") or None)
         return JSONResponse({"route": route, **raw})
 
     # -- webhooks (the sending side's log, faults and a send-now helper) ------------------
@@ -409,6 +461,9 @@ def create_app(*, api_key: str | None = None, webhook_secret: str | None = None,
 
     routes = [
         Route("/v1/{route}/effects", api.create_effect, methods=["POST"]),
+        Route("/v1/{route}/effects", api.effects_by_query, methods=["GET"]),
+        Route("/v1/{route}/objects/{object_id:path}", api.update_object,
+              methods=["POST", "PATCH"]),
         Route("/v1/{route}/effects/by-key/{key:path}", api.effect_by_key, methods=["GET"]),
         Route("/v1/{route}/effects/{effect_id}", api.effect_by_id, methods=["GET"]),
         Route("/_truth", api.truth, methods=["GET"]),

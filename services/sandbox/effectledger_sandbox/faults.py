@@ -32,11 +32,17 @@ KIND_PHASE: dict[str, Phase] = {
     "delay": Phase.BEFORE,
     "status_before_apply": Phase.BEFORE,
     "rate_limit": Phase.BEFORE,
+    # Bytes a database cannot hold (NUL, an unpaired surrogate) in the provider's answer: a
+    # 400 refusal before applying, or the success answer with NUL in the effect's id.
+    "hostile_refusal": Phase.BEFORE,
     "late_apply": Phase.APPLY,
+    # The provider applies one request twice (its own internal retry, a key it ignored).
+    "duplicate_apply": Phase.APPLY,
     "delay_after_apply": Phase.AFTER,
     "drop_after_apply": Phase.AFTER,
     "status_after_apply": Phase.AFTER,
     "slow_body": Phase.AFTER,
+    "hostile_answer": Phase.AFTER,
     "readback_lag": Phase.READBACK,
 }
 _NEEDS_SECONDS = {"delay", "delay_after_apply", "late_apply", "readback_lag", "slow_body"}

@@ -34,10 +34,14 @@ class Effect:
     body: Any
     fencing_token: int | None
     applied_at: float
+    target: str | None = None  # the object a path-addressed request named (one segment)
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "idempotency_key": self.key, "status": "applied",
-                "route": self.route, "body": self.body, "fencing_token": self.fencing_token}
+        out = {"id": self.id, "idempotency_key": self.key, "status": "applied",
+               "route": self.route, "body": self.body, "fencing_token": self.fencing_token}
+        if self.target is not None:
+            out["target"] = self.target
+        return out
 
 
 @dataclass(slots=True)
@@ -181,11 +185,12 @@ class SandboxState:
         if record is not None and record.effect is None:
             del self.records[(route, key)]
 
-    def apply(self, route: str, key: str | None, body: Any, fencing_token: int | None) -> Effect:
+    def apply(self, route: str, key: str | None, body: Any, fencing_token: int | None,
+              target: str | None = None) -> Effect:
         """Apply one effect: the only place the ground truth's `applied` grows."""
         self._next_effect += 1
         effect = Effect(id=f"eff_{self._next_effect}", route=route, key=key, body=body,
-                        fencing_token=fencing_token, applied_at=self.clock())
+                        fencing_token=fencing_token, applied_at=self.clock(), target=target)
         self.effects[effect.id] = effect
         self.total_applied += 1
         if key is not None:
@@ -213,6 +218,10 @@ class SandboxState:
             if effect.applied_at <= horizon:
                 return effect
         return None
+
+    def listed(self, route: str, key: str) -> list[Effect]:
+        """Every effect for the key, oldest first (a search endpoint's answer)."""
+        return list(self.by_key.get((route, key), []))
 
     def get(self, route: str, effect_id: str) -> Effect | None:
         effect = self.effects.get(effect_id)

@@ -24,7 +24,13 @@ with exponential backoff, a bounded number of times. Every attempt is recorded i
 - `resign`: sign every delivery afresh, with the current time plus the copy's index in seconds,
   so duplicates carry different timestamps and signatures under the same webhook id.
 Several faults of different kinds can act on one event; `times` limits how many events a fault
-affects. `POST /_webhooks/send` sends one delivery now, valid or deliberately bad (forged,
+affects.
+
+A route may instead speak a provider's own dialect (`/_config/routes/{route}` with
+`"scheme": "stripe"` and its own `"url"`): the same events, with the event id also at the top
+level (`"id"`), signed as Stripe documents it (`Stripe-Signature: t=<ts>,v1=<hex HMAC-SHA256
+(secret, "<ts>.<body>")>`, the secret string itself as the key), for tests of catalog-declared
+native webhooks. `POST /_webhooks/send` sends one delivery now, valid or deliberately bad (forged,
 wrong key, expired, future-dated, unsigned, tampered body), for tests of the receiving side.
 """
 
@@ -32,6 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
+import hmac
 import json
 import os
 import time
@@ -51,6 +59,7 @@ EVENT_APPLIED = "effect.applied"
 EVENT_NOT_APPLIED = "effect.not_applied"
 EVENT_PENDING = "effect.pending"
 FAULT_KINDS = ("delay", "duplicate", "reorder", "resign")
+SCHEMES = ("standard", "stripe")
 SEND_MODES = ("valid", "forged", "wrong_key", "expired", "future", "unsigned", "tampered_body")
 LOG_LIMIT = 10_000
 MAX_COPIES = 20
@@ -78,6 +87,13 @@ def sign(secret: str, webhook_id: str, timestamp: int, body: bytes) -> dict[str,
                                      body.decode())
     return {"webhook-id": webhook_id, "webhook-timestamp": str(timestamp),
             "webhook-signature": signature, "content-type": "application/json"}
+
+
+def sign_stripe(secret: str, webhook_id: str, timestamp: int, body: bytes) -> dict[str, str]:
+    """Stripe's documented signature; `webhook-id`/`-timestamp` are kept for the sandbox's log."""
+    mac = hmac.new(secret.encode(), f"{timestamp}.".encode() + body, hashlib.sha256).hexdigest()
+    return {"Stripe-Signature": f"t={timestamp},v1={mac}", "webhook-id": webhook_id,
+            "webhook-timestamp": str(timestamp), "content-type": "application/json"}
 
 
 def bad_delivery(mode: str, secret: str, webhook_id: str, now: int, body: bytes,
@@ -215,6 +231,8 @@ class _Held:
 class RouteHooks:
     webhooks: bool = False
     not_applied_webhooks: bool = False
+    scheme: str = "standard"  # or "stripe": the provider's own signature (see the docstring)
+    url: str | None = None  # this route's receiver; default: the sender's URL
 
 
 @dataclass
@@ -254,12 +272,19 @@ class WebhookSender:
         return hooks
 
     def configure_route(self, route: str, *, webhooks: bool | None = None,
-                        not_applied_webhooks: bool | None = None) -> None:
+                        not_applied_webhooks: bool | None = None, scheme: str | None = None,
+                        url: str | None = None) -> None:
         hooks = self.route(route)
         if webhooks is not None:
             hooks.webhooks = webhooks
         if not_applied_webhooks is not None:
             hooks.not_applied_webhooks = not_applied_webhooks
+        if scheme is not None:
+            if scheme not in SCHEMES:
+                raise ValueError(f"scheme must be one of {list(SCHEMES)}")
+            hooks.scheme = scheme
+        if url is not None:
+            hooks.url = url
         self._routes[route] = hooks
 
     def reset(self) -> None:
@@ -296,10 +321,14 @@ class WebhookSender:
         if not self.enabled or not self.route(route).webhooks:
             return
         now = self.wall_clock()
-        payload = {"type": event_type, "timestamp": datetime.fromtimestamp(now, tz=UTC)
-                   .isoformat().replace("+00:00", "Z"), "data": data}
+        payload: dict[str, Any] = {
+            "type": event_type,
+            "timestamp": datetime.fromtimestamp(now, tz=UTC).isoformat().replace("+00:00", "Z"),
+            "data": data}
         # Random ids: a restarted sandbox must never reuse an id the receiver deduplicates.
         webhook_id = "msg_" + uuid.uuid4().hex
+        if self.route(route).scheme == "stripe":
+            payload = {"id": webhook_id, **payload}
         entry: dict[str, Any] = {
             "webhook_id": webhook_id, "type": event_type, "route": route, "key": key,
             "effect_id": data.get("id"), "fencing_token": data.get("fencing_token"),
@@ -360,7 +389,7 @@ class WebhookSender:
             await asyncio.sleep(delay.seconds)
         entry["state"] = "sending"
         resign = "resign" in faults
-        signed = sign(self._secret, event.webhook_id, int(self.wall_clock()), event.body)
+        signed = self._sign(event, int(self.wall_clock()))
         dup = faults.get("duplicate")
         copies, concurrent = (dup.copies, dup.concurrent) if dup is not None else (1, 1)
         results = list(await asyncio.gather(*(
@@ -375,13 +404,12 @@ class WebhookSender:
         for attempt in range(1, self.max_attempts + 1):
             headers = signed
             if resign:
-                headers = sign(self._secret, event.webhook_id, int(self.wall_clock()) + copy,
-                               event.body)
+                headers = self._sign(event, int(self.wall_clock()) + copy)
             status: int | None = None
             error: str | None = None
             try:
-                response = await self._http().post(self._url, content=event.body,
-                                                   headers=headers)
+                response = await self._http().post(self.route(event.route).url or self._url,
+                                                   content=event.body, headers=headers)
                 status = response.status_code
             except httpx.HTTPError as exc:
                 error = f"{type(exc).__name__}: {exc}"[:300]
@@ -394,6 +422,10 @@ class WebhookSender:
             if attempt < self.max_attempts:
                 await asyncio.sleep(min(self.retry_cap_s, self.retry_base_s * 2 ** (attempt - 1)))
         return False
+
+    def _sign(self, event: _Event, timestamp: int) -> dict[str, str]:
+        signer = sign_stripe if self.route(event.route).scheme == "stripe" else sign
+        return signer(self._secret, event.webhook_id, timestamp, event.body)
 
     # -- the harness's helpers ------------------------------------------------------------------
 

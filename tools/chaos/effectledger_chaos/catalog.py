@@ -6,6 +6,13 @@
 | b    | plain_readback | plainrbnofence| no (nor fencing token) | readback        |
 | c    | plain_webhook  | plainhook     | no                     | signed webhooks |
 | d    | plain_blind    | plainblind    | no                     | none            |
+| e    | path_update    | plainpath     | no                     | search readback |
+| f    | native_webhook | plainnative   | no                     | native webhooks |
+
+(e) is addressed by path: `PATCH /v1/plainpath/objects/{args.memo}` (the memo has a space, so
+the encoding is exercised), read back by a search whose `count_path` also feeds the duplicate
+audit. (f) is confirmed only by the sandbox's Stripe-signed events, declared in the catalog as
+`[webhooks.sandbox_native]` and received at `/v1/webhooks/sandbox_native`.
 
 The sandbox treats routes named `plain*` as non-idempotent. Every tool sends the operation key
 as `Idempotency-Key` (the sandbox's ground truth is kept per key) and the epoch as
@@ -18,6 +25,8 @@ from __future__ import annotations
 from .config import Timing
 
 API_KEY_ENV = "EFFECTLEDGER_SANDBOX_API_KEY"
+NATIVE_PROVIDER = "sandbox_native"
+NATIVE_SECRET_ENV = "CHAOS_NATIVE_WEBHOOK_SECRET"
 
 _TOOL = """
 [tools.{tool}]
@@ -60,4 +69,27 @@ def render(provider_url: str, timing: Timing) -> str:
         tool="plain_blind", route="plainblind", effect_class="non_idempotent",
         description="(d) non-idempotent, no readback and no webhook", **common,
         capabilities="fencing_token = true"))
+    parts.append(_TOOL.format(
+        tool="path_update", route="plainpath", effect_class="non_idempotent",
+        description="(e) non-idempotent, addressed by path, read back by a search", **common,
+        capabilities="readback = true, fencing_token = true").replace(
+            "/v1/plainpath/effects", "/v1/plainpath/objects/{args.memo}"))
+    parts.append('method = "PATCH"\n'
+                 f'readback = {{ url = "{provider_url}/v1/plainpath/effects?key='
+                 '{operation_key}", ref_path = "$.data[0].id", count_path = "$.data[*]" }\n')
+    parts.append(_TOOL.format(
+        tool="native_webhook", route="plainnative", effect_class="non_idempotent",
+        description="(f) non-idempotent, confirmed only by native (Stripe-signed) webhooks",
+        **common, capabilities="webhooks = true, fencing_token = true"))
+    parts.append(f'webhook_provider = "{NATIVE_PROVIDER}"\n')
+    parts.append(f"""
+[webhooks.{NATIVE_PROVIDER}]
+scheme = "stripe"
+secrets = ["${{{NATIVE_SECRET_ENV}}}"]
+events = {{ "effect.applied" = "applied", "effect.not_applied" = "not_applied", \
+"effect.pending" = "ignore" }}
+operation_key_path = "$.data.idempotency_key"
+provider_ref_path = "$.data.id"
+fencing_token_path = "$.data.fencing_token"
+""")
     return "".join(parts)

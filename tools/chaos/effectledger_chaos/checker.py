@@ -23,7 +23,11 @@ so a violation can be followed up:
    got a 2xx, was stored as evidence, or moved an operation;
 9. leftover backlog: outbox rows still to publish or to answer, messages left in the streams,
    and services whose memory kept growing;
-10. planted canary secrets found in any log, message or row.
+10. planted canary secrets found in any log, message or row;
+11. forged messages that moved an operation or reached a provider: the attacker's forgeries
+   (attacker.py) each carry the `forged` mark in a field the ledger or the provider keeps, so
+   any state change by a forged sender, granted forged claim, stored forged webhook, operation
+   in the forged tenant, or provider request under a forged key is counted.
 """
 
 from __future__ import annotations
@@ -42,8 +46,9 @@ AT_REST = frozenset({"succeeded", "failed", "cancelled", "needs_review"})
 INVARIANTS = (
     "duplicate_effects", "lost_intents", "not_at_rest", "verdicts_contradicting_truth",
     "duplicate_requests_per_epoch", "stale_epoch_writes_accepted", "unneeded_reviews",
-    "bad_webhook_state_changes", "leftover_backlog", "canary_leaks",
+    "bad_webhook_state_changes", "leftover_backlog", "canary_leaks", "forged_messages_effective",
 )
+FORGED = "forged"  # the mark every forgery of the attacker carries
 RETRY_SOURCES = frozenset({"in_flight", "ambiguous", "awaiting_confirmation", "needs_review",
                            "failed"})
 EXAMPLES = 8
@@ -160,6 +165,9 @@ def check(*, cfg: ChaosConfig, schedule: Schedule, history: list[dict[str, Any]]
 
     # 10. canaries
     inv["canary_leaks"] = _inv(canary_hits)
+
+    # 11. forged messages that moved an operation or reached a provider
+    inv["forged_messages_effective"] = _inv(forged_effects(db, truth, requests))
 
     measured = metrics.metrics(cfg, schedule, ops, journal, first_invoke, acked, by_key,
                                fault_records, phase_start_wall)
@@ -358,3 +366,34 @@ def _bad_input_checks(cfg: ChaosConfig, bad: dict[str, Any], db: dict[str, Any],
             "too_large": bad["too_large"], "slow_body": slow,
             "max_deliver": 20}
 
+def forged_effects(db: dict[str, Any], sandbox_keys: dict[str, Any],
+                   requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The eleventh invariant's evidence, from the final state (pure): every forged message
+    that moved an operation (a journaled state change by a forged actor, a granted forged
+    claim, a stored forged webhook, an operation in the forged tenant) or reached the
+    provider (a request or an effect under a forged key)."""
+    found: list[dict[str, Any]] = []
+    for e in db["journal"]:
+        actor = str(e.get("actor") or "")
+        # (An operation's creation, from no state, is counted below by its tenant.)
+        if (FORGED in actor and e.get("from_state") and e.get("to_state")
+                and e["to_state"] != e["from_state"]):
+            found.append({"what": "state change by a forged sender", "actor": actor,
+                          "operation_id": e["operation_id"], "to_state": e["to_state"]})
+    for a in db["attempts"]:
+        if str(a.get("dispatcher_id") or "").startswith(FORGED):
+            found.append({"what": "forged claim granted", "attempt_id": a["id"],
+                          "operation_id": a["operation_id"]})
+    for w in db["webhook_events"]:
+        if str(w.get("webhook_id") or "").startswith(FORGED):
+            found.append({"what": "forged webhook stored", "webhook_id": w["webhook_id"],
+                          "operation_id": w.get("operation_id")})
+    for o in db["operations"]:
+        if str(o.get("tenant") or "").startswith(FORGED):
+            found.append({"what": "intent created in another tenant",
+                          "operation_id": o["id"], "tenant": o["tenant"]})
+    keys = {k for k in sandbox_keys if k.startswith(FORGED)}
+    keys |= {str(r["key"]) for r in requests if str(r.get("key") or "").startswith(FORGED)}
+    for k in sorted(keys):
+        found.append({"what": "forged command reached the provider", "operation_key": k})
+    return found

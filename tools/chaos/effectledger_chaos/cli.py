@@ -16,7 +16,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import ALL_FAULTS, FAULT_GROUPS, ChaosConfig, parse_faults, parse_tool_mix
+from .config import (
+    ALL_FAULTS,
+    DEFAULT_TOOL_MIX_TEXT,
+    FAULT_GROUPS,
+    ChaosConfig,
+    parse_faults,
+    parse_tool_mix,
+)
 
 # `effectledger <name> --help` line (entry-point group effectledger.commands)
 HELP = "the proving ground: a seeded fault-injection run against real processes"
@@ -35,9 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--faults", default="all",
                    help="comma list of kinds or groups; '-kind' removes one. Groups: all, "
                         f"none, {', '.join(FAULT_GROUPS)}. Kinds: {', '.join(ALL_FAULTS)}")
-    p.add_argument("--tool-mix", default="a=35,b=30,c=20,d=15",
+    p.add_argument("--tool-mix", default=DEFAULT_TOOL_MIX_TEXT,
                    help="weights of the tool types: a idempotent+readback, b non-idempotent+"
-                        "readback, c non-idempotent+webhooks, d non-idempotent, no oracle")
+                        "readback, c non-idempotent+webhooks, d non-idempotent, no oracle, "
+                        "e non-idempotent addressed by path + search readback, f "
+                        "non-idempotent + native (Stripe-signed) webhooks")
     p.add_argument("--database", choices=["postgres", "sqlite"], default="postgres",
                    help="ledger database: a private PostgreSQL cluster (default) or SQLite")
     p.add_argument("--database-url", help="use this PostgreSQL instead of a private one "
@@ -60,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="TEST ONLY: reconcilers accept unsigned and forged webhooks")
     p.add_argument("--unsafe-no-send-deadline", action="store_true",
                    help="TEST ONLY: dispatchers send however long ago their claim was asked")
+    p.add_argument("--unsafe-nats-without-permissions", action="store_true",
+                   help="TEST ONLY: the broker runs without users or permissions, so the "
+                        "attacker's forgeries reach the services")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no progress lines")
 
 
@@ -73,6 +85,7 @@ def config_from_args(args: argparse.Namespace, seed: int) -> ChaosConfig:
         unsafe_skip_claim=args.unsafe_skip_claim,
         unsafe_skip_webhook_verification=args.unsafe_skip_webhook_verification,
         unsafe_no_send_deadline=args.unsafe_no_send_deadline,
+        unsafe_nats_without_permissions=args.unsafe_nats_without_permissions,
         progress=args.progress, keep_workdir=args.keep,
         workdir=(str(Path(args.workdir) / f"seed-{seed}") if args.workdir else None))
 

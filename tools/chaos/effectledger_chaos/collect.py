@@ -62,7 +62,7 @@ async def backlog(url: str) -> dict[str, int]:
 async def read_database(url: str) -> dict[str, Any]:
     q = {
         "operations": "SELECT id, tool, state, epoch, operation_key, caller_key, created_at, "
-                      "updated_at, provider_ref, evidence, last_outcome FROM operations",
+                      "updated_at, provider_ref, evidence, last_outcome, tenant FROM operations",
         "attempts": "SELECT id, operation_id, epoch, dispatcher_id, status, claimed_at, "
                     "finished_at FROM attempts",
         "journal": "SELECT id, operation_id, at, kind, epoch, from_state, to_state, actor, "

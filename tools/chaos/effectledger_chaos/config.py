@@ -9,8 +9,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# Tool types of the issue: (a) idempotent by key with readback; (b) non-idempotent with
-# readback; (c) non-idempotent, webhook only; (d) non-idempotent, no oracle at all.
+# Tool types: (a) idempotent by key with readback; (b) non-idempotent with readback;
+# (c) non-idempotent, webhook only; (d) non-idempotent, no oracle at all; (e) non-idempotent,
+# addressed by path (an argument in the URL), read back by a search that counts effects;
+# (f) non-idempotent, confirmed only by the provider's own (Stripe-signed) webhooks declared
+# in the catalog.
 TOOL_TYPES: dict[str, dict[str, str]] = {
     "a": {"tool": "idem_readback", "route": "idem"},
     # Type b's provider ignores the fencing token (the sandbox's `*nofence` routes), so that
@@ -18,9 +21,12 @@ TOOL_TYPES: dict[str, dict[str, str]] = {
     "b": {"tool": "plain_readback", "route": "plainrbnofence"},
     "c": {"tool": "plain_webhook", "route": "plainhook"},
     "d": {"tool": "plain_blind", "route": "plainblind"},
+    "e": {"tool": "path_update", "route": "plainpath"},
+    "f": {"tool": "native_webhook", "route": "plainnative"},
 }
 TOOL_TYPE_OF = {v["tool"]: k for k, v in TOOL_TYPES.items()}
-DEFAULT_TOOL_MIX = {"a": 35, "b": 30, "c": 20, "d": 15}
+DEFAULT_TOOL_MIX = {"a": 30, "b": 20, "c": 20, "d": 10, "e": 10, "f": 10}
+DEFAULT_TOOL_MIX_TEXT = ",".join(f"{k}={v}" for k, v in DEFAULT_TOOL_MIX.items())
 
 # Fault kinds, grouped. A group name in --faults selects all its kinds.
 FAULT_GROUPS: dict[str, tuple[str, ...]] = {
@@ -33,6 +39,8 @@ FAULT_GROUPS: dict[str, tuple[str, ...]] = {
     "webhook": ("webhook_duplicate", "webhook_concurrent", "webhook_reorder", "webhook_resign",
                 "webhook_forged", "webhook_expired"),
     "bad_input": ("bad_input",),
+    # Forgeries on the bus, anonymously and with an agent's credentials (attacker.py).
+    "attack": ("attacker",),
 }
 ALL_FAULTS: tuple[str, ...] = tuple(k for g in FAULT_GROUPS.values() for k in g)
 # Faults aimed at one operation (armed in the sandbox before it is submitted) rather than at
@@ -71,7 +79,7 @@ def parse_faults(text: str) -> list[str]:
 
 
 def parse_tool_mix(text: str) -> dict[str, int]:
-    """`a=35,b=30,c=20,d=15` (weights; missing types get 0)."""
+    """`a=30,b=20,c=20,d=10,e=10,f=10` (weights; missing types get 0)."""
     mix = {k: 0 for k in TOOL_TYPES}
     for part in (p.strip() for p in text.split(",")):
         if not part:
@@ -81,7 +89,8 @@ def parse_tool_mix(text: str) -> dict[str, int]:
         if name in TOOL_TYPE_OF:
             name = TOOL_TYPE_OF[name]
         if name not in TOOL_TYPES or not weight.strip().isdigit():
-            raise ValueError(f"tool mix entries are a|b|c|d=<weight>: {part!r}")
+            raise ValueError(f"tool mix entries are {'|'.join(TOOL_TYPES)}=<weight>: "
+                             f"{part!r}")
         mix[name] = int(weight)
     if sum(mix.values()) <= 0:
         raise ValueError("the tool mix needs at least one positive weight")
@@ -142,6 +151,9 @@ class Timing:
             "EFFECTLEDGER_RELAY_LEASE_S": str(self.relay_lease_s),
             "EFFECTLEDGER_WEBHOOK_WAIT_S": str(self.webhook_wait_s),
             "EFFECTLEDGER_RECONCILE_DEADLINE_S": str(self.reconcile_deadline_s),
+            # The duplicate audit re-reads retried keys just after the horizon, so it finishes
+            # within the quiet period.
+            "EFFECTLEDGER_AUDIT_SLACK_S": "1",
         }
 
 
@@ -165,6 +177,7 @@ class ChaosConfig:
     unsafe_skip_claim: bool = False
     unsafe_skip_webhook_verification: bool = False
     unsafe_no_send_deadline: bool = False
+    unsafe_nats_without_permissions: bool = False
     timing: Timing = field(default_factory=Timing)
     progress: bool = True
     progress_interval_s: float = 5.0

@@ -34,8 +34,10 @@ ARMED_CAP_S = 240.0  # ... however long outages keep it from being reached
 
 class FaultRunner:
     def __init__(self, stack: Stack, schedule: Schedule, log: Callable[[str], None],
-                 bad_input: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
+                 bad_input: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+                 attack: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
         self.stack = stack
+        self.attack = attack
         self.schedule = schedule
         self.log = log
         self.bad_input = bad_input
@@ -396,6 +398,15 @@ class FaultRunner:
             return {"skipped": True}
         result = await self.bad_input()
         self.log("fault: bad-input batch sent")
+        return result
+
+    async def _attacker(self, f: TimedFault, rec: dict[str, Any]) -> dict[str, Any]:
+        rec["started_at"] = self.now()
+        if self.attack is None:
+            return {"skipped": True}
+        result = await self.attack()
+        self.log(f"fault: attacker round {result.get('round')} on {result.get('targets')} "
+                 "operations")
         return result
 
     # -- the end of the fault phase ------------------------------------------------------

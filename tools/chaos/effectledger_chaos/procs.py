@@ -205,6 +205,10 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    def use_config(self, config: Path) -> None:
+        """Run with this configuration (users and permissions; same port and store)."""
+        self.service.argv = [nats_server_binary(), "-c", str(config)]
+
     async def start(self) -> None:
         self.store.mkdir(parents=True, exist_ok=True)
         self.service.start()

@@ -20,6 +20,7 @@ TITLES = {
     "bad_webhook_state_changes": "8 state changes by bad webhooks",
     "leftover_backlog": "9 leftover backlog / memory growth",
     "canary_leaks": "10 canary secrets leaked",
+    "forged_messages_effective": "11 forged messages that took effect",
 }
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import nats
 
 from . import checker, collect, report
+from .attacker import Attacker
 from .badinput import BadInput
 from .config import ChaosConfig
 from .faults import FaultRunner
@@ -85,7 +86,9 @@ class Run:
         workload = Workload(self.schedule, stack.ledger_url, stack.sandbox_url, history,
                             self.cfg.concurrency, give_up_at=quiet_deadline - 20)
         bad = BadInput(stack, self.cfg.seed, self.log)
-        faults = FaultRunner(stack, self.schedule, self.log, bad_input=bad.run)
+        attacker = Attacker(stack, self.log)
+        faults = FaultRunner(stack, self.schedule, self.log, bad_input=bad.run,
+                             attack=attacker.run)
         monitor = asyncio.create_task(self._monitor(stack, workload, faults, phase_start))
         work = asyncio.create_task(workload.run(phase_start))
         try:

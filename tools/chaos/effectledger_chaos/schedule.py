@@ -133,11 +133,11 @@ def _ops(cfg: ChaosConfig, rng: random.Random) -> list[OpPlan]:
 # Share of operations each per-operation fault hits (at least one each when eligible).
 _OP_RATE = 0.03
 _ELIGIBLE = {
-    "drop_after_apply": "abcd", "late_apply": "abcd", "status_before_apply": "abcd",
-    "status_after_apply": "abcd", "rate_limit_seconds": "abcd", "rate_limit_date": "abcd",
-    "slow_body": "abcd", "readback_lag": "ab",
-    "webhook_duplicate": "c", "webhook_concurrent": "c", "webhook_reorder": "c",
-    "webhook_resign": "c", "webhook_forged": "c", "webhook_expired": "c",
+    "drop_after_apply": "abcdef", "late_apply": "abcdef", "status_before_apply": "abcdef",
+    "status_after_apply": "abcdef", "rate_limit_seconds": "abcdef", "rate_limit_date": "abcdef",
+    "slow_body": "abcdef", "readback_lag": "ab",
+    "webhook_duplicate": "cf", "webhook_concurrent": "cf", "webhook_reorder": "cf",
+    "webhook_resign": "cf", "webhook_forged": "c", "webhook_expired": "c",
 }
 # Faults that make an attempt ambiguous (so a readback or a webhook has to decide).
 _AMBIGUATING = ("drop_after_apply", "late_apply", "status_after_apply")
@@ -293,5 +293,9 @@ def _timed(cfg: ChaosConfig, enabled: set[str], rng: random.Random) -> list[Time
                 out.append((at(), kind, route, params))
     if "bad_input" in enabled:
         out.append((at(0.5, 0.7), "bad_input", "all", {}))
+    if "attacker" in enabled:
+        # Several rounds, so that some find operations pending, in flight and ambiguous.
+        for _ in range(3 * repeats):
+            out.append((at(0.1, 0.8), "attacker", "nats", {}))
     out.sort(key=lambda e: (e[0], e[1], e[2]))
     return [TimedFault(i, a, k, t, p) for i, (a, k, t, p) in enumerate(out)]

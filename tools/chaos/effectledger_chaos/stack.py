@@ -33,8 +33,11 @@ from typing import Any
 
 import httpx
 
+from effectledger_bus import permissions
+from effectledger_cli import nats_auth
 from effectledger_cli.embedded import free_port
 from effectledger_core import unsafe
+from effectledger_core.subjects import Subjects
 from effectledger_testkit.postgres import PrivatePostgres
 
 from . import catalog
@@ -46,6 +49,12 @@ SUBJECT_PREFIX = "chaos"
 STREAM_PREFIX = "CHAOS"
 DB_NAME = "chaos"
 WEBHOOK_PROVIDER = "sandbox"
+SUBJECTS = Subjects(SUBJECT_PREFIX, STREAM_PREFIX)
+# The tenant whose agent credentials the attacker holds, and the harness's own NATS user: it
+# reads every stream, deletes messages (stream_delete) and sends bad input, so it may do
+# anything; it is the proving ground's observer, not a role of the product.
+ATTACKER_TENANT = "mallory"
+HARNESS_USER = "chaos-harness"
 
 
 @dataclass
@@ -91,6 +100,36 @@ class Stack:
         self.supervising = False
         self._supervisor: asyncio.Task[None] | None = None
         self.restart_delay: dict[str, float] = {}
+        self.auth: nats_auth.AuthFiles | None = None
+        if self.cfg.unsafe_nats_without_permissions:
+            self.log(unsafe.warning(unsafe.NATS_WITHOUT_PERMISSIONS))
+        else:
+            self.auth = self._nats_users()
+            self.nats.use_config(self.auth.config)
+
+    def _nats_users(self) -> nats_auth.AuthFiles:
+        """The product's users and permissions (as `effectledger up` makes them), one per
+        service, plus the harness's own."""
+        product = permissions.plane(
+            SUBJECTS, dispatchers=[f"dispatcher-{i + 1}" for i in range(self.cfg.dispatchers)],
+            reconcilers=[f"reconciler-{i + 1}" for i in range(self.cfg.reconcilers)],
+            tenants=[ATTACKER_TENANT])
+        harness = permissions.Principal(
+            permissions.Role.OPERATOR, HARNESS_USER,
+            permissions.Permissions(publish=(">",), subscribe=(">",), allow_responses=True))
+        return nats_auth.write(self.workdir / "nats-auth",
+                               permissions.Plane((*product.principals, harness)), SUBJECTS,
+                               host="127.0.0.1", port=self.nats.port, store_dir=self.nats.store)
+
+    def nats_env(self, user: str) -> dict[str, str]:
+        """A service's own NATS user (nothing when the broker runs open)."""
+        if self.auth is None:
+            return {}
+        cred = self.auth.credentials[user]
+        return {"EFFECTLEDGER_NATS_USER": cred.user, "EFFECTLEDGER_NATS_PASSWORD": cred.password}
+
+    def credential(self, user: str) -> permissions.Credential | None:
+        return None if self.auth is None else self.auth.credentials[user]
 
     # -- addresses ------------------------------------------------------------------------
 
@@ -108,7 +147,11 @@ class Stack:
 
     @property
     def nats_direct(self) -> str:
-        return self.nats.url
+        """The harness's connection URL (with its credentials when the broker has users)."""
+        cred = self.credential(HARNESS_USER)
+        if cred is None:
+            return self.nats.url
+        return f"nats://{cred.user}:{cred.password}@127.0.0.1:{self.nats.port}"
 
     @property
     def db_direct(self) -> str:
@@ -160,7 +203,7 @@ class Stack:
         await self.services["sandbox"].wait_ready(30)
         await self._configure_sandbox()
         ledger = python_service("ledger", "ledger", ["-m", "effectledger_cli", "ledger"],
-                                dict(base), self.logs, self.workdir,
+                                {**base, **self.nats_env("ledger")}, self.logs, self.workdir,
                                 # It accepts intents from then on, with or without NATS.
                                 b"ledger listening:")
         self.services["ledger"] = ledger
@@ -168,7 +211,7 @@ class Stack:
         await ledger.wait_ready(90)
         for i in range(self.cfg.dispatchers):
             name = f"dispatcher-{i + 1}"
-            env = {**base, "EFFECTLEDGER_DISPATCHER_ID": name,
+            env = {**base, **self.nats_env(name), "EFFECTLEDGER_DISPATCHER_ID": name,
                    "EFFECTLEDGER_DISPATCHER_CONCURRENCY": "16",
                    catalog.API_KEY_ENV: self.api_key}
             if self.cfg.unsafe_skip_claim:
@@ -180,10 +223,12 @@ class Stack:
                 self.workdir, f"dispatcher ready: {name}".encode())
         for i in range(self.cfg.reconcilers):
             name = f"reconciler-{i + 1}"
-            env = {**base, "EFFECTLEDGER_RECONCILER_ID": name,
+            env = {**base, **self.nats_env(name), "EFFECTLEDGER_RECONCILER_ID": name,
                    "EFFECTLEDGER_RECONCILER_PORT": str(self.reconciler_ports[i]),
                    "EFFECTLEDGER_WEBHOOK_SECRETS": json.dumps(
                        {WEBHOOK_PROVIDER: [self.webhook_secret]}),
+                   # The native (Stripe-scheme) provider signs with the same secret string.
+                   catalog.NATIVE_SECRET_ENV: self.webhook_secret,
                    catalog.API_KEY_ENV: self.api_key}
             if self.cfg.unsafe_skip_webhook_verification:
                 env[unsafe.SKIP_WEBHOOK_VERIFICATION.env] = "1"
@@ -253,6 +298,13 @@ class Stack:
             # decided without a human; the ledger checks the fencing token of such a webhook.
             r = await http.post(f"/_config/routes/{route}",
                                 json={"webhooks": True, "not_applied_webhooks": True})
+            r.raise_for_status()
+            # The native-webhook tool's route speaks the provider's own dialect to its own
+            # endpoint, through the same webhook proxy.
+            r = await http.post(f"/_config/routes/{TOOL_TYPES['f']['route']}", json={
+                "webhooks": True, "not_applied_webhooks": True, "scheme": "stripe",
+                "url": f"http://127.0.0.1:{self.ports['webhook_proxy']}/v1/webhooks/"
+                       f"{catalog.NATIVE_PROVIDER}"})
             r.raise_for_status()
 
     # -- supervision ----------------------------------------------------------------------

@@ -13,14 +13,16 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from effectledger_core.commands import arguments_digest, mismatch
 from effectledger_core.messages import ClaimAttempt, ClaimReply, ClaimStatus
 from effectledger_core.states import AttemptStatus, Event, JournalKind, State, sources
 
 from .batch import BatchCall
 from .common import execute_rows, journal_row, lock_with_attempts
-from .schema import attempts
+from .schema import attempts, operations
 from .transitions import Batch, Change
 
 _CLAIMABLE = frozenset(s.value for s in sources(Event.CLAIM))
@@ -41,12 +43,15 @@ class _Held:
 class _OpState:
     state: str
     epoch: int
+    tool: str
+    arguments_digest: str
 
 
 async def _claims(conn: AsyncConnection, items: Sequence[ClaimCall]) -> list[ClaimReply]:
     op_ids = sorted({c.claim.operation_id for c in items})
     ops, held = await lock_with_attempts(conn, op_ids)
-    ops_state = {k: _OpState(v.state, v.epoch) for k, v in ops.items()}
+    ops_state = {k: _OpState(v.state, v.epoch, v.tool, v.arguments_digest)
+                 for k, v in ops.items()}
     claims_held: dict[tuple[str, int], _Held] = {
         k: _Held(a.id, a.status, a.claimed_at) for k, a in held.items()}
 
@@ -61,9 +66,23 @@ async def _claims(conn: AsyncConnection, items: Sequence[ClaimCall]) -> list[Cla
                                       operation_id=claim.operation_id, epoch=claim.epoch))
             continue
         state, epoch = op.state, op.epoch
+        wrong = await _command_mismatch(conn, claim, op)
+        if wrong is not None:
+            # Before anything else, even a held claim: a command carrying another tool or other
+            # arguments under this operation's id and epoch is forged or corrupt, and must
+            # neither reach a provider nor declare the real attempt lost. Kept as evidence.
+            batch.note(journal_row(
+                operation_id=claim.operation_id, at=now, kind=JournalKind.CLAIM_REJECTED,
+                actor=claim.dispatcher_id, epoch=claim.epoch,
+                detail={"attempt_id": claim.attempt_id, "reason": "command_mismatch",
+                        "detail": wrong, "state": state}))
+            replies.append(ClaimReply(status=ClaimStatus.COMMAND_MISMATCH, reason=wrong,
+                                      current_epoch=epoch, state=state,
+                                      operation_id=claim.operation_id, epoch=claim.epoch))
+            continue
         h = claims_held.get((claim.operation_id, claim.epoch))
         if h is not None:
-            replies.append(await _held_reply(conn, h, claim, state, epoch, now, batch))
+            replies.append(await _held_reply(conn, h, claim, op, now, batch))
             continue
         if epoch != claim.epoch or state not in _CLAIMABLE:
             batch.note(journal_row(
@@ -86,7 +105,9 @@ async def _claims(conn: AsyncConnection, items: Sequence[ClaimCall]) -> list[Cla
         op.state = step.to.value
         replies.append(ClaimReply(status=ClaimStatus.GRANTED, attempt_id=claim.attempt_id,
                                   current_epoch=claim.epoch, state=step.to.value,
-                                  operation_id=claim.operation_id, epoch=claim.epoch))
+                                  operation_id=claim.operation_id, epoch=claim.epoch,
+                                  tool=op.tool,
+                                  arguments_digest=claim.arguments_digest or op.arguments_digest))
 
     # The state changes (and the dispatch commands they consume) and the journal, set-based.
     await batch.write(conn)
@@ -96,10 +117,28 @@ async def _claims(conn: AsyncConnection, items: Sequence[ClaimCall]) -> list[Cla
     return replies
 
 
-async def _held_reply(conn: AsyncConnection, held: _Held, claim: ClaimAttempt, state: str,
-                      epoch: int, now: datetime, batch: Batch) -> ClaimReply:
+async def _command_mismatch(conn: AsyncConnection, claim: ClaimAttempt,
+                            op: _OpState) -> str | None:
+    wrong = mismatch(ledger_tool=op.tool, ledger_digest=op.arguments_digest,
+                     tool=claim.tool or op.tool, digest_=claim.arguments_digest)
+    if wrong is None or claim.tool != op.tool or claim.arguments_digest is None:
+        return wrong
+    # A retry's command is rendered from the stored arguments, and PostgreSQL's jsonb may
+    # write a number differently (1e16 comes back as an integer), so its digest can differ
+    # from the one taken at admission. The arguments as stored are the ledger's too.
+    stored = (await conn.execute(sa.select(operations.c.arguments).where(
+        operations.c.id == claim.operation_id))).scalar()
+    return None if arguments_digest(stored) == claim.arguments_digest else wrong
+
+
+async def _held_reply(conn: AsyncConnection, held: _Held, claim: ClaimAttempt, op: _OpState,
+                      now: datetime, batch: Batch) -> ClaimReply:
+    state, epoch = op.state, op.epoch
     base: dict[str, Any] = dict(operation_id=claim.operation_id, epoch=claim.epoch,
                                 current_epoch=epoch, state=state, attempt_id=held.attempt_id)
+    # The digest the claim was checked against (either form of the stored arguments).
+    granted: dict[str, Any] = dict(base, tool=op.tool,
+                                   arguments_digest=claim.arguments_digest or op.arguments_digest)
     if held.attempt_id == claim.attempt_id:
         # The same attempt asking again (its first reply was lost): still its claim while the
         # attempt is open. Its dispatcher may only now start sending, so the attempt starts
@@ -107,14 +146,14 @@ async def _held_reply(conn: AsyncConnection, held: _Held, claim: ClaimAttempt, s
         # not count it from a grant whose reply was lost (found by the chaos harness).
         if held.granted_here is not None:
             held.granted_here["claimed_at"] = now
-            return ClaimReply(status=ClaimStatus.GRANTED, **base)
+            return ClaimReply(status=ClaimStatus.GRANTED, **granted)
         if held.status == _CLAIMED:
             await conn.execute(
                 attempts.update().where(attempts.c.id == held.attempt_id,
                                         attempts.c.status == _CLAIMED)
                 .values(claimed_at=now))
             held.claimed_at = now
-            return ClaimReply(status=ClaimStatus.GRANTED, **base)
+            return ClaimReply(status=ClaimStatus.GRANTED, **granted)
         # The attempt is over for the ledger (outcome recorded, presumed lost, superseded):
         # re-granting it would start a provider call for an epoch already being reconciled.
         batch.note(journal_row(

@@ -91,6 +91,8 @@ class LockedOp(NamedTuple):
     id: str
     state: str
     epoch: int
+    tool: str = ""  # the claim compares its command with these two
+    arguments_digest: str = ""
 
 
 async def lock_with_attempts(conn: AsyncConnection, op_ids: list[str]
@@ -106,19 +108,21 @@ async def lock_with_attempts(conn: AsyncConnection, op_ids: list[str]
     ops: dict[str, LockedOp] = {}
     held: dict[tuple[str, int], _Attempt] = {}
     for r in rows:
-        ops[r.id] = LockedOp(r.id, r.state, r.epoch)
+        ops[r.id] = LockedOp(r.id, r.state, r.epoch, r.tool, r.arguments_digest)
         if r.attempt_id is not None:
             held[(r.id, r.attempt_epoch)] = _Attempt(r.attempt_id, r.attempt_status,
-                                                     r.claimed_at)
+                                                     r.claimed_at, r.dispatcher_id)
     return ops, held
 
 
 # Hot-path statements are built once: constructing and cache-keying a statement on every call
 # was a visible share of the ledger's CPU.
 _LOCK_WITH_ATTEMPTS = (
-    sa.select(operations.c.id, operations.c.state, operations.c.epoch,
-              attempts.c.id.label("attempt_id"), attempts.c.epoch.label("attempt_epoch"),
-              attempts.c.status.label("attempt_status"), attempts.c.claimed_at)
+    sa.select(operations.c.id, operations.c.state, operations.c.epoch, operations.c.tool,
+              operations.c.arguments_digest, attempts.c.id.label("attempt_id"),
+              attempts.c.epoch.label("attempt_epoch"),
+              attempts.c.status.label("attempt_status"), attempts.c.claimed_at,
+              attempts.c.dispatcher_id)
     .select_from(operations.outerjoin(attempts, attempts.c.operation_id == operations.c.id))
     .where(operations.c.id.in_(sa.bindparam("ids", expanding=True)))
     .order_by(operations.c.id)
@@ -129,3 +133,4 @@ class _Attempt(NamedTuple):
     id: str
     status: str
     claimed_at: datetime | None
+    dispatcher_id: str | None = None  # the claim's holder, compared with an outcome's sender

@@ -23,7 +23,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from effectledger_core.states import AttemptStatus, Event, JournalKind, State
 from effectledger_core.subjects import Subjects
 
-from .resolution import RetryDecider, settle_from_stored_webhooks
+from .resolution import RetryDecider, WebhookBinding, settle_from_stored_webhooks
 from .rows import OperationRow, Recorded
 from .schema import attempts, operations
 from .transitions import Change, Reconcile, apply
@@ -34,6 +34,7 @@ ATTEMPT_LOST = AttemptStatus.OUTCOME_LOST.value  # attempts.status once the ledg
 async def sweep_lost_outcomes_txn(conn: AsyncConnection, *, now: datetime, older_than_s: float,
                                   subjects: Subjects, new_id: Callable[[], str],
                                   decide_retry: RetryDecider | None = None,
+                                  webhook_binding: WebhookBinding | None = None,
                                   limit: int = 100) -> int:
     cutoff = now - timedelta(seconds=older_than_s)
     stuck = (await conn.execute(
@@ -56,7 +57,7 @@ async def sweep_lost_outcomes_txn(conn: AsyncConnection, *, now: datetime, older
                          outbox_id: str = settle_id) -> Recorded | None:
             return await settle_from_stored_webhooks(
                 conn, row, now=now, subjects=subjects, outbox_id=outbox_id,
-                decide_retry=decide_retry)
+                decide_retry=decide_retry, binding=webhook_binding)
 
         applied = await apply(conn, Change(
             operation_id=op.id, epoch=op.epoch, from_state=op.state,

@@ -22,6 +22,7 @@ from effectledger_core.states import UNRESOLVED, JournalKind, OutboxKind, State
 from .batch import BatchCall
 from .common import append_journal
 from .schema import (
+    OUTBOX_CONSUMED,
     OUTBOX_OBSOLETE,
     OUTBOX_PENDING,
     OUTBOX_PUBLISHED,
@@ -103,7 +104,10 @@ async def mark_published_txn(conn: AsyncConnection, ids: list[str], *, now: date
     ours = (sa.select(outbox.c.id)
             .where(outbox.c.id.in_(ids), outbox.c.status == OUTBOX_PUBLISHING)
             .with_for_update(skip_locked=True))
-    values: dict[str, Any] = dict(status=OUTBOX_PUBLISHED, published_at=now, lease_until=None)
+    # An audit command is answered by nothing: once JetStream holds it, its row is done.
+    status = sa.case((outbox.c.kind == OutboxKind.AUDIT.value, OUTBOX_CONSUMED),
+                     else_=OUTBOX_PUBLISHED)
+    values: dict[str, Any] = dict(status=status, published_at=now, lease_until=None)
     if seqs:
         values["stream_seq"] = sa.case(seqs, value=outbox.c.id, else_=outbox.c.stream_seq)
     result = await conn.execute(

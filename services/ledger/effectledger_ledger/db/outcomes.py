@@ -34,7 +34,7 @@ from effectledger_core.subjects import Subjects
 
 from .batch import BatchCall
 from .common import LockedOp, append_journal, execute_rows, journal_row, lock_with_attempts
-from .resolution import RetryDecider, settle_from_stored_webhooks
+from .resolution import RetryDecider, WebhookBinding, settle_from_stored_webhooks
 from .rows import JournalRow, OperationRow, Recorded
 from .schema import attempts, dead_letters, inbox, operations
 from .transitions import Batch, Change, Dispatch, Reconcile, apply, writes_commands
@@ -64,6 +64,7 @@ class OutcomeCall(BatchCall[Recorded]):
     now: datetime
     ambiguous_outbox_id: str  # the id of the command it may cause (reconcile, or a retry)
     decide_retry: RetryDecider | None = None
+    webhook_binding: WebhookBinding | None = None  # which stored webhooks may settle it
 
     @classmethod
     async def many(cls, conn: AsyncConnection, calls: Sequence[OutcomeCall]
@@ -79,11 +80,17 @@ async def record_outcome_txn(conn: AsyncConnection, outcome: Outcome, *, consume
                              decide_retry).one(conn)
 
 
-def _rejection(outcome: Outcome, op: _Op | None, held: str | None, event: Event) -> str | None:
+def _rejection(outcome: Outcome, op: _Op | None, held: tuple[str, str | None] | None,
+               event: Event) -> str | None:
     if op is None:
         return "unknown_operation"
-    if held != outcome.attempt_id:
+    if held is None or held[0] != outcome.attempt_id:
         return "not_the_claimed_attempt"
+    if held[1] != outcome.dispatcher_id and not isinstance(outcome, OutcomeAmbiguous):
+        # Only the claim's holder may say what its call did. Any dispatcher may say that the
+        # holder was lost mid-attempt (ambiguous): that sends the operation to reconciliation,
+        # which decides on evidence, so it cannot make anything succeed or fail.
+        return "not_the_claim_holder"
     if op.epoch != outcome.epoch:
         return "stale_epoch"
     if State(op.state) not in sources(event):
@@ -133,7 +140,8 @@ class _Decider:
     """The batch's decisions, in order, on the state the earlier ones left."""
 
     def __init__(self, conn: AsyncConnection, locked: dict[str, LockedOp],
-                 rows: dict[str, OperationRow], held: dict[tuple[str, int], str]) -> None:
+                 rows: dict[str, OperationRow],
+                 held: dict[tuple[str, int], tuple[str, str | None]]) -> None:
         self.conn = conn
         self.ops = {k: _Op(r.state, r.epoch) for k, r in locked.items()}
         self.rows, self.held = rows, held
@@ -192,12 +200,12 @@ class _Decider:
                 it.ambiguous_outbox_id, it.subjects,
                 available_at=now + timedelta(seconds=decision.delay_s)))
         else:
-            decide = it.decide_retry
+            decide, binding = it.decide_retry, it.webhook_binding
 
             async def settle(conn: AsyncConnection, row: OperationRow) -> Recorded | None:
                 return await settle_from_stored_webhooks(
                     conn, row, now=now, subjects=it.subjects, outbox_id=it.ambiguous_outbox_id,
-                    decide_retry=decide)
+                    decide_retry=decide, binding=binding)
 
             accepted = change.event is Event.OUTCOME_ACCEPTED
             change = _with(change, reconcile=Reconcile(
@@ -265,7 +273,8 @@ async def _record(conn: AsyncConnection, items: Sequence[OutcomeCall]
         rows = {} if not wanted else {
             r["id"]: OperationRow.of(r)
             for r in (await conn.execute(_FULL_ROWS, {"ids": wanted})).mappings()}
-        decider = _Decider(conn, locked, rows, {k: a.id for k, a in attempts_by_epoch.items()})
+        held = {k: (a.id, a.dispatcher_id) for k, a in attempts_by_epoch.items()}
+        decider = _Decider(conn, locked, rows, held)
         for i in live:
             results[i] = await decider.decide(items[i])
         await decider.flush()

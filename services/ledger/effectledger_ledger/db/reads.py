@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Collection
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -14,6 +16,7 @@ from effectledger_core.failures import Failure, Idempotency, policy_digest
 from effectledger_core.messages import FailureClass
 from effectledger_core.states import UNDECIDED, UNRESOLVED, State
 
+from .duplicates import duplicate_count, is_duplicate, open_duplicate
 from .schema import attempts, journal, operations
 
 
@@ -35,6 +38,11 @@ async def get_operation(conn: AsyncConnection, operation_id: str) -> dict[str, A
         .order_by(attempts.c.epoch))).mappings().all()
     view = _row(op)
     view["attempts"] = [_row(a) for a in rows]
+    evidence = view.get("evidence")
+    if isinstance(evidence, dict) and "epoch" in evidence and evidence["epoch"] != view["epoch"]:
+        # The view speaks for the current epoch only: an earlier epoch's "not applied" must not
+        # stand next to a later success. Earlier evidence stays in the journal.
+        view["evidence"] = None
     return view
 
 
@@ -44,6 +52,17 @@ async def get_journal(conn: AsyncConnection, operation_id: str) -> list[dict[str
         sa.select(journal).where(journal.c.operation_id == operation_id)
         .order_by(journal.c.id))).mappings().all()
     return [_row(r) for r in rows]
+
+
+async def count_in_states(conn: AsyncConnection, tenant: str, states: Collection[State], *,
+                          cap: int) -> int:
+    """How many of the tenant's operations are in `states`, counting no further than `cap`
+    (a quota only needs to know whether the limit is reached)."""
+    sub = (sa.select(operations.c.id)
+           .where(operations.c.state.in_([s.value for s in states]),
+                  operations.c.tenant == tenant)
+           .limit(cap).subquery())
+    return int((await conn.execute(sa.select(sa.func.count()).select_from(sub))).scalar_one())
 
 
 async def _exists(conn: AsyncConnection, operation_id: str) -> None:
@@ -57,12 +76,28 @@ def _encode_cursor(created_at: str, op_id: str) -> str:
     return base64.urlsafe_b64encode(json.dumps([created_at, op_id]).encode()).decode()
 
 
-def _decode_cursor(cursor: str) -> tuple[str, str]:
+def _decode_cursor(cursor: str) -> tuple[datetime, str]:
+    """A cursor back into (created_at, id), checked before any query sees it: anyone can send
+    one, and a naive time, NUL or a 3,000-deep document must be a 400, never a 500."""
+    if len(cursor) > 1024:
+        raise InvalidRequest("malformed cursor")
     try:
-        created_at, op_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-        return str(created_at), str(op_id)
-    except (ValueError, TypeError) as exc:
+        value = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+    except (ValueError, TypeError, RecursionError) as exc:
         raise InvalidRequest("malformed cursor") from exc
+    if not (isinstance(value, list) and len(value) == 2
+            and all(isinstance(v, str) for v in value)):
+        raise InvalidRequest("malformed cursor")
+    created_s, op_id = value
+    if not op_id or len(op_id) > 64 or "\x00" in op_id:
+        raise InvalidRequest("malformed cursor")
+    try:
+        created = datetime.fromisoformat(created_s)
+    except ValueError as exc:
+        raise InvalidRequest("malformed cursor") from exc
+    if created.tzinfo is None:
+        raise InvalidRequest("malformed cursor")
+    return created, op_id
 
 
 async def list_operations(conn: AsyncConnection, *, state: str | None, limit: int,
@@ -78,13 +113,7 @@ async def list_operations(conn: AsyncConnection, *, state: str | None, limit: in
     if tenant is not None:
         q = q.where(operations.c.tenant == tenant)
     if cursor:
-        from datetime import datetime
-
-        created_s, op_id = _decode_cursor(cursor)
-        try:
-            created = datetime.fromisoformat(created_s)
-        except ValueError as exc:
-            raise InvalidRequest("malformed cursor") from exc
+        created, op_id = _decode_cursor(cursor)
         q = q.where(sa.or_(operations.c.created_at > created,
                            sa.and_(operations.c.created_at == created, operations.c.id > op_id)))
     rows = (await conn.execute(
@@ -142,6 +171,9 @@ def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
     if state is State.NEEDS_REVIEW:
         open_items.append("no machine can decide: awaiting operator review")
     evidence = op.get("evidence") or None
+    if is_duplicate(evidence) and (state is not State.SUCCEEDED or open_duplicate(evidence)):
+        open_items.append(f"duplicate_detected: the provider lists {duplicate_count(evidence)} "
+                          f"effects for this operation key")
     if state in UNRESOLVED:
         reconciliation = "pending"
     elif state is State.NEEDS_REVIEW:

@@ -7,7 +7,7 @@ transition applier's guarded UPDATE; anything else is rejected and journaled, ne
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -21,14 +21,23 @@ from effectledger_core.states import UNRESOLVED, Event, JournalKind, State
 from effectledger_core.subjects import Subjects
 
 from .common import append_journal, insert_ignore
+from .duplicates import (
+    is_duplicate,
+    note_duplicate_txn,
+    record_audit_duplicate_txn,
+    schedule_audit_txn,
+)
 from .rows import OperationRow, Recorded
 from .schema import attempts, inbox, operations, webhook_events
 from .transitions import Change, Dispatch, apply
 
-__all__ = ["Recorded", "RetryDecider", "apply_verdict", "record_verdict_txn",
+__all__ = ["Recorded", "RetryDecider", "WebhookBinding", "apply_verdict", "record_verdict_txn",
            "record_webhook_txn", "settle_from_stored_webhooks"]
 
 RetryDecider = Callable[[OperationRow, Failure], RetryDecision]
+# (provider, tool) -> may that provider's verified webhook decide an operation of that tool
+# (`Catalog.webhook_speaks_for`). None: every stored webhook counts (callers without a catalog).
+WebhookBinding = Callable[[str, str], bool]
 
 
 async def apply_verdict(conn: AsyncConnection, *, op: OperationRow, epoch: int, verdict: str,
@@ -68,6 +77,11 @@ async def apply_verdict(conn: AsyncConnection, *, op: OperationRow, epoch: int, 
         return Recorded("rejected", reason="concurrent_change")
     if decision is not None:
         await _journal_retry(conn, op, decision, now=now, due=due)
+        if decision.retry:
+            # A retry on "not found" evidence is where a provider that breaks its horizon
+            # makes a duplicate: look again once it could have shown (duplicates.py).
+            await schedule_audit_txn(conn, op=op, epoch=epoch, now=now, subjects=subjects,
+                                     outbox_id=f"{outbox_id}.audit"[:64])
     return Recorded("applied", to_state=applied.step.to.value)
 
 
@@ -102,6 +116,11 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
     evidence = (v.evidence.model_dump(mode="json") if v.evidence else {})
     evidence |= {"reason": v.reason, "reconciler_id": v.reconciler_id}
     verdict = v.verdict
+    if op is not None and op.state is State.SUCCEEDED and is_duplicate(evidence):
+        # A duplicate audit's finding: recorded on the succeeded operation, state unchanged.
+        if await record_audit_duplicate_txn(conn, op=op, epoch=v.epoch, evidence=evidence,
+                                            actor=f"reconciler:{v.reconciler_id}", now=now):
+            return Recorded("applied", to_state="succeeded", reason="duplicate_detected")
     if verdict != "undecidable" and v.evidence is None:
         # Evidence before verdict: a bare "applied" or "not
         # applied" is a guess, and a guess goes to a human, never to success or a retry.
@@ -111,6 +130,9 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
                                   evidence=evidence, actor=f"reconciler:{v.reconciler_id}",
                                   now=now, subjects=subjects, outbox_id=outbox_id,
                                   decide_retry=decide_retry))
+    if result.status == "applied" and op is not None and is_duplicate(evidence):
+        await note_duplicate_txn(conn, op=op, epoch=v.epoch, evidence=evidence,
+                                 actor=f"reconciler:{v.reconciler_id}", now=now)
     if result.status == "rejected":
         # A paused replica waking after another decided, or a verdict for a superseded epoch.
         await append_journal(conn, operation_id=v.operation_id, at=now,
@@ -131,22 +153,39 @@ def _webhook_verdict(hook: dict[str, Any]) -> str | None:
 
 async def record_webhook_txn(conn: AsyncConnection, hook: WebhookReceived, *, now: datetime,
                              subjects: Subjects, outbox_id: str,
-                             decide_retry: RetryDecider | None) -> Recorded:
-    """Store a verified webhook (dedup by provider + webhook id) and apply it if it can be."""
+                             decide_retry: RetryDecider | None,
+                             tools: Collection[str] | None = None) -> Recorded:
+    """Store a verified webhook (dedup by provider + webhook id) and apply it if it can be.
+
+    `tools`: the tools this provider may speak for (`Catalog.webhook_tools`); a webhook naming
+    an operation of any other tool is kept, marked refused and journaled, never applied.
+    """
     op = None
     if hook.operation_key:
-        op = (await conn.execute(sa.select(operations.c.id).where(
+        op = (await conn.execute(sa.select(operations.c.id, operations.c.tool).where(
             operations.c.operation_key == hook.operation_key))).first()
     if op is None and hook.provider_ref:
-        op = (await conn.execute(sa.select(operations.c.id).where(
+        op = (await conn.execute(sa.select(operations.c.id, operations.c.tool).where(
             operations.c.provider_ref == hook.provider_ref))).first()
+    foreign = op is not None and tools is not None and op.tool not in tools
     row = dict(provider=hook.provider, webhook_id=hook.webhook_id, event_type=hook.event_type,
                operation_key=hook.operation_key, provider_ref=hook.provider_ref,
                outcome=hook.outcome, final=hook.final, fencing_token=hook.fencing_token,
                body_digest=hook.body_digest, signed_at=hook.signed_at, received_at=now,
-               operation_id=op.id if op is not None else None)
+               operation_id=op.id if op is not None else None,
+               # Marked used, so no later state change applies it as early evidence either.
+               applied="refused:provider_not_bound" if foreign else None)
     if not await insert_ignore(conn, webhook_events, row):
         return Recorded("duplicate")
+    if foreign:
+        assert op is not None
+        # A verified webhook from one provider never speaks for another provider's tool.
+        await append_journal(conn, operation_id=op.id, at=now,
+                             kind=JournalKind.WEBHOOK_REFUSED,
+                             actor=f"webhook:{hook.provider}",
+                             detail={"webhook_id": hook.webhook_id, "tool": op.tool,
+                                     "reason": "provider_not_bound"})
+        return Recorded("rejected", reason="provider_not_bound")
     if op is None:
         # Before its operation exists (or for one we never made): kept, never dropped.
         await append_journal(conn, operation_id=None, at=now, kind=JournalKind.WEBHOOK_UNMATCHED,
@@ -189,6 +228,18 @@ async def _use_webhook(conn: AsyncConnection, op: OperationRow, hook: dict[str, 
         # claimed is about an earlier attempt: applying it would retry on stale evidence.
         await conn.execute(webhook_events.update().where(where).values(applied="ignored"))
         return Recorded("kept", reason="earlier_attempt")
+    if verdict == "not_applied" and token is None and not await _names_attempt(conn, op, hook):
+        # Without a token, "not applied" counts only for the attempt it names by provider
+        # reference. Otherwise the same event, resent under a new webhook id once the next
+        # epoch has started, would retry that epoch too: a duplicate effect. Kept as evidence
+        # for a person; readback or review decides.
+        await conn.execute(webhook_events.update().where(where).values(
+            applied="ignored:unnamed_attempt"))
+        await append_journal(conn, operation_id=op.id, at=now, kind=JournalKind.WEBHOOK_KEPT,
+                             actor=actor, epoch=op.epoch,
+                             detail={"webhook_id": hook["webhook_id"], "outcome": "not_applied",
+                                     "reason": "names_no_attempt_of_this_epoch"})
+        return Recorded("kept", reason="unnamed_attempt")
     evidence = {"source": "webhook", "provider_ref": hook["provider_ref"],
                 "digest": hook["body_digest"], "at": now.isoformat(),
                 "webhook_id": hook["webhook_id"], "event_type": hook["event_type"]}
@@ -208,10 +259,27 @@ async def _before_attempt(conn: AsyncConnection, op: OperationRow,
     return claimed_at is not None and hook["received_at"] < claimed_at
 
 
+async def _names_attempt(conn: AsyncConnection, op: OperationRow,
+                         hook: dict[str, Any]) -> bool:
+    """Whether the webhook's provider reference is that of this epoch's attempt."""
+    ref = hook.get("provider_ref")
+    if not ref:
+        return False
+    held = (await conn.execute(
+        sa.select(attempts.c.provider_ref).where(attempts.c.operation_id == op.id,
+                                                 attempts.c.epoch == op.epoch))).scalar()
+    return held is not None and held == ref
+
+
 async def settle_from_stored_webhooks(conn: AsyncConnection, op: OperationRow, *,
                                      now: datetime, subjects: Subjects, outbox_id: str,
-                                     decide_retry: RetryDecider | None) -> Recorded | None:
-    """When an operation becomes unresolved, evidence that arrived early decides it at once."""
+                                     decide_retry: RetryDecider | None,
+                                     binding: WebhookBinding | None = None) -> Recorded | None:
+    """When an operation becomes unresolved, evidence that arrived early decides it at once.
+
+    Only evidence from a provider bound to the operation's tool counts: operation keys are
+    predictable, so another provider could have planted an event before the operation existed.
+    """
     rows = (await conn.execute(
         sa.select(webhook_events).where(
             sa.or_(webhook_events.c.operation_id == op.id,
@@ -222,6 +290,8 @@ async def settle_from_stored_webhooks(conn: AsyncConnection, op: OperationRow, *
     ordered = sorted(rows, key=lambda r: 0 if r["outcome"] == "applied" else 1)
     for hook in ordered:
         if _webhook_verdict(dict(hook)) is None:
+            continue
+        if binding is not None and not binding(hook["provider"], op.tool):
             continue
         result = await _use_webhook(conn, op, dict(hook), now=now, subjects=subjects,
                                     outbox_id=outbox_id, decide_retry=decide_retry)

@@ -19,14 +19,18 @@ from effectledger_core.states import EVIDENCE_KINDS, Event, JournalKind, State
 from effectledger_core.subjects import Subjects
 
 from .common import append_journal
+from .duplicates import open_duplicate, review_duplicate_txn, unreviewed_duplicates
 from .reads import _row
 from .recovery import ActionRejected, load_op, move
+from .rows import OperationRow
 from .schema import inbox, journal, operations, reviews, webhook_events
 
 
 async def record_review_txn(conn: AsyncConnection, operation_id: str, *, review: Review,
                             review_id: str, subjects: Subjects, now: datetime) -> dict[str, Any]:
     op = await load_op(conn, operation_id)
+    if op.state is State.SUCCEEDED and open_duplicate(op.evidence):
+        return await _review_duplicate(conn, op, review=review, review_id=review_id, now=now)
     if review.epoch != op.epoch:
         raise ActionRejected(f"the review is for epoch {review.epoch}; the operation is at "
                              f"{op.epoch}", reason="stale_epoch")
@@ -40,7 +44,8 @@ async def record_review_txn(conn: AsyncConnection, operation_id: str, *, review:
               "evidence_ref": review.evidence_ref, "conclusion": review.conclusion.value}
     actor = f"operator:{review.operator}"
     if review.conclusion is Conclusion.COMPLETED:
-        evidence = {"source": "operator", "at": now.isoformat(), **detail}
+        # The evidence names its epoch, like a verdict's: the view shows the current epoch's.
+        evidence = {"source": "operator", "at": now.isoformat(), "epoch": op.epoch, **detail}
         return (await move(conn, op, Event.REVIEW_COMPLETED, now=now, actor=actor,
                            detail=detail, subjects=subjects, extra={"evidence": evidence})
                 ).as_dict()
@@ -52,6 +57,28 @@ async def record_review_txn(conn: AsyncConnection, operation_id: str, *, review:
                          kind=JournalKind.REVIEW_RECORDED, actor=actor, epoch=op.epoch,
                          from_state=op.state, to_state=op.state, detail=detail)
     return op.as_dict()
+
+
+async def _review_duplicate(conn: AsyncConnection, op: OperationRow, *, review: Review,
+                            review_id: str, now: datetime) -> dict[str, Any]:
+    """A succeeded operation the provider applied twice: `completed` records that the extra
+    effect was dealt with (the evidence reference says how); the state stays succeeded."""
+    if review.conclusion is not Conclusion.COMPLETED:
+        raise ActionRejected("a duplicate on a succeeded operation is closed by a 'completed' "
+                             "review whose evidence_ref says how the extra effect was handled",
+                             reason="duplicate_needs_completed")
+    await conn.execute(reviews.insert().values(
+        id=review_id, operation_id=op.id, epoch=op.epoch, operator=review.operator,
+        evidence_ref=review.evidence_ref, conclusion=review.conclusion.value, at=now))
+    await review_duplicate_txn(conn, op=op, review_id=review_id, operator=review.operator,
+                               evidence_ref=review.evidence_ref, now=now)
+    await append_journal(conn, operation_id=op.id, at=now, kind=JournalKind.REVIEW_RECORDED,
+                         actor=f"operator:{review.operator}", epoch=op.epoch,
+                         from_state=op.state, to_state=op.state,
+                         detail={"review_id": review_id, "operator": review.operator,
+                                 "evidence_ref": review.evidence_ref, "duplicate": True,
+                                 "conclusion": review.conclusion.value})
+    return (await load_op(conn, op.id)).as_dict()
 
 
 async def latest_review(conn: AsyncConnection, operation_id: str, epoch: int) -> Review | None:
@@ -66,9 +93,11 @@ async def latest_review(conn: AsyncConnection, operation_id: str, epoch: int) ->
 
 
 async def review_queue(conn: AsyncConnection, *, limit: int) -> list[dict[str, Any]]:
-    """Operations in needs_review, each with the evidence gathered so far."""
+    """Operations in needs_review, and succeeded ones with a duplicate_detected (the provider
+    applied them more than once), each with the evidence gathered so far."""
     ops = (await conn.execute(
-        sa.select(operations).where(operations.c.state == State.NEEDS_REVIEW.value)
+        sa.select(operations).where(sa.or_(
+            operations.c.state == State.NEEDS_REVIEW.value, unreviewed_duplicates()))
         .order_by(operations.c.updated_at).limit(limit))).mappings().all()
     out = []
     for op in ops:

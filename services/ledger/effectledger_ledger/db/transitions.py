@@ -378,3 +378,18 @@ async def _reconcile(conn: AsyncConnection, row: OperationRow, r: Reconcile, now
 assert set(CAUSES) == set(Event), "every event says what it causes"
 assert all(step.to in UNRESOLVED for e, step in _STEP.items()
            if Effect.RECONCILE in CAUSES[e].effects)
+
+
+async def annotate(conn: AsyncConnection, operation_id: str, *, state: State,
+                   evidence: dict[str, Any], at: datetime) -> bool:
+    """Replace the evidence of an operation that is (and stays) in `state`; no transition.
+
+    The one write here that changes no state: a finding about an operation at rest (the
+    duplicate audit's mark on a succeeded operation, an operator closing it). The state is the
+    guard, never the target. False if the operation is no longer in `state`.
+    """
+    updated = await conn.execute(
+        operations.update().where(operations.c.id == operation_id,
+                                  operations.c.state == state.value)
+        .values(evidence=evidence, updated_at=at))
+    return bool(updated.rowcount == 1)

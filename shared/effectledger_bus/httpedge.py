@@ -1,0 +1,168 @@
+"""Every HTTP port's defences against slow and hostile clients (ledger API, webhook ingress).
+
+uvicorn times out idle keep-alive connections but neither a client that never finishes its
+request headers nor one that trickles its body: each would hold a connection (and a task) for
+as long as it likes. Here:
+
+- `TimedH11Protocol`: uvicorn's h11 protocol that closes a connection whose request headers are
+  not complete within `header_timeout_s` of its first byte (or of the connection);
+- `BodyDeadline`: ASGI middleware that answers 408 when a request body is not complete within
+  `body_timeout_s`, and turns a client that goes away mid-body into one log line;
+- `NulFree`: ASGI middleware that answers 400 when the path or query carries NUL (`%00`), which
+  PostgreSQL cannot compare with, before any handler or query sees it;
+- `server_config`: the uvicorn.Config every service uses, with all of the above.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+log = logging.getLogger(__name__)
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Any
+Send = Any
+App = Any
+
+
+class TimedH11Protocol(H11Protocol):
+    """h11 with a deadline for the request line and headers."""
+
+    header_timeout_s: float = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm_headers()
+
+    def _idle(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm_headers(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _disarm_headers(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self._idle() and not self.transport.is_closing():
+            log.info("closed a connection from %s: request headers not complete within %gs",
+                     self.client, self.header_timeout_s)
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._idle():
+            self._arm_headers()  # the next request on a kept-alive connection starts now
+        super().data_received(data)
+        if not self._idle():
+            self._disarm_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_headers()
+        super().connection_lost(exc)
+
+
+def timed_protocol(header_timeout_s: float) -> type[TimedH11Protocol]:
+    return type("TimedH11Protocol", (TimedH11Protocol,), {"header_timeout_s": header_timeout_s})
+
+
+class _BodyTimeout(BaseException):
+    """Not an Exception: the app's own error middleware (Starlette answers 500 to any
+    Exception) must let it through to `BodyDeadline`, which answers 408."""
+
+
+def _json_response(status: int, code: str, message: str) -> tuple[Message, Message]:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    return ({"type": "http.response.start", "status": status,
+             "headers": [(b"content-type", b"application/json"),
+                         (b"content-length", str(len(body)).encode()),
+                         (b"connection", b"close")]},
+            {"type": "http.response.body", "body": body})
+
+
+class BodyDeadline:
+    """The whole request body within `body_timeout_s`, else 408 and the connection closed."""
+
+    def __init__(self, app: App, body_timeout_s: float) -> None:
+        self.app = app
+        self.body_timeout_s = body_timeout_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
+        body_done = False
+        started = False
+
+        async def timed_receive() -> Message:
+            nonlocal body_done
+            if body_done:
+                after: Message = await receive()  # e.g. waiting for a disconnect
+                return after
+            try:
+                async with asyncio.timeout_at(deadline):
+                    message: Message = await receive()
+            except TimeoutError:
+                raise _BodyTimeout from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_done = True
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, timed_receive, tracked_send)
+        except _BodyTimeout:
+            log.info("%s %s: request body not complete within %gs; answered 408",
+                     scope.get("method"), scope.get("path", "")[:200], self.body_timeout_s)
+            if not started:
+                for message in _json_response(408, "request_timeout",
+                                              "the request body was not received in time"):
+                    await send(message)
+
+
+class NulFree:
+    """400 for a path or query containing NUL: data, never a database error."""
+
+    def __init__(self, app: App) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (
+                "\x00" in scope.get("path", "")
+                or b"\x00" in unquote_to_bytes(scope.get("query_string", b"") or b"")):
+            for message in _json_response(400, "invalid_request",
+                                          "the path or query contains a NUL character"):
+                await send(message)
+            return
+        await self.app(scope, receive, send)
+
+
+def guarded(app: App, *, body_timeout_s: float) -> App:
+    """`app` behind the body deadline and the NUL check."""
+    return BodyDeadline(NulFree(app), body_timeout_s)
+
+
+def server_config(app: App, *, host: str, port: int, header_timeout_s: float,
+                  body_timeout_s: float, **kwargs: Any) -> uvicorn.Config:
+    """uvicorn.Config with the header deadline (h11), the body deadline and the NUL check."""
+    return uvicorn.Config(guarded(app, body_timeout_s=body_timeout_s), host=host, port=port,
+                          http=timed_protocol(header_timeout_s), **kwargs)

@@ -1,0 +1,78 @@
+"""Reading a declarative readback answer: found or not, the provider's reference, how many.
+
+Pure: the caller hands over the status, the (bounded) body and the headers. The rules:
+- `not_found_status` means not found;
+- `found_when.status`: that status means found; `found_when.json_path`: a non-empty value at the
+  path means found (missing, null, false, "", [] and {} mean not found), on a 2xx answer;
+- `count_path` counts the effects the answer lists for this key (e.g. a search): 0 is not
+  found, 1 is found, more than one is a duplicate the caller must report;
+- the reference comes from `ref_path` when set, else the top-level `id`, else `X-Request-Id`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .catalog import Readback
+from .jsonpaths import find_all, find_first, scalar_text
+
+
+@dataclass(frozen=True, slots=True)
+class ReadbackReading:
+    found: bool | None  # None: the answer does not tell
+    provider_ref: str | None = None
+    matches: int | None = None  # effects listed for this key, when count_path is set
+    error: str | None = None
+
+
+def _json(content: bytes) -> tuple[bool, Any]:
+    if not content:
+        return False, None
+    try:
+        return True, json.loads(content)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return False, None
+
+
+def reference(rb: Readback, body: Any, headers: Mapping[str, str]) -> str | None:
+    if rb.ref_path is not None:
+        return scalar_text(find_first(body, rb.ref_path))
+    if isinstance(body, dict):
+        ref = scalar_text(body.get("id"))
+        if ref is not None:
+            return ref
+    return headers.get("x-request-id") or None
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value is False or value in ("", [], {})
+
+
+def read_answer(rb: Readback, status: int, content: bytes,
+                headers: Mapping[str, str]) -> ReadbackReading:
+    if status == rb.not_found_status:
+        return ReadbackReading(False)
+    is_json, body = _json(content)
+    if rb.found_when.status is not None:
+        if status != rb.found_when.status:
+            return ReadbackReading(None, error=f"unexpected readback status {status}")
+    elif not 200 <= status < 300:
+        return ReadbackReading(None, error=f"unexpected readback status {status}")
+    needs_json = rb.found_when.json_path is not None or rb.count_path is not None
+    if needs_json and not is_json:
+        return ReadbackReading(None, error="readback answer is not JSON")
+    if rb.found_when.json_path is not None and _empty(find_first(body, rb.found_when.json_path)):
+        return ReadbackReading(False)
+    matches = None
+    if rb.count_path is not None:
+        selected = find_all(body, rb.count_path)
+        # `$.data[*]` selects each element; `$.data` selects the list itself: count either way.
+        if len(selected) == 1 and isinstance(selected[0], list):
+            selected = selected[0]
+        matches = len(selected)
+        if matches == 0:
+            return ReadbackReading(False, matches=0)
+    return ReadbackReading(True, reference(rb, body, headers), matches)

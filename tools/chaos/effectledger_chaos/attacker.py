@@ -1,0 +1,167 @@
+"""The attacker: forgeries on the bus during the run, anonymously and with an agent's
+credentials, the way issue 11's attacker did it with plain nats-py and the subject table.
+
+Each round picks live operations from the ledger (as an eavesdropper would learn them) and,
+once per identity, tries:
+- a verdict `applied` and a verdict `not_applied` for each (reconciler id `forged-…`);
+- a validly shaped webhook `applied` for its key (webhook id `forged-…`);
+- a claim in a made-up dispatcher's name (`forged-dispatcher`, attempt `forged-…`) on the
+  plain and on the per-dispatcher claim subject, then that attempt's `AttemptSucceeded`;
+- an `AttemptFailed` naming the real attempt that holds the claim (from a made-up sender);
+- a `DispatchAttempt` for the operation under a made-up key (`forged-key-…`), which a
+  dispatcher would send to the provider as its `Idempotency-Key`;
+- intents for another tenant (`forged-tenant`), on the trusted subject and on that tenant's.
+
+Every forgery carries the `forged` mark in a field that the ledger or the provider keeps
+(journal actor, attempt, webhook id, tenant, idempotency key), so the checker's eleventh
+invariant can count, from the final state alone, the forged messages that moved an operation
+or reached the provider. What NATS refused (a failed connection, a permissions violation) is
+recorded per forgery for the report; it is not what the invariant rests on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import nats
+
+from effectledger_bus.permissions import inbox_prefix
+
+from .checker import FORGED as MARK
+from .collect import db_rows
+from .stack import ATTACKER_TENANT, SUBJECTS, WEBHOOK_PROVIDER, Stack
+
+FORGED_DISPATCHER = f"{MARK}-dispatcher"
+FORGED_TENANT = f"{MARK}-tenant"
+LIVE = ("pending", "in_flight", "ambiguous", "awaiting_confirmation")
+TARGETS = 3
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+class Attacker:
+    def __init__(self, stack: Stack, log: Any) -> None:
+        self.stack = stack
+        self.log = log
+        self.rounds = 0
+        self.sent = 0
+
+    async def run(self) -> dict[str, Any]:
+        """One round: every forgery, once anonymously and once as agent `mallory`."""
+        self.rounds += 1
+        targets = await self._targets()
+        if not targets:
+            return {"round": self.rounds, "targets": 0}
+        out: dict[str, Any] = {"round": self.rounds, "targets": len(targets)}
+        for identity in ("anonymous", "agent"):
+            out[identity] = await self._as(identity, targets)
+        return out
+
+    async def _targets(self) -> list[dict[str, Any]]:
+        for _ in range(20):
+            try:
+                rows = await db_rows(self.stack.db_direct, (
+                    "SELECT o.id, o.tool, o.state, o.epoch, o.operation_key, a.id AS attempt_id, "
+                    "a.dispatcher_id FROM operations o LEFT JOIN attempts a "
+                    "ON a.operation_id = o.id AND a.epoch = o.epoch "
+                    "ORDER BY o.created_at DESC LIMIT 200"))
+                live = [r for r in rows if r["state"] in LIVE]
+                return (live or rows)[:TARGETS]
+            except Exception:  # the database may be the one being faulted right now
+                await asyncio.sleep(0.5)
+        return []
+
+    async def _as(self, identity: str, targets: list[dict[str, Any]]) -> dict[str, Any]:
+        refusals: list[str] = []
+
+        async def on_error(exc: Exception) -> None:
+            refusals.append(str(exc)[:200])
+
+        opts: dict[str, Any] = {}
+        if identity == "agent":
+            cred = self.stack.credential(f"agent-{ATTACKER_TENANT}")
+            if cred is not None:  # an open broker has no users: the agent connects bare
+                opts = {"user": cred.user, "password": cred.password,
+                        "inbox_prefix": inbox_prefix(cred.user).encode()}
+        try:
+            nc = await nats.connect(self.stack.nats.url, connect_timeout=3,
+                                    allow_reconnect=False, max_reconnect_attempts=0,
+                                    error_cb=on_error, **opts)
+        except Exception as exc:
+            return {"connected": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
+        sent = 0
+        try:
+            for n, op in enumerate(targets):
+                for subject, body in self._forgeries(op, f"{self.rounds}-{n}"):
+                    await self._send(nc, subject, body)
+                    sent += 1
+            with contextlib.suppress(Exception):
+                await nc.flush(timeout=5)
+        except Exception as exc:  # the broker may go down in the middle of a round
+            return {"connected": True, "sent": sent, "refused": len(refusals),
+                    "error": f"{type(exc).__name__}: {exc}"[:200]}
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()
+        return {"connected": True, "sent": sent, "refused": len(refusals)}
+
+    async def _send(self, nc: Any, subject: str, body: dict[str, Any]) -> None:
+        payload = json.dumps(body).encode()
+        self.sent += 1
+        if subject.startswith(f"{SUBJECTS.prefix}.rpc."):
+            # A request, without waiting for the answer (a refused one would only time out):
+            # what the ledger did with it is in its rows, which the checker reads.
+            await nc.publish(subject, payload, reply=nc.new_inbox())
+            return
+        await nc.publish(subject, payload,
+                         headers={"Nats-Msg-Id": f"{MARK}-{self.rounds}-{self.sent}"})
+
+    def _forgeries(self, op: dict[str, Any], tag: str) -> list[tuple[str, dict[str, Any]]]:
+        s, now = SUBJECTS, _now()
+        base = {"schema_version": 1, "operation_id": op["id"], "epoch": op["epoch"]}
+        attempt = f"{MARK}-attempt-{tag}"
+        evidence = {"schema_version": 1, "source": "readback", "at": now}
+        outcome = {**base, "attempt_id": attempt, "dispatcher_id": FORGED_DISPATCHER,
+                   "at": now, "http_status": 200}
+        claim = {**base, "type": "claim_attempt", "attempt_id": attempt,
+                 "dispatcher_id": FORGED_DISPATCHER}
+        out: list[tuple[str, dict[str, Any]]] = [
+            (s.verdict, {**base, "type": "verdict_reached", "verdict": verdict,
+                         "evidence": evidence, "reconciler_id": f"{MARK}-reconciler",
+                         "at": now})
+            for verdict in ("applied", "not_applied")]
+        out += [
+            (s.webhook, {"schema_version": 1, "type": "webhook_received",
+                         "provider": WEBHOOK_PROVIDER, "webhook_id": f"{MARK}-{tag}",
+                         "event_type": "effect.applied", "operation_key": op["operation_key"],
+                         "outcome": "applied", "final": True, "body_digest": "0" * 64,
+                         "signed_at": now, "received_at": now}),
+            (s.rpc_claim, claim), (s.rpc_claim_by(FORGED_DISPATCHER), claim),
+            (s.outcome("attempt_succeeded"),
+             {**outcome, "type": "attempt_succeeded", "response_digest": "0" * 64}),
+            (s.outcome_by(FORGED_DISPATCHER, "attempt_succeeded"),
+             {**outcome, "type": "attempt_succeeded", "response_digest": "0" * 64}),
+            (s.dispatch(op["tool"]),
+             {**base, "type": "dispatch_attempt", "operation_key": f"{MARK}-key-{tag}",
+              "tool": op["tool"], "arguments": {"amount": 1000000},
+              "arguments_digest": "0" * 64, "catalog_digest": "0" * 64,
+              "contract_revision": "forged"}),
+            (s.rpc_intents, {"schema_version": 1, "tool": op["tool"], "arguments": {},
+                             "tenant": FORGED_TENANT, "idempotency_key": f"{MARK}-{tag}"}),
+            (s.rpc_intents_for(FORGED_TENANT),
+             {"schema_version": 1, "tool": op["tool"], "arguments": {},
+              "idempotency_key": f"{MARK}-t-{tag}"}),
+        ]
+        if op.get("attempt_id"):
+            # The eavesdropped claim: the real attempt, reported failed by someone else.
+            out.append((s.outcome("attempt_failed"), {
+                **base, "type": "attempt_failed", "attempt_id": op["attempt_id"],
+                "dispatcher_id": FORGED_DISPATCHER, "at": now, "failure_class": "permanent",
+                "code": MARK, "message": MARK, "http_status": 400}))
+        return out
