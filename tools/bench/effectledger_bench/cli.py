@@ -47,6 +47,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pgbench-seconds", type=float)
     p.add_argument("--pgbench-clients", type=_ints, help="e.g. 8,16,32")
     p.add_argument("--no-faults", action="store_true", help="skip the failure-mix scenario")
+    p.add_argument("--no-peers", action="store_true",
+                   help="skip pgbench, DBOS, Temporal and the ceiling (A/B runs of the pipeline)")
+    p.add_argument("--half-rate", type=float,
+                   help="ops/s of the `half` scenario instead of half the max rate (A/B runs)")
+    p.add_argument("--service-env", action="append", default=[], metavar="NAME=VALUE",
+                   help="an EFFECTLEDGER_* setting for the ledger and dispatchers (repeatable)")
+    p.add_argument("--direct-processes", type=_ints,
+                   help="process counts tried for the no-durability ceiling (1,2,4)")
+    p.add_argument("--peer-concurrency", type=_ints,
+                   help="concurrencies tried for DBOS and Temporal (8,16,64)")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
     p.add_argument("--profile", action="store_true",
                    help="run the py-spy profile even with --quick")
@@ -74,13 +84,21 @@ def build_config(args: argparse.Namespace) -> object:
         "pgbench_s": args.pgbench_seconds, "pgbench_clients": args.pgbench_clients,
         "database_url": args.database_url, "nats_url": args.nats_url,
         "time_budget_s": args.time_budget * 60 if args.time_budget else None,
-        "large_backlog": args.large_backlog,
+        "large_backlog": args.large_backlog, "direct_processes": args.direct_processes,
+        "peer_concurrencies": args.peer_concurrency, "half_rate": args.half_rate,
     }
     for name, value in overrides.items():
         if value is not None:
             setattr(cfg, name, value)
     if args.no_faults:
         cfg.faults = False
+    if args.no_peers:
+        cfg.peers = False
+    for item in args.service_env:
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("EFFECTLEDGER_"):
+            raise SystemExit(f"--service-env {item!r}: expected EFFECTLEDGER_<NAME>=<value>")
+        cfg.service_env[name] = value
     if args.no_profile:
         cfg.profile = False
     elif args.profile:

@@ -151,9 +151,41 @@ def plot_curve(phases: list[Phase], scenario: str, key: str, xlabel: str, out: P
     return out.name
 
 
+def _best_runs(results: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """A peer's fastest run in each repetition (the setting it is compared at)."""
+    best: dict[int, dict[str, Any]] = {}
+    for p in results.get("peers", []):
+        if p["peer"] == name and p.get("ops_per_s") is not None:
+            rep = p.get("rep", 0)
+            if rep not in best or p["ops_per_s"] > best[rep]["ops_per_s"]:
+                best[rep] = p
+    return [best[r] for r in sorted(best)]
+
+
 def _peer_values(results: dict[str, Any], name: str) -> list[float]:
-    return [p["ops_per_s"] for p in results.get("peers", [])
+    """A peer's ops/s per repetition, at the best setting it ran with in that repetition."""
+    return [p["ops_per_s"] for p in _best_runs(results, name)]
+
+
+PEER_MODES = {"dbos": ("direct", "queue"), "temporal": ("activity", "local")}
+
+
+def _best_setting(results: dict[str, Any], name: str) -> str:
+    """The setting (processes, concurrency) of a peer's fastest run: how it was at its best."""
+    runs = [p for p in results.get("peers", [])
             if p["peer"] == name and p.get("ops_per_s") is not None]
+    if not runs:
+        return "?"
+    top = max(runs, key=lambda p: p["ops_per_s"])
+    return str(top.get("processes", top.get("concurrency", "?")))
+
+
+def best_peer(results: dict[str, Any], family: str) -> tuple[str, float] | None:
+    """(mode, median ops/s) of a peer's best mode, over the repetitions' best settings."""
+    found = [(med(_peer_values(results, f"{family}_{mode}")) or 0.0, mode)
+             for mode in PEER_MODES[family]]
+    value, mode = max(found)
+    return (mode, value) if value else None
 
 
 def pgbench_best(results: dict[str, Any]) -> tuple[int | None, list[float]]:
@@ -188,24 +220,38 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
 
     top = [p.get("ops_per_s") for p in phases if p["scenario"] == "max"]
     m = med(top)
-    rows.append(["≥ 500 ops/s end to end (latency 0)", mmm(top) + gap(m, 500),
-                 verdict(None if m is None else m >= 500)])
+    rows.append(["≥ 1,000 ops/s end to end (latency 0)", mmm(top) + gap(m, 1000),
+                 verdict(None if m is None else m >= 1000)])
     clients, pgb = pgbench_best(results)
     if pgb and m:
         ratio = m / (med(pgb) or 1)
-        shown = f"{ratio:.2f}" if abs(ratio - 0.6) >= 0.005 else f"{ratio:.3f}"
-        rows.append([f"≥ 0.6 x pgbench limit ({mmm(pgb)} ops/s at {clients} clients)",
-                     f"{shown} x" + gap(ratio, 0.6), verdict(ratio >= 0.6)])
-    dbos_best = max((med(_peer_values(results, f"dbos_{mode}")) or 0, mode)
-                    for mode in ("direct", "queue"))
-    if dbos_best[0] and m:
-        ratio = m / dbos_best[0]
-        rows.append([f"≥ 2 x DBOS (best mode: {dbos_best[1]}, {dbos_best[0]:.1f} ops/s)",
-                     f"{ratio:.2f} x" + gap(ratio, 2.0), verdict(ratio >= 2.0)])
+        shown = f"{ratio:.2f}" if abs(ratio - 1.0) >= 0.005 else f"{ratio:.3f}"
+        rows.append([f"≥ 1.0 x pgbench limit ({mmm(pgb)} ops/s at {clients} clients)",
+                     f"{shown} x" + gap(ratio, 1.0), verdict(ratio >= 1.0)])
+    for family, label, target in (("dbos", "DBOS", 8.0), ("temporal", "Temporal", 3.0)):
+        best = best_peer(results, family)
+        if best and m:
+            ratio = m / best[1]
+            rows.append([f"≥ {target:g} x {label} (best mode: {best[0]}, {best[1]:.1f} ops/s)",
+                         f"{ratio:.2f} x" + gap(ratio, target), verdict(ratio >= target)])
+    ceiling = med(_peer_values(results, "no_durability"))
+    if ceiling and m:
+        rows.append([f"share of the no-durability ceiling ({ceiling:.1f} ops/s), shown",
+                     f"{m / ceiling:.2f} x", "n/a"])
     half = [_get(p, "latency_ms.p99") for p in phases if p["scenario"] == "half"]
     hm = med(half)
-    rows.append(["p99 intent→succeeded ≤ 50 ms at half the max rate", mmm(half) + " ms"
-                 + gap(hm, 50, higher=False), verdict(None if hm is None else hm <= 50)])
+    rows.append(["p99 intent→succeeded ≤ 25 ms at half the max rate", mmm(half) + " ms"
+                 + gap(hm, 25, higher=False), verdict(None if hm is None else hm <= 25)])
+    cpu_max = med(p.get("system_cpu_ms_per_op") for p in phases if p["scenario"] == "max")
+    cpu_half = med(p.get("system_cpu_ms_per_op") for p in phases if p["scenario"] == "half")
+    if cpu_max:
+        rows.append(["system CPU ≤ 1.3 ms/op at saturation (`max`)", f"{cpu_max:.2f} ms/op"
+                     + gap(cpu_max, 1.3, higher=False), verdict(cpu_max <= 1.3)])
+    if cpu_max and cpu_half:
+        flat = cpu_half / cpu_max
+        rows.append(["system CPU/op at half rate ÷ at saturation ≤ 1.3",
+                     f"{cpu_half:.2f} ÷ {cpu_max:.2f} = {flat:.2f} x"
+                     + gap(flat, 1.3, higher=False), verdict(flat <= 1.3)])
     bl = group(phases, "backlog", "backlog")
     if len(bl) >= 2:
         xs = list(bl)
@@ -342,13 +388,20 @@ def render(results: dict[str, Any], out_dir: Path) -> str:
     for name, label in (("pgbench_limit", f"pgbench: one operation's SQL ({clients} clients)"),
                         ("dbos_direct", "DBOS Transact, direct workflows"),
                         ("dbos_queue", "DBOS Transact, queue"),
+                        ("temporal_activity", "Temporal (dev server), activity"),
+                        ("temporal_local", "Temporal (dev server), local activity"),
+                        ("no_durability", "no durability: the dispatcher's calls, "
+                                          f"{_best_setting(results, 'no_durability')} "
+                                          "process(es)"),
                         ("no_durability_httpx", "no durability: httpx from one process")):
         vals = pgb if name == "pgbench_limit" else _peer_values(results, name)
         if not vals:
             continue
         pm = med(vals)
-        lat = [(_get(p, "latency_ms.p99")) for p in results.get("peers", [])
-               if p["peer"] == name]
+        lat = [_get(p, "latency_ms.p99") for p in (
+            _best_runs(results, name) if name != "pgbench_limit" else [])]
+        if name.startswith(("dbos_", "temporal_")):
+            label += f", concurrency {_best_setting(results, name)}"
         rows.append([label, mmm(vals), mmm(lat),
                      f"{m / pm:.2f}" if m and pm else "n/a"])
     if m:
@@ -356,6 +409,16 @@ def render(results: dict[str, Any], out_dir: Path) -> str:
             p.get("ops_per_s") for p in phases if p["scenario"] == "max"),
             mmm(_get(p, "latency_ms.p99") for p in phases if p["scenario"] == "max"), "1.00"])
     parts += [table(rows, ["system", "ops/s", "p99 ms", "effectledger ÷ this"]), ""]
+    missing = sorted({f"{p['peer']}: {p.get('skipped') or str(p.get('error'))[:200]}"
+                      for p in results.get("peers", []) if p.get("skipped") or p.get("error")})
+    if missing:
+        parts += ["Not measured: " + "; ".join(missing), ""]
+    if any(p["peer"].startswith("temporal_") for p in results.get("peers", [])):
+        parts += ["Temporal runs as `temporal server start-dev`: one process holding all of "
+                  "Temporal's services, persisting to one SQLite file. A production cluster "
+                  "runs frontend, history, matching and worker services apart on PostgreSQL, "
+                  "MySQL or Cassandra; that adds network hops per step and scales out, so "
+                  "these figures describe the dev server on this machine, not a cluster.", ""]
     cap = results.get("sql_capture")
     if cap:
         parts += [f"The pgbench script (`{Path(cap['script']).name}`) replays the "
@@ -412,7 +475,10 @@ def summary_section(results: dict[str, Any]) -> str:
     for name, label in (("pgbench_limit", "pgbench, one operation's SQL"),
                         ("dbos_direct", "DBOS Transact, direct"),
                         ("dbos_queue", "DBOS Transact, queue"),
-                        ("no_durability_httpx", "no durability (httpx)")):
+                        ("temporal_activity", "Temporal dev server, activity"),
+                        ("temporal_local", "Temporal dev server, local activity"),
+                        ("no_durability", "no durability (the ceiling)"),
+                        ("no_durability_httpx", "no durability (httpx, one process)")):
         vals = pgb if name == "pgbench_limit" else _peer_values(results, name)
         if vals:
             pm = med(vals)

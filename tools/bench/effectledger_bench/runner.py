@@ -19,7 +19,7 @@ from typing import Any
 import asyncpg
 import httpx
 
-from . import peers
+from . import peer_direct, peers
 from . import profile as prof
 from .load import LoadGenerator, LoadResult, Progress
 from .measure import (
@@ -33,9 +33,9 @@ from .measure import (
 from .pg import PgCounters, read_counters, wal_commit_records
 from .procs import CpuSample, self_cpu
 from .sqlcapture import extract, pgbench_script
-from .stack import Stack
+from .stack import TOOL, Stack
 
-PEER_PREFIXES = ("direct-", "dbos-")
+PEER_PREFIXES = ("direct-", "dbos-", "temporal-")
 
 
 @dataclass
@@ -52,7 +52,16 @@ class Config:
     replicas: list[int] = field(default_factory=lambda: [1, 2, 3])
     latencies_ms: list[int] = field(default_factory=lambda: [0, 10, 100])
     peer_n: int = 2000
-    peer_concurrency: int = 64
+    # Settings each peer is tried at in the first repetition; later repetitions use the best
+    # (a ratio must not come from a handicapped peer). The ceiling runs 1, 2, … processes, each
+    # with a dispatcher's concurrency and pools; DBOS and Temporal try these concurrencies.
+    direct_processes: list[int] = field(default_factory=lambda: [1, 2, 4])
+    peer_concurrencies: list[int] = field(default_factory=lambda: [8, 16, 64])
+    temporal: bool = True
+    peers: bool = True
+    half_rate: float | None = None  # a fixed rate for `half` (A/B runs); default max / 2
+    # EFFECTLEDGER_* settings for the ledger and the dispatchers (A/B runs of a setting).
+    service_env: dict[str, str] = field(default_factory=dict)
     pgbench_s: float = 10.0
     pgbench_clients: list[int] = field(default_factory=lambda: [8, 16, 32])
     faults: bool = True
@@ -73,7 +82,8 @@ class Config:
     def quick_defaults(cls, out_dir: Path) -> Config:
         return cls(out_dir=out_dir, quick=True, reps=1, duration_s=5.0, window=32,
                    backlogs=[0, 300], replicas=[1, 2], latencies_ms=[0, 10], peer_n=300,
-                   pgbench_s=4.0, pgbench_clients=[16], profile=False)
+                   direct_processes=[1, 2], peer_concurrencies=[16], pgbench_s=4.0,
+                   pgbench_clients=[16], profile=False)
 
 
 def log(msg: str) -> None:
@@ -93,12 +103,15 @@ class Runner:
             shutil.rmtree(work)
         self.stack = Stack(cfg.out_dir / "work", database_url=cfg.database_url,
                            nats_url=cfg.nats_url, provider_timeout_s=cfg.provider_timeout_s,
+                           ledger_env=dict(cfg.service_env),
                            dispatcher_env={"EFFECTLEDGER_DISPATCHER_CONCURRENCY":
-                                           str(cfg.dispatcher_concurrency)})
+                                           str(cfg.dispatcher_concurrency),
+                                           **cfg.service_env})
         self.results: dict[str, Any] = {"phases": [], "peers": [], "errors": []}
         self.submitted_ids: list[str] = []
         self.peak: dict[str, CpuSample] = {}
         self.tag_seq = 0
+        self.peer_best: dict[str, dict[int, float]] = {}  # peer -> setting -> best ops/s
 
     # -- infrastructure helpers ----------------------------------------------------------
 
@@ -266,30 +279,54 @@ class Runner:
         st, cfg = self.stack, self.cfg
         endpoint = f"{st.sandbox_url}/v1/idempotent/effects"
         await self.set_latency(0)
-        log(f"peer: no durability (httpx, {cfg.peer_concurrency} concurrent) rep {rep + 1}")
-        r = await peers.direct_httpx(endpoint, st.api_key, n=cfg.peer_n,
-                                     concurrency=cfg.peer_concurrency,
-                                     prefix=f"direct-r{rep}-")
-        self.add_peer("no_durability_httpx", rep, r)
+        assert st.catalog_path is not None
+        for procs in self.peer_settings("no_durability", cfg.direct_processes, rep):
+            log(f"peer: no durability ({procs} process(es), the dispatcher's client) "
+                f"rep {rep + 1}")
+            r = await asyncio.to_thread(
+                peer_direct.run_processes, st.catalog_path, TOOL,
+                # At least 1500 calls: at the provider's rate a smaller run lasts well under
+                # a second, too short for a rate.
+                {"EFFECTLEDGER_SANDBOX_API_KEY": st.api_key}, processes=procs,
+                n=max(cfg.peer_n, 1500),
+                concurrency=cfg.dispatcher_concurrency, prefix=f"direct-r{rep}-{procs}-")
+            self.add_peer("no_durability", rep, r, setting=procs)
         if st.pg is not None:
             for mode in ("direct", "queue"):
-                log(f"peer: DBOS {mode} rep {rep + 1}")
-                r = await asyncio.to_thread(
-                    peers.dbos, st.pg.dsn("dbos_bench"), endpoint, st.api_key, mode=mode,
-                    n=cfg.peer_n, concurrency=cfg.peer_concurrency,
-                    prefix=f"dbos-{mode}-r{rep}-")
-                self.add_peer(f"dbos_{mode}", rep, r)
-            if self.pgbench_script is not None:
-                clients = self.pgbench_clients_for(rep)
-                for c in clients:
-                    log(f"peer: pgbench limit, {c} clients, rep {rep + 1}")
+                for conc in self.peer_settings(f"dbos_{mode}", cfg.peer_concurrencies, rep):
+                    log(f"peer: DBOS {mode}, concurrency {conc}, rep {rep + 1}")
                     r = await asyncio.to_thread(
-                        peers.pgbench, st.pg.bin("pgbench"), st.pg.dsn("pgbench_limit"),
-                        self.pgbench_script, clients=c, seconds=cfg.pgbench_s)
-                    self.add_peer("pgbench_limit", rep, r)
-                    if "ops_per_s" in r:
-                        self.pgbench_best[c] = max(self.pgbench_best.get(c, 0.0),
-                                                   r["ops_per_s"])
+                        peers.dbos, st.pg.dsn("dbos_bench"), endpoint, st.api_key, mode=mode,
+                        n=cfg.peer_n, concurrency=conc, prefix=f"dbos-{mode}-r{rep}-{conc}-")
+                    self.add_peer(f"dbos_{mode}", rep, r, setting=conc)
+        if cfg.temporal:
+            for mode in ("activity", "local"):
+                for conc in self.peer_settings(f"temporal_{mode}", cfg.peer_concurrencies, rep):
+                    what = "local activity" if mode == "local" else "activity"
+                    log(f"peer: Temporal ({what}), concurrency {conc}, rep {rep + 1}")
+                    r = await asyncio.to_thread(
+                        peers.temporal, st.workdir / f"temporal-r{rep}-{mode}-{conc}", endpoint,
+                        st.api_key, mode=mode, n=cfg.peer_n, concurrency=conc,
+                        prefix=f"temporal-{mode}-r{rep}-{conc}-")
+                    self.add_peer(f"temporal_{mode}", rep, r, setting=conc)
+        if st.pg is not None and self.pgbench_script is not None:
+            clients = self.pgbench_clients_for(rep)
+            for c in clients:
+                log(f"peer: pgbench limit, {c} clients, rep {rep + 1}")
+                r = await asyncio.to_thread(
+                    peers.pgbench, st.pg.bin("pgbench"), st.pg.dsn("pgbench_limit"),
+                    self.pgbench_script, clients=c, seconds=cfg.pgbench_s)
+                self.add_peer("pgbench_limit", rep, r)
+                if "ops_per_s" in r:
+                    self.pgbench_best[c] = max(self.pgbench_best.get(c, 0.0),
+                                               r["ops_per_s"])
+
+    def peer_settings(self, name: str, options: list[int], rep: int) -> list[int]:
+        # The first repetition tries every setting; later ones the best seen so far.
+        best = self.peer_best.get(name)
+        if rep == 0 or not best:
+            return options
+        return [max(best, key=lambda k: best[k])]
 
     def pgbench_clients_for(self, rep: int) -> list[int]:
         # The first repetition tries each client count; later ones use the best of them.
@@ -297,9 +334,13 @@ class Runner:
             return self.cfg.pgbench_clients
         return [max(self.pgbench_best, key=lambda c: self.pgbench_best[c])]
 
-    def add_peer(self, name: str, rep: int, r: dict[str, Any]) -> None:
+    def add_peer(self, name: str, rep: int, r: dict[str, Any],
+                 setting: int | None = None) -> None:
         log(f"  -> {name}: {r.get('ops_per_s')} ops/s {r.get('error', '')[:300]}")
         self.results["peers"].append({"peer": name, "rep": rep, **r})
+        if setting is not None and r.get("ops_per_s") is not None:
+            best = self.peer_best.setdefault(name, {})
+            best[setting] = max(best.get(setting, 0.0), float(r["ops_per_s"]))
         self.save()
 
     async def probe_window(self, lg: LoadGenerator) -> int:
@@ -476,9 +517,10 @@ class Runner:
                 await self.set_latency(0)
                 top = await self.closed(lg, "max", {"dispatchers": cfg.dispatchers}, rep)
                 max_rate = top.get("ops_per_s") or 50.0
-                half = max(5.0, max_rate / 2)
+                half = cfg.half_rate or max(5.0, max_rate / 2)
                 await self.open(lg, "half", {"dispatchers": cfg.dispatchers}, half, rep)
-                await self.run_peers(rep, max_rate)
+                if cfg.peers:
+                    await self.run_peers(rep, max_rate)
                 for n in cfg.replicas:
                     st.scale_dispatchers(n)
                     await self.closed(lg, "replicas", {"dispatchers": n}, rep)
