@@ -87,7 +87,9 @@ class HttpProviderCaller:
 
     async def __call__(self, tool: Tool, cmd: DispatchAttempt, *, attempt_id: str,
                        dispatcher_id: str, on_sent: Callable[[], None],
-                       before_write: Callable[[], None]) -> Outcome:
+                       before_write: Callable[[], None] | None = None) -> Outcome:
+        # before_write is optional here for callers outside the dispatcher (the benchmark's
+        # direct peer); the dispatcher always passes its send-deadline check.
         return await call_provider(self.client(), tool, cmd, attempt_id=attempt_id,
                                    dispatcher_id=dispatcher_id, env=self.env, clock=self.clock,
                                    on_sent=on_sent, before_write=before_write)
