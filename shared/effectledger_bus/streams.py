@@ -1,8 +1,14 @@
-"""Stream definitions (also described in infra/nats/streams.json and docs/asyncapi.yaml).
+"""What a service checks about its streams at start; it never changes an existing one.
 
-Streams are created or updated idempotently at service start. File storage by default: the
-dispatch stream is the transport of committed intents, so it should survive a broker restart
-(the ledger's sweeper repairs what is lost anyway).
+The streams and consumers are owned by one step, `effectledger streams apply`
+(`effectledger_bus.topology`, `infra/nats/streams.json`). A service only checks that each stream
+it needs exists and matches in the fields that decide correctness (its subjects, work-queue
+retention, a message size our bounded messages fit in); replicas, limits and placement are the
+operator's and are left as they are. A missing stream is created from the same definitions
+when `EFFECTLEDGER_STREAMS_CREATE_MISSING` is true (the default, for a developer's embedded
+NATS); deployments set it to false so that a stream exists only once the apply step made it.
+File storage by default: the dispatch stream is the transport of committed intents, so it
+should survive a broker restart (the ledger's sweeper repairs what is lost anyway).
 """
 
 from __future__ import annotations
@@ -14,19 +20,29 @@ from typing import TypeVar
 
 import nats.errors
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import RetentionPolicy, StreamConfig
 from nats.js.errors import BadRequestError, NotFoundError
 from tenacity import AsyncRetrying, RetryCallState, retry_if_exception, wait_exponential
 
 from effectledger_core.config import Settings
+from effectledger_core.errors import ConfigError
+
+from .topology import MAX_MSG_SIZE, topology
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class StreamMissing(ConfigError):
+    """A stream this service needs does not exist and it may not create it: waited for, as
+    the deployment's `streams apply` step may simply not have run yet."""
+
+
 def _transient(exc: BaseException) -> bool:
     """Worth waiting out at start-up: the server is unreachable, restarting or electing. A
     refused configuration (400) is our mistake and must fail the start at once."""
+    if isinstance(exc, StreamMissing):
+        return True
     if isinstance(exc, BadRequestError):
         return False
     return isinstance(exc, nats.errors.Error | TimeoutError | OSError)
@@ -52,39 +68,63 @@ async def at_startup(call: Callable[[], Awaitable[T]]) -> T:
 
 
 def stream_configs(settings: Settings) -> list[StreamConfig]:
-    subjects = settings.subjects
-    storage = StorageType.FILE if settings.stream_storage == "file" else StorageType.MEMORY
-    common = dict(storage=storage, num_replicas=settings.stream_replicas,
-                  max_age=settings.stream_max_age_s, duplicate_window=settings.duplicate_window_s,
-                  discard=DiscardPolicy.OLD, max_msg_size=512 * 1024)
-    return [
-        # Work queue: a dispatch command is removed once a dispatcher acks it.
-        StreamConfig(name=subjects.dispatch_stream, subjects=[subjects.dispatch_all],
-                     retention=RetentionPolicy.WORK_QUEUE,
-                     description="effectledger dispatch commands (from the ledger outbox)",
-                     **common),  # type: ignore[arg-type]
-        # Also a work queue: the ledger's and the reconciler's consumers filter on disjoint
-        # subtrees, and acknowledged events leave no backlog behind.
-        StreamConfig(name=subjects.events_stream, subjects=subjects.events_subjects,
-                     retention=RetentionPolicy.WORK_QUEUE,
-                     description="effectledger attempt outcomes, ambiguity notices, dead letters",
-                     **common),  # type: ignore[arg-type]
-    ]
+    return topology(settings).streams
+
+
+def stream_problems(actual: StreamConfig, wanted: StreamConfig) -> list[str]:
+    """What makes an existing stream unusable for us (empty: usable). Replicas, storage, age
+    and duplicate window are the operator's choice and are not compared."""
+    problems = []
+    missing = sorted(set(wanted.subjects or []) - set(actual.subjects or []))
+    if missing:
+        problems.append(f"does not capture subjects {missing}")
+    if _value(actual.retention) != _value(wanted.retention):
+        problems.append(f"has retention {_value(actual.retention)}, needs "
+                        f"{_value(wanted.retention)}")
+    size = actual.max_msg_size
+    if size is not None and 0 < size < MAX_MSG_SIZE:
+        problems.append(f"has max_msg_size {size}, needs at least {MAX_MSG_SIZE}")
+    return problems
+
+
+def _value(policy: RetentionPolicy | str | None) -> str:
+    # nats-py leaves the server's answer as a plain string, our definitions use the enum
+    return "unset" if policy is None else str(getattr(policy, "value", policy))
 
 
 async def ensure_streams(js: JetStreamContext, settings: Settings) -> None:
-    """Create missing streams; never change an existing one. Changing streams is the JetStream
-    API's write side, which NATS permissions give to the ledger and the apply step only, so a
-    dispatcher or reconciler that tried would be refused (and wait forever for an answer)."""
+    """Check (and, when allowed, create) every stream; never change one: changing streams
+    is the JetStream API's write side, which NATS permissions give to the ledger and the
+    apply step only. ConfigError in one line when a stream is unusable."""
     for cfg in stream_configs(settings):
-        await at_startup(partial(_ensure_stream, js, cfg))
+        await at_startup(partial(_check_stream, js, cfg, settings.streams_create_missing))
 
 
-async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+async def _check_stream(js: JetStreamContext, cfg: StreamConfig, create_missing: bool) -> None:
+    name = cfg.name or ""
     try:
-        await js.stream_info(cfg.name)  # type: ignore[arg-type]
+        info = await js.stream_info(name)
     except NotFoundError:
-        await js.add_stream(cfg)
+        if not create_missing:
+            raise StreamMissing(f"JetStream stream {name} does not exist yet: waiting for "
+                                "`effectledger streams apply`") from None
+        try:
+            await js.add_stream(cfg)
+        except BadRequestError as exc:  # another service created it a moment ago
+            if exc.err_code != 10058:  # "stream name already in use"
+                raise
+            info = await js.stream_info(name)
+        else:
+            log.info("created JetStream stream %s (it did not exist)", name)
+            return
+    problems = stream_problems(info.config, cfg)
+    if problems:
+        raise ConfigError(f"JetStream stream {name} {'; '.join(problems)}: fix it with "
+                          "`effectledger streams apply`")
+    if info.config.num_replicas != cfg.num_replicas:
+        log.info("stream %s has %s replicas (configured: %s); left as it is: "
+                 "`effectledger streams apply` changes it", name, info.config.num_replicas,
+                 cfg.num_replicas)
 
 
 async def delete_streams(js: JetStreamContext, settings: Settings) -> None:

@@ -47,7 +47,13 @@ class Settings(BaseSettings):
     subject_prefix: str = Field(default="effects", pattern=r"^[a-zA-Z0-9_-]+(\.[a-zA-Z0-9_-]+)*$")
     stream_prefix: str = Field(default="EFFECTS", pattern=r"^[A-Za-z0-9_-]+$")
     stream_storage: str = Field(default="file", pattern="^(file|memory)$")
-    stream_replicas: int = 1
+    # Replicas and placement of every stream, applied by `effectledger streams apply` only.
+    stream_replicas: int = Field(default=1, ge=1, le=5)
+    stream_placement_cluster: str | None = None
+    stream_placement_tags: list[str] = Field(default_factory=list)
+    # A service finding a stream missing creates it (the embedded default); deployments turn
+    # this off so that streams exist only as the apply step made them.
+    streams_create_missing: bool = True
     stream_max_age_s: float = 7 * 86400
     duplicate_window_s: float = 120.0
 
@@ -56,7 +62,7 @@ class Settings(BaseSettings):
 
     # ledger
     ledger_host: str = "127.0.0.1"
-    ledger_port: int = 8600
+    ledger_port: int = Field(default=8600, ge=1, le=65535)
     # Every HTTP port (ledger API, webhook ingress): a client that has not sent its request
     # headers, or its whole body, within these is cut off (408 for the body).
     http_header_timeout_s: float = Field(default=10.0, gt=0)
@@ -98,7 +104,7 @@ class Settings(BaseSettings):
 
     # reconciler
     reconciler_host: str = "127.0.0.1"
-    reconciler_port: int = 8800
+    reconciler_port: int = Field(default=8800, ge=1, le=65535)
     reconciler_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     # Readback errors are retried until claimed_at + this; then the operation needs review.
     reconcile_deadline_s: float = Field(default=3600.0, gt=0)
@@ -112,7 +118,8 @@ class Settings(BaseSettings):
     webhook_max_body_bytes: int = Field(default=256 * 1024, gt=0)
     webhook_tolerance_s: float = Field(default=300.0, gt=0)
 
-    log_level: str = "INFO"
+    log_level: str = Field(default="INFO",
+                           pattern=r"(?i)^(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)$")
 
     @property
     def subjects(self) -> Subjects:

@@ -31,6 +31,12 @@ def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
     out = tmp_path / "up.out"
     env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECTLEDGER_")}
     env["EFFECTLEDGER_NATS_PASSWORD"] = "from-the-users-shell"  # must reach no child
+    # `up --catalog` without `--demo` starts no sandbox: this test runs the catalog's own,
+    # with the provider key `up` hands to its dispatcher and reconciler.
+    env["EFFECTLEDGER_SANDBOX_API_KEY"] = "sk_sandbox_up_nats_auth"
+    sandbox = subprocess.Popen(
+        [sys.executable, "-m", "effectledger_cli", "sandbox", "--port", str(sandbox_port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     with open(out, "wb") as f:
         proc = subprocess.Popen(
             [sys.executable, "-m", "effectledger_cli", "up", "--data-dir", str(tmp_path / "d"),
@@ -47,6 +53,8 @@ def up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        sandbox.terminate()
+        sandbox.wait(30)
 
 
 def _printed(out: Path, label: str) -> str | None:

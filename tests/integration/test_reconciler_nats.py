@@ -93,15 +93,22 @@ async def nc(nats_url: str) -> AsyncIterator[NatsClient]:
     await client.close()
 
 
+# operation id -> (operation key, tool) as the stand-in ledger reports it (default ck_1, blind).
+LEDGER_VIEW: dict[str, tuple[str, str]] = {}
+
+
 @pytest.fixture
 async def reconciler(rsettings: Settings, nc: NatsClient) -> AsyncIterator[Settings]:
     """The reconciler's `serve()` running, with a stand-in ledger answering rpc_operation."""
 
     async def ledger(msg: Msg) -> None:
         op_id = json.loads(msg.data)["operation_id"]
+        # The reconciler compares its command with the ledger's view, so the stand-in answers
+        # with the key and tool the test registered for this operation.
+        key, tool = LEDGER_VIEW.get(op_id, ("ck_1", "blind"))
         await msg.respond(json.dumps({"ok": True, "operation": {
-            "id": op_id, "state": "ambiguous", "epoch": 1, "operation_key": "ck_1",
-            "tool": "blind", "provider_ref": None}}).encode())
+            "id": op_id, "state": "ambiguous", "epoch": 1, "operation_key": key,
+            "tool": tool, "provider_ref": None}}).encode())
 
     sub = await nc.subscribe(rsettings.subjects.rpc_operation, cb=ledger)
     started = asyncio.Event()
@@ -245,6 +252,7 @@ async def test_readback_waits_by_redelivery_for_a_late_apply_and_the_horizon(
 
     late = asyncio.create_task(apply_late())
     for op_id, key in (("op_late", "ck_late"), ("op_never", "ck_never")):
+        LEDGER_VIEW[op_id] = (key, "looked_up")
         await js.publish(reconciler.subjects.ambiguous, encode(command(op_id, "looked_up", key)),
                          headers={"Nats-Msg-Id": f"outbox-{op_id}"})
     psub = await js.pull_subscribe(reconciler.subjects.verdict,

@@ -48,6 +48,17 @@ def _common(p: argparse.ArgumentParser, *, db: bool = False, nats: bool = False)
         p.add_argument("--stream-prefix", help="stream name prefix (default: EFFECTS)")
 
 
+def port_number(text: str) -> int:
+    """argparse type: a TCP port (0 where the flag allows "any free one")."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"not a port number (0-65535): {port}")
+    return port
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import nats_config
 
@@ -59,12 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="folder for the SQLite ledger and JetStream (default: effectledger-data)")
     up.add_argument("--database-url", help="use this database instead of the embedded SQLite")
     up.add_argument("--catalog", dest="catalog_path", help="replace the demo catalog")
-    up.add_argument("--nats-port", type=int, default=0, help="embedded NATS port (0: any free)")
-    up.add_argument("--ledger-port", type=int, default=8600)
-    up.add_argument("--sandbox-port", type=int, default=8700,
+    up.add_argument("--nats-port", type=port_number, default=0,
+                    help="embedded NATS port (0: any free)")
+    up.add_argument("--ledger-port", type=port_number, default=8600)
+    up.add_argument("--sandbox-port", type=port_number, default=8700,
                     help="sandbox port (the demo catalog expects 8700)")
-    up.add_argument("--reconciler-port", type=int, default=8800,
+    up.add_argument("--reconciler-port", type=port_number, default=8800,
                     help="reconciler webhook port")
+    up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
+                    help="N nats-server processes clustered on loopback, streams with N "
+                         "replicas (at most 5) and a NATS user per service (default: 1)")
+    for role, first in (("ledgers", "--ledger-port"), ("dispatchers", None),
+                        ("reconcilers", "--reconciler-port")):
+        up.add_argument(f"--{role}", type=int, default=1, metavar="N",
+                        help=f"run N {role}" + (f" (ports from {first} up)" if first else ""))
     up.add_argument("--demo", type=int, default=0, metavar="N",
                     help="submit N demo intents once ready and print where they ended")
     up.add_argument("--exit-after-demo", action="store_true",
@@ -73,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     led = sub.add_parser("ledger", help="run the ledger service")
     _common(led, db=True, nats=True)
     led.add_argument("--host", dest="ledger_host")
-    led.add_argument("--port", dest="ledger_port", type=int)
+    led.add_argument("--port", dest="ledger_port", type=port_number)
 
     dis = sub.add_parser("dispatcher", help="run a dispatcher")
     _common(dis, nats=True)
@@ -84,12 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     _common(rec, nats=True)
     rec.add_argument("--id", dest="reconciler_id", help="reconciler identity (default host-pid)")
     rec.add_argument("--host", dest="reconciler_host", help="webhook HTTP host (default 127.0.0.1)")
-    rec.add_argument("--port", dest="reconciler_port", type=int,
+    rec.add_argument("--port", dest="reconciler_port", type=port_number,
                      help="webhook HTTP port (default 8800)")
 
     sb = sub.add_parser("sandbox", help="run the sandbox provider")
     sb.add_argument("--host", default="127.0.0.1")
-    sb.add_argument("--port", type=int, default=8700)
+    sb.add_argument("--port", type=port_number, default=8700)
     sb.add_argument("--api-key", default=os.environ.get("EFFECTLEDGER_SANDBOX_API_KEY"),
                     help="bearer key required by /v1 routes (env EFFECTLEDGER_SANDBOX_API_KEY)")
     sb.add_argument("--webhook-url", default=os.environ.get("EFFECTLEDGER_SANDBOX_WEBHOOK_URL"),
@@ -103,6 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     mig = sub.add_parser("migrate", help="create or upgrade the ledger schema")
     _common(mig, db=True)
+
+    from .deploy_env import add_arguments as add_deploy_env_arguments
+
+    add_deploy_env_arguments(sub.add_parser(
+        "deploy-env", help="print fresh credentials for infra/compose.yaml as an .env file"))
+
+    from .streams_cmd import add_arguments as add_streams_arguments
+
+    add_streams_arguments(sub.add_parser(
+        "streams", help="apply (or show) the JetStream streams and consumers: the one step "
+                        "that owns their configuration"))
 
     sub.add_parser("unsafe-switches",
                    help="list the switches that turn a guarantee off, and which are armed here")
@@ -176,6 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        from .startup_errors import startup_error_line
+
+        line = startup_error_line(exc)
+        if line is None:
+            raise
+        print(f"effectledger {args.command}: {line}", file=sys.stderr)
+        return 2
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -196,6 +234,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from . import client
 
         return client.run(args)
+    if cmd == "deploy-env":
+        from .deploy_env import run as run_deploy_env
+
+        return run_deploy_env(args)
     if cmd == "sandbox":
         from effectledger_sandbox.app import create_app as sandbox_app
         from effectledger_sandbox.server import serve as serve_sandbox
@@ -212,6 +254,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     settings = _settings(args)
     _logging(settings)
+    if cmd == "streams":
+        from .streams_cmd import run as run_streams
+
+        return run_streams(args, settings)
     if cmd == "migrate":
         from effectledger_ledger.db.store import Store
         from effectledger_ledger.migrate import upgrade

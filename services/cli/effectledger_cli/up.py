@@ -1,139 +1,226 @@
 """`effectledger up`: the whole pipeline on the embedded default, in one command.
 
-An embedded nats-server (JetStream under the data folder), the ledger on SQLite (or
-`--database-url`), a dispatcher, the reconciler, the sandbox provider and the demo catalog, each a
-child process. Ctrl-C stops them all.
+An embedded nats-server (JetStream under the data folder; or `--nats-cluster N` of them), the
+ledger on SQLite (or `--database-url`), a dispatcher, the reconciler, the sandbox provider and
+the demo catalog, each a child process in its own process group (`children`). Everything that
+can be checked is checked before the first child starts (`up_plan`); the streams are applied
+before the first service starts. SIGINT, SIGTERM and SIGHUP stop the services first and the
+broker last (`stop_signals`); `up` exits with no child left.
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
+import asyncio
 import json
 import logging
 import os
-import secrets
-import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 
 from effectledger_bus.permissions import Role, user_name
+from effectledger_bus.topology import topology
 from effectledger_core.unsafe import NATS_WITHOUT_PERMISSIONS, check
 
-from . import nats_auth
-from .embedded import free_port, start_nats, wait_for_port
+from . import children, nats_auth, up_nats
+from .children import Child, StartFailed
+from .stop_signals import Stopped, StopSignals
+from .up_plan import Refused, UpPlan, plan
 
 AT_REST = {"succeeded", "failed", "cancelled", "needs_review"}
-DISPATCHER_ID, RECONCILER_ID, TENANT = "dispatcher-1", "reconciler-1", "default"
-# Each child gets its own NATS user and password (nats_auth.child_env), never another's.
-NATS_CREDENTIALS = ("EFFECTLEDGER_NATS_USER", "EFFECTLEDGER_NATS_PASSWORD",
-                    "EFFECTLEDGER_NATS_TOKEN", "EFFECTLEDGER_NATS_CREDS_FILE")
-
-
-def _spawn(name: str, args: list[str], env: dict[str, str], log_dir: Path
-           ) -> subprocess.Popen[bytes]:
-    log = open(log_dir / f"{name}.log", "ab")
-    return subprocess.Popen([sys.executable, "-m", "effectledger_cli", *args], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
+# Stop budget per stage, in order; together well under the 10 s a supervisor usually allows.
+STOP_STAGES = ((("dispatcher", "reconciler"), 4.0), (("ledger", "sandbox"), 3.0),
+               (("nats",), 2.0))
+# Set per child, so that only the processes that use them see them.
+PER_CHILD = ("EFFECTLEDGER_SANDBOX_API_KEY", "EFFECTLEDGER_WEBHOOK_SECRETS",
+             "EFFECTLEDGER_NATS_USER", "EFFECTLEDGER_NATS_PASSWORD", "EFFECTLEDGER_NATS_TOKEN",
+             "EFFECTLEDGER_NATS_CREDS_FILE")
+TENANT = "default"
 
 
 def run_up(args: argparse.Namespace) -> int:
-    data = Path(args.data_dir).resolve()
-    logs = data / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    nats_port = args.nats_port or free_port()
-    procs: dict[str, subprocess.Popen[bytes]] = {}
-    log = logging.getLogger("effectledger.up")
-    open_nats = check(NATS_WITHOUT_PERMISSIONS, os.environ, log)
+    sigs = StopSignals()
+    sigs.install()
+    procs: dict[str, Child] = {}
     try:
-        from effectledger_core.config import Settings
-
-        subjects = Settings().subjects  # the prefixes the children will read from the env
-        auth = nats_auth.for_up(data, subjects, port=nats_port, dispatchers=[DISPATCHER_ID],
-                                reconcilers=[RECONCILER_ID], tenants=[TENANT])
-        if open_nats:
-            procs["nats"] = start_nats(data / "jetstream", nats_port, log_file=logs / "nats.log")
-        else:
-            procs["nats"] = nats_auth.start(auth, nats_port, log_file=logs / "nats.log")
-        env = {k: v for k, v in os.environ.items() if k not in NATS_CREDENTIALS}
-
-        def creds(user: str) -> dict[str, str]:
-            return {**env, **auth.child_env(user)}
-
-        env.update({
-            "EFFECTLEDGER_NATS_URL": f"nats://127.0.0.1:{nats_port}",
-            "EFFECTLEDGER_DATABASE_URL": args.database_url or os.environ.get(
-                "EFFECTLEDGER_DATABASE_URL", f"sqlite+aiosqlite:///{data / 'ledger.db'}"),
-            "EFFECTLEDGER_LEDGER_PORT": str(args.ledger_port),
-            # Only the dispatcher and the sandbox see the provider key; it is made per run.
-            "EFFECTLEDGER_SANDBOX_API_KEY": env.get("EFFECTLEDGER_SANDBOX_API_KEY")
-            or "sk_sandbox_" + secrets.token_hex(12),
-            # Short enough that the embedded demo recovers from a killed dispatcher quickly.
-            "EFFECTLEDGER_ACK_WAIT_S": env.get("EFFECTLEDGER_ACK_WAIT_S", "30"),
-        })
-        if args.catalog_path:
-            env["EFFECTLEDGER_CATALOG_PATH"] = str(Path(args.catalog_path).resolve())
-        # One webhook signing secret per run, shared by the sandbox (signs) and the
-        # reconciler (verifies); the reconciler also reads back, so it holds the provider key.
-        secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
-        webhook_url = f"http://127.0.0.1:{args.reconciler_port}/v1/webhooks/sandbox"
-        env["EFFECTLEDGER_WEBHOOK_SECRETS"] = json.dumps({"sandbox": [secret]})
-        env["EFFECTLEDGER_RECONCILER_PORT"] = str(args.reconciler_port)
-        procs["sandbox"] = _spawn("sandbox", [
-            "sandbox", "--port", str(args.sandbox_port), "--webhook-url", webhook_url,
-            "--webhook-secret", secret, "--webhook-routes", "plainhooks"], env, logs)
-        wait_for_port("127.0.0.1", args.sandbox_port, 30, procs["sandbox"])
-        procs["ledger"] = _spawn("ledger", ["ledger"], creds("ledger"), logs)
-        wait_for_port("127.0.0.1", args.ledger_port, 60, procs["ledger"])
-        dispatcher_user = user_name(Role.DISPATCHER, DISPATCHER_ID)
-        reconciler_user = user_name(Role.RECONCILER, RECONCILER_ID)
-        procs["dispatcher"] = _spawn("dispatcher", ["dispatcher", "--id", DISPATCHER_ID],
-                                     creds(dispatcher_user), logs)
-        procs["reconciler"] = _spawn("reconciler", ["reconciler", "--id", RECONCILER_ID],
-                                     creds(reconciler_user), logs)
-        wait_for_port("127.0.0.1", args.reconciler_port, 60, procs["reconciler"])
-        ledger_url = f"http://127.0.0.1:{args.ledger_port}"
-        _wait_ready(ledger_url, procs)
-        print(f"ledger: {ledger_url}")
-        print(f"sandbox: http://127.0.0.1:{args.sandbox_port}")
-        print(f"nats: nats://127.0.0.1:{nats_port}"
-              + (" (UNSAFE: no users or permissions)" if open_nats else ""))
-        print(f"agent credentials (tenant {TENANT}, NATS): "
-              f"{auth.credential_file(f'agent-{TENANT}')}")
-        print(f"operator credentials (NATS): {auth.credential_file('operator')}")
-        print(f"webhooks: {webhook_url}")
-        print(f"logs: {logs}")
-        print("try: effectledger submit create_ticket --args '{\"title\": \"hello\"}' --wait 5")
-        sys.stdout.flush()
-        if args.demo:
-            code = _demo(ledger_url, args.demo)
-            if args.exit_after_demo:
-                return code
-        return _supervise(procs)
-    except KeyboardInterrupt:
+        return _run(plan(args), args, sigs, procs)
+    except Refused as exc:
+        print(str(exc), file=sys.stderr)
+        return exc.code
+    except StartFailed as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    except OSError as exc:  # no nats-server binary, a data folder we may not write, ...
+        print(f"effectledger up: {exc}", file=sys.stderr)
+        return 1
+    except (Stopped, KeyboardInterrupt):
         return 0
     finally:
         _stop_all(procs)
 
 
-def _wait_ready(url: str, procs: dict[str, subprocess.Popen[bytes]]) -> None:
+def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
+         procs: dict[str, Child]) -> int:
+    p.logs.mkdir(parents=True, exist_ok=True)
+    env = _base_env(p)
+    # Secrets travel in the environment only (a command line is readable by every user of
+    # the machine), and only to the children that use them: the ledger never sees provider
+    # credentials; dispatchers call and reconcilers read back, so both hold the key; only
+    # reconcilers verify webhooks, only the sandbox signs them.
+    provider_env = {"EFFECTLEDGER_SANDBOX_API_KEY": p.api_key}
+
+    def start(name: str, argv: list[str], extra: dict[str, str]) -> Child:
+        with sigs.held():
+            procs[name] = children.spawn(name, argv, {**env, **extra}, p.logs)
+        return procs[name]
+
+    auth = _nats_auth(p, args)
+    up_nats.start(p.nats, p.data, start, config=auth.config if auth else None)
+
+    def nats_env(role: Role, index: int = 0) -> dict[str, str]:
+        """A child's NATS settings: on one node its own least-privilege user
+        (effectledger_bus.permissions), on a cluster its role's user."""
+        if auth is None:
+            return p.nats.client_env(role.value)
+        user = {Role.LEDGER: "ledger", Role.STREAMS: "streams"}.get(role) or user_name(
+            role, f"{role.value}-{index + 1}")
+        return {**auth.child_env(user), "EFFECTLEDGER_STREAM_REPLICAS": "1"}
+
+    streams = _apply_streams(p, env, nats_env(Role.STREAMS))
+    if p.with_sandbox:
+        sandbox = start("sandbox", children.cli("sandbox", "--port", str(p.sandbox_port)), {
+            **provider_env, "EFFECTLEDGER_SANDBOX_WEBHOOK_URL": p.webhook_url,
+            "EFFECTLEDGER_SANDBOX_WEBHOOK_SECRET": p.hook_secret,
+            "EFFECTLEDGER_SANDBOX_WEBHOOK_ROUTES": "plainhooks"})
+        children.wait_listening(sandbox, p.sandbox_port, 30)
+    for i, port in enumerate(p.ledger_ports):
+        ledger = start(_name("ledger", i), children.cli("ledger", "--port", str(port)),
+                       nats_env(Role.LEDGER))
+        children.wait_listening(ledger, port, 60)
+    for i in range(p.dispatchers):
+        start(_name("dispatcher", i), children.cli("dispatcher", "--id", f"dispatcher-{i + 1}"),
+              {**nats_env(Role.DISPATCHER, i), **provider_env})
+    for i, port in enumerate(p.reconciler_ports):
+        reconciler = start(_name("reconciler", i), children.cli(
+            "reconciler", "--id", f"reconciler-{i + 1}", "--port", str(port)), {
+            **nats_env(Role.RECONCILER, i), **provider_env,
+            "EFFECTLEDGER_WEBHOOK_SECRETS": p.hook_secrets})
+        children.wait_listening(reconciler, port, 60)
+    ledger_urls = [f"http://127.0.0.1:{port}" for port in p.ledger_ports]
+    for url in ledger_urls:
+        _wait_ready(url, procs)
+    _announce(p, ledger_urls, streams, auth)
+    if args.demo:
+        code = _demo(ledger_urls[0], args.demo)
+        if args.exit_after_demo:
+            return code
+    return _supervise(procs)
+
+
+def _name(role: str, index: int) -> str:
+    return role if index == 0 else f"{role}-{index + 1}"
+
+
+def _announce(p: UpPlan, ledger_urls: list[str], streams: str,
+              auth: nats_auth.AuthFiles | None) -> None:
+    print(f"ledger: {', '.join(ledger_urls)}")
+    if p.with_sandbox:
+        print(f"sandbox: http://127.0.0.1:{p.sandbox_port}")
+    if auth is not None:
+        print(f"nats: {p.nats.url}")
+        print(f"agent credentials (tenant {TENANT}, NATS): "
+              f"{auth.credential_file(f'agent-{TENANT}')}")
+        print(f"operator credentials (NATS): {auth.credential_file('operator')}")
+    elif p.nats.clustered:
+        print(f"nats: {p.nats.url} (users: ledger, dispatcher, reconciler, streams)")
+    else:
+        print(f"nats: {p.nats.url} (UNSAFE: no users or permissions)")
+    print(f"streams: {streams}")
+    print(f"webhooks: {p.webhook_url}")
+    print(f"logs: {p.logs}")
+    example = "'{\"title\": \"hello\"}'" if p.demo_catalog else "'{...}'"
+    print(f"try: effectledger submit {p.first_tool} --args {example} --wait 5")
+    sys.stdout.flush()
+
+
+def _nats_auth(p: UpPlan, args: argparse.Namespace) -> nats_auth.AuthFiles | None:
+    """One node: a user per process with least-privilege permissions, unless the unsafe
+    switch turns them off. (A cluster's nodes get one user per role: up_nats.)"""
+    if p.nats.clustered or check(NATS_WITHOUT_PERMISSIONS, os.environ,
+                                 logging.getLogger("effectledger.up")):
+        return None
+    from effectledger_core.config import Settings
+
+    subjects = Settings().subjects  # the prefixes the children will read from the env
+    return nats_auth.for_up(
+        p.data, subjects, port=p.nats.client_ports[0],
+        dispatchers=[f"dispatcher-{i + 1}" for i in range(p.dispatchers)],
+        reconcilers=[f"reconciler-{i + 1}" for i in range(len(p.reconciler_ports))],
+        tenants=[TENANT])
+
+
+def _apply_streams(p: UpPlan, env: dict[str, str], client: dict[str, str]) -> str:
+    """The stream step runs before any service: services only check streams."""
+    from effectledger_core.config import Settings
+
+    from .streams_cmd import apply
+
+    nats = p.nats
+    settings = Settings(nats_url=client["EFFECTLEDGER_NATS_URL"],
+                        nats_user=client.get("EFFECTLEDGER_NATS_USER"),
+                        nats_password=client.get("EFFECTLEDGER_NATS_PASSWORD"),
+                        stream_replicas=nats.replicas,
+                        ack_wait_s=float(env["EFFECTLEDGER_ACK_WAIT_S"]))
+    wanted = topology(settings)
+    # A new cluster elects its JetStream leader first; apply waits for it. The client's own
+    # connect/disconnect warnings would only be noise on the terminal here.
+    logging.getLogger("effectledger_bus.connect").setLevel(logging.ERROR)
+    if nats.clustered:
+        print(f"nats: {len(nats.client_ports)} nodes started; applying the streams once "
+              "JetStream has elected its leader...", flush=True)
+    try:
+        asyncio.run(asyncio.wait_for(apply(settings, wanted), 120))
+    except TimeoutError:
+        raise Refused("effectledger up: JetStream did not accept the streams within 120s; "
+                      f"see the nats logs in {p.logs}",
+                      code=1) from None
+    return ", ".join(f"{s.name} ({s.num_replicas} replicas)" for s in wanted.streams)
+
+
+def _base_env(p: UpPlan) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in PER_CHILD}
+    env.update({
+        "EFFECTLEDGER_DATABASE_URL": p.database_url,
+        "EFFECTLEDGER_CATALOG_PATH": str(p.catalog_path),
+        # Short enough that the embedded demo recovers from a killed dispatcher quickly.
+        "EFFECTLEDGER_ACK_WAIT_S": os.environ.get("EFFECTLEDGER_ACK_WAIT_S", "30"),
+        # The streams were applied before any service: as in a deployment, services only
+        # check them (and wait, should one disappear, for the apply step to be run again).
+        "EFFECTLEDGER_STREAMS_CREATE_MISSING": "false",
+    })
+    return env
+
+
+def _wait_ready(url: str, procs: dict[str, Child]) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        for name, p in procs.items():
-            if p.poll() is not None:
-                raise SystemExit(f"effectledger up: {name} exited with {p.returncode}; "
-                                 f"see its log")
+        _check_alive(procs)
         try:
             if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
                 return
         except httpx.TransportError:
             pass
         time.sleep(0.1)  # polling the readiness endpoint
-    raise SystemExit("effectledger up: the ledger did not become ready within 60s")
+    raise procs["ledger"].failure(f"did not become ready at {url} within 60s")
+
+
+def _check_alive(procs: dict[str, Child]) -> None:
+    for child in procs.values():
+        code = child.proc.poll()
+        if code is not None:
+            raise child.failure(f"exited with {code}")
 
 
 def _demo(url: str, n: int) -> int:
@@ -163,25 +250,17 @@ def _demo(url: str, n: int) -> int:
     return 0 if summary == {"succeeded": n} else 1
 
 
-def _supervise(procs: dict[str, subprocess.Popen[bytes]]) -> int:
+def _supervise(procs: dict[str, Child]) -> int:
     while True:
-        for name, p in procs.items():
-            if p.poll() is not None:
-                print(f"effectledger up: {name} exited with {p.returncode}; stopping",
-                      file=sys.stderr)
-                return 1
+        _check_alive(procs)  # a child that died is named with its log, and all stop
         time.sleep(0.5)  # supervision period
 
 
-def _stop_all(procs: dict[str, subprocess.Popen[bytes]]) -> None:
-    # Services first (so they stop consuming), the broker last.
-    order = [n for n in ("dispatcher", "reconciler", "ledger", "sandbox", "nats") if n in procs]
-    for name in order:
-        p = procs[name]
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+def _stop_all(procs: dict[str, Child]) -> None:
+    """Services first (so they stop consuming and publish nothing half-way), the broker last
+    (so their last log lines are not reconnect noise)."""
+    StopSignals.ignore()
+    for roles, timeout_s in STOP_STAGES:
+        stage = [c for name, c in procs.items() if name.split("-")[0] in roles]
+        if stage:
+            children.stop(stage, timeout_s)

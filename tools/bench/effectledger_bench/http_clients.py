@@ -96,7 +96,8 @@ async def aiohttp_client(url: str, api_key: str, concurrency: int) -> tuple[Call
             async for chunk in resp.content.iter_any():
                 digest.update(chunk)
                 body += chunk[:MAX_HTTP_BODY_BYTES - len(body)]
-            return 200 <= resp.status < 300
+            status: int = resp.status
+            return 200 <= status < 300
 
     async def close() -> None:
         for s in sessions:

@@ -1,0 +1,148 @@
+"""What `effectledger up` will run, decided and checked before anything starts.
+
+Every refusal is one line on the terminal and an exit code, and happens before the first
+child process: taken ports (named with their holder), an invalid catalog (named by tool and
+field), several ledgers on SQLite, malformed webhook secrets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from effectledger_core.catalog import Catalog
+from effectledger_core.config import DEMO_CATALOG
+from effectledger_core.errors import EffectLedgerError
+
+from . import children, up_nats
+
+DEMO_SANDBOX = "127.0.0.1:8700"  # where the bundled demo catalog expects its sandbox
+MAX_COUNT = 16
+
+
+class Refused(Exception):
+    """`up` will not start: the message is the one line to print; `code` the exit code."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class UpPlan:
+    data: Path
+    logs: Path
+    database_url: str
+    catalog_path: Path
+    demo_catalog: bool
+    first_tool: str
+    with_sandbox: bool
+    sandbox_port: int
+    ledger_ports: list[int]
+    reconciler_ports: list[int]
+    dispatchers: int
+    nats: up_nats.NatsPlan
+    api_key: str
+    hook_secret: str  # signs the sandbox's webhooks (the sandbox's environment only)
+    hook_secrets: str  # the reconcilers' EFFECTLEDGER_WEBHOOK_SECRETS: the user's + this one
+
+    @property
+    def webhook_url(self) -> str:
+        return f"http://127.0.0.1:{self.reconciler_ports[0]}/v1/webhooks/sandbox"
+
+
+def demo_catalog_text(sandbox_port: int, host: str = "127.0.0.1") -> str:
+    """The bundled demo catalog, pointed at the sandbox on `host:sandbox_port`."""
+    return DEMO_CATALOG.read_text().replace(DEMO_SANDBOX, f"{host}:{sandbox_port}")
+
+
+def merged_webhook_secrets(user_json: str | None, provider: str, secret: str) -> str:
+    """The user's EFFECTLEDGER_WEBHOOK_SECRETS with `secret` added for `provider`, never
+    replacing theirs. ValueError (one line) when theirs is not a JSON object of lists."""
+    current: dict[str, list[str]] = {}
+    if user_json and user_json.strip():
+        try:
+            parsed = json.loads(user_json)
+        except ValueError as exc:
+            raise ValueError(f"EFFECTLEDGER_WEBHOOK_SECRETS is not valid JSON: {exc}") from None
+        if not isinstance(parsed, dict) or not all(
+                isinstance(v, list) and all(isinstance(s, str) for s in v)
+                for v in parsed.values()):
+            raise ValueError('EFFECTLEDGER_WEBHOOK_SECRETS must look like '
+                             '{"<provider>": ["whsec_..."]}')
+        current = parsed
+    merged = {p: list(v) for p, v in current.items()}
+    merged.setdefault(provider, [])
+    if secret not in merged[provider]:
+        merged[provider].append(secret)
+    return json.dumps(merged)
+
+
+def plan(args: argparse.Namespace) -> UpPlan:
+    """Check everything `up` can check without starting a process; Refused otherwise."""
+    data = Path(args.data_dir).resolve()
+    database_url = args.database_url or os.environ.get("EFFECTLEDGER_DATABASE_URL") or (
+        f"sqlite+aiosqlite:///{data / 'ledger.db'}")
+    counts = {"--nats-cluster": args.nats_cluster, "--ledgers": args.ledgers,
+              "--dispatchers": args.dispatchers, "--reconcilers": args.reconcilers}
+    for flag, count in counts.items():
+        if not 1 <= count <= MAX_COUNT:
+            raise Refused(f"effectledger up: {flag} must be between 1 and {MAX_COUNT}, "
+                          f"not {count}")
+    if args.ledgers > 1 and database_url.startswith("sqlite"):
+        raise Refused(f"effectledger up: --ledgers {args.ledgers} needs PostgreSQL "
+                      "(--database-url postgresql+asyncpg://...): SQLite has a single writer")
+    demo_catalog = not args.catalog_path
+    with_sandbox = demo_catalog or bool(args.demo)
+    ledger_ports = [args.ledger_port + i for i in range(args.ledgers)]
+    reconciler_ports = [args.reconciler_port + i for i in range(args.reconcilers)]
+    nats = up_nats.plan(args.nats_cluster, args.nats_port)
+    ports = {**_numbered("ledger", ledger_ports, "--ledger-port"),
+             **_numbered("reconciler webhooks", reconciler_ports, "--reconciler-port")}
+    if with_sandbox:
+        ports["sandbox"] = (args.sandbox_port, "--sandbox-port")
+    if args.nats_port:
+        ports.update(_numbered("nats", nats.client_ports, "--nats-port"))
+    over = [f"{what} {port}" for what, (port, _) in ports.items() if port > 65535]
+    if over:
+        raise Refused(f"effectledger up: no such port: {', '.join(over)}")
+    try:
+        children.check_ports(ports)
+    except children.PortTaken as exc:
+        raise Refused(str(exc), code=1) from None
+    hook_secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
+    try:
+        hook_secrets = merged_webhook_secrets(os.environ.get("EFFECTLEDGER_WEBHOOK_SECRETS"),
+                                              "sandbox", hook_secret)
+    except ValueError as exc:
+        raise Refused(f"effectledger up: {exc}") from None
+    if demo_catalog:
+        data.mkdir(parents=True, exist_ok=True)
+        catalog_path = data / "demo_catalog.toml"
+        catalog_path.write_text(demo_catalog_text(args.sandbox_port))
+    else:
+        catalog_path = Path(args.catalog_path).resolve()
+    try:
+        catalog = Catalog.load(catalog_path)
+    except EffectLedgerError as exc:
+        raise Refused(f"effectledger up: {exc.code}: {exc.message}") from None
+    return UpPlan(
+        data=data, logs=data / "logs", database_url=database_url, catalog_path=catalog_path,
+        demo_catalog=demo_catalog,
+        first_tool="create_ticket" if demo_catalog else sorted(catalog.tools)[0],
+        with_sandbox=with_sandbox, sandbox_port=args.sandbox_port, ledger_ports=ledger_ports,
+        reconciler_ports=reconciler_ports, dispatchers=args.dispatchers, nats=nats,
+        api_key=os.environ.get("EFFECTLEDGER_SANDBOX_API_KEY") or (
+            "sk_sandbox_" + secrets.token_hex(12)),
+        hook_secret=hook_secret, hook_secrets=hook_secrets)
+
+
+def _numbered(what: str, ports: list[int], flag: str) -> dict[str, tuple[int, str]]:
+    if len(ports) == 1:
+        return {what: (ports[0], flag)}
+    return {f"{what} {i + 1}": (port, flag) for i, port in enumerate(ports)}
