@@ -28,6 +28,7 @@ from effectledger_core.messages import (
     IntentReply,
     OperationQuery,
     OperationReply,
+    OperationWait,
     OutcomeAmbiguous,
     ReconcileOperation,
     SubmitIntent,
@@ -75,9 +76,20 @@ _CHANNELS: list[tuple[str, str, str, list[type[BaseModel]], str]] = [
      [OperationQuery, OperationReply, ErrorReply],
      "Request-reply, read-only, on an agent's own tenant's subject: another tenant's "
      "operation reads exactly like a missing one (not_found); no provider reference."),
+    ("operation_wait_tenant", "rpc_operation_wait_for", "receive",
+     [OperationWait, OperationReply, ErrorReply],
+     "Request-reply, read-only, on an agent's own tenant's subject: OperationWait → "
+     "OperationReply once the operation is settled or wait_s is over; another tenant's "
+     "operation reads exactly like a missing one (not_found)."),
+    ("operation_wait", "rpc_operation_wait", "receive", [OperationWait, OperationReply,
+                                                          ErrorReply],
+     "Request-reply, read-only: OperationWait → OperationReply once the operation is settled "
+     "(succeeded, failed, cancelled, needs_review, awaiting_approval) or when wait_s (capped "
+     "by the ledger) is over; ErrorReply for bad input or an unknown operation."),
 ]
 # Channels whose last token names the sender, bound by NATS permissions.
 _PARAMETER = {"rpc_intents_for": "{tenant}", "rpc_operation_for": "{tenant}",
+              "rpc_operation_wait_for": "{tenant}",
               "rpc_claim_by": "{dispatcher_id}"}
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 
 from effectledger_core.config import Settings
+from effectledger_obs import metrics
 
 from .permissions import inbox_prefix
 
@@ -61,10 +62,14 @@ async def _log_error(exc: Exception) -> None:
 
 
 async def _log_disconnect() -> None:
+    metrics.NATS_CONNECTED.set(0)
+    metrics.NATS_DISCONNECTS.inc()
     log.warning("nats: disconnected")
 
 
 async def _log_reconnect() -> None:
+    metrics.NATS_CONNECTED.set(1)
+    metrics.NATS_RECONNECTS.inc()
     log.info("nats: reconnected")
 
 
@@ -81,3 +86,4 @@ async def connect_client(nc: NatsClient, settings: Settings, name: str) -> None:
     can hand it out (readiness checks, publishers) while this runs in the background."""
     await nc.connect(error_cb=_log_error, disconnected_cb=_log_disconnect,
                      reconnected_cb=_log_reconnect, **connect_options(settings, name))
+    metrics.NATS_CONNECTED.set(1)

@@ -15,6 +15,7 @@ from typing import Protocol
 from nats.aio.msg import Msg
 
 from effectledger_core.messages import DeadLetter, excerpt
+from effectledger_obs import metrics
 
 # Dead-letter fields are bounded by the `DeadLetter` model (1 KiB each).
 _FIELD_LIMIT = 1024
@@ -37,10 +38,12 @@ class Delivery(Protocol):
 class JsDelivery:
     """`Delivery` over a nats-py JetStream message."""
 
-    __slots__ = ("data", "deliveries", "headers", "msg", "subject")
+    __slots__ = ("consumer", "data", "deliveries", "headers", "msg", "subject")
 
-    def __init__(self, msg: Msg) -> None:
+    def __init__(self, msg: Msg, *, consumer: str | None = None) -> None:
         self.msg = msg
+        # Names the consumer in `effectledger_messages_handled_total` (a code constant).
+        self.consumer = consumer
         self.subject: str = msg.subject
         self.data: bytes = msg.data
         self.headers: Mapping[str, str] = msg.headers or {}
@@ -50,12 +53,19 @@ class JsDelivery:
 
     async def ack(self) -> None:
         await self.msg.ack()
+        self._count("ack")
 
     async def nak(self, delay: float) -> None:
         await self.msg.nak(delay=delay)
+        self._count("nak")
 
     async def term(self) -> None:
         await self.msg.term()
+        self._count("term")
+
+    def _count(self, result: str) -> None:
+        if self.consumer is not None:
+            metrics.inc(metrics.MESSAGES_HANDLED, self.consumer, result)
 
     async def in_progress(self) -> None:
         await self.msg.in_progress()

@@ -23,6 +23,7 @@ from tenacity import (
 from tenacity.stop import stop_base
 
 from effectledger_core.errors import BrokerUnavailable
+from effectledger_obs import tracing
 
 
 class Publisher(Protocol):
@@ -40,8 +41,10 @@ class JetStreamPublisher:
         self.timeout_s = timeout_s
 
     async def publish(self, subject: str, payload: bytes, *, msg_id: str) -> bool:
+        headers = {"Nats-Msg-Id": msg_id}
+        tracing.inject(headers)  # the consumer's span joins the publisher's trace (when on)
         try:
-            ack = await self.js.publish(subject, payload, headers={"Nats-Msg-Id": msg_id},
+            ack = await self.js.publish(subject, payload, headers=headers,
                                         timeout=self.timeout_s)
         except Exception as exc:  # timeouts, no stream, closed connection: all "not stored"
             raise BrokerUnavailable(f"publish to {subject}: {type(exc).__name__}: {exc}"[:500]

@@ -49,6 +49,8 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
 from nats.js.errors import NotFoundError
 
+from effectledger_obs import metrics, tracing
+
 from .delivery import Delivery, JsDelivery
 from .streams import at_startup
 
@@ -197,8 +199,17 @@ class PullConsumer:
 
     async def _handle(self, msg: Msg) -> None:
         try:
-            await self.handler(JsDelivery(msg))
+            if not tracing.ENABLED:
+                await self.handler(JsDelivery(msg, consumer=self.name))
+                return
+            # A span per delivery, in the trace of whoever published the message.
+            with tracing.span(f"consume {self.name}", kind=tracing.SpanKind.CONSUMER,
+                              context=tracing.extract(msg.headers),
+                              attributes={"messaging.system": "nats",
+                                          "messaging.destination.name": msg.subject}):
+                await self.handler(JsDelivery(msg, consumer=self.name))
         except Exception:
+            metrics.inc(metrics.MESSAGES_HANDLED, self.name, "error")
             # Left unacked on purpose: JetStream redelivers it after ack_wait.
             log.exception("%s: handler failed on %s; it will be redelivered", self.name,
                           msg.subject)

@@ -22,6 +22,7 @@ from . import urltemplate
 from .digest import digest
 from .errors import CatalogError, UnknownTool
 from .jsonpaths import check_path
+from .results import MAX_RESULT_BYTES, MAX_RESULT_BYTES_CAP, check_result_path
 from .urltemplate import KNOWN, TemplateError, TemplateSyntaxError
 from .webhookspec import WebhookProvider
 
@@ -114,6 +115,10 @@ class Tool(_Strict):
     horizon_s: Annotated[float, Field(gt=0, le=86400)] = 5.0
     # Automatic retries stop once this much time has passed since the intent was accepted.
     retry_deadline_s: Annotated[float, Field(gt=0, le=30 * 86400)] = 3600.0
+    # The provider's answer kept for the agent (results.py): at most this many bytes (as JSON;
+    # 0 keeps none), and with `result_path` (JSONPath) only the part a model needs.
+    max_result_bytes: Annotated[int, Field(ge=0, le=MAX_RESULT_BYTES_CAP)] = MAX_RESULT_BYTES
+    result_path: str | None = None
     commit_policy: Literal["auto", "approval"] = "auto"
     adapter: str | None = None  # "package.module:Factory" for providers TOML cannot express
     description: str = ""
@@ -130,6 +135,11 @@ class Tool(_Strict):
         if not TOOL_NAME.match(v):
             raise ValueError("must match [a-z][a-z0-9_]{0,62}")
         return v
+
+    @field_validator("result_path")
+    @classmethod
+    def _result_path(cls, v: str | None) -> str | None:
+        return None if v is None else check_result_path(v)
 
     @field_validator("endpoint")
     @classmethod
@@ -179,7 +189,13 @@ class Tool(_Strict):
         return self
 
     def digest(self) -> str:
-        return digest(self.model_dump(mode="json"))
+        data = self.model_dump(mode="json")
+        # Fields added after entries were first digested count only when set, so an entry
+        # that does not use them keeps the digest its receipts already carry.
+        for name, default in _LATER_FIELDS.items():
+            if data.get(name) == default:
+                del data[name]
+        return digest(data)
 
     def public_view(self) -> dict[str, Any]:
         """The entry as agents may see it: header values (which may name secrets) withheld."""
@@ -239,6 +255,9 @@ def tool_input_schema(tool: Tool) -> dict[str, Any]:
                     node["properties"][part] = child
                 node = child
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **root}
+
+
+_LATER_FIELDS: dict[str, Any] = {"max_result_bytes": MAX_RESULT_BYTES, "result_path": None}
 
 
 def _looks_secret(header: str) -> bool:

@@ -87,6 +87,10 @@ class Settings(BaseSettings):
     lost_outcome_after_s: float = 900.0
     # Outcomes handled at once; more in flight means larger group commits under load.
     inbox_concurrency: int = 64
+    # Submit-and-wait: the longest wait a request may ask for, and how often waits are
+    # re-checked against the database for changes made by another ledger replica.
+    wait_max_s: float = Field(default=60.0, gt=0, le=3600)
+    wait_recheck_s: float = Field(default=2.0, ge=0)
     # How long an unacked inbox message waits before redelivery (a ledger that died mid-commit).
     inbox_ack_wait_s: float = Field(default=30.0, gt=0)
     inbox_retention_s: float = 8 * 86400  # beyond the streams' max age: no redelivery after
@@ -118,8 +122,14 @@ class Settings(BaseSettings):
     webhook_max_body_bytes: int = Field(default=256 * 1024, gt=0)
     webhook_tolerance_s: float = Field(default=300.0, gt=0)
 
+    # dispatcher health port: /metrics, /healthz, /readyz (None: no port; 0: any free port)
+    dispatcher_health_host: str = "127.0.0.1"
+    dispatcher_health_port: int | None = Field(default=None, ge=0, le=65535)
+
+    # logging: text for a terminal, json (one object per line) for collectors
     log_level: str = Field(default="INFO",
                            pattern=r"(?i)^(DEBUG|INFO|WARNING|WARN|ERROR|CRITICAL)$")
+    log_format: str = Field(default="text", pattern="^(text|json)$")
 
     @property
     def subjects(self) -> Subjects:

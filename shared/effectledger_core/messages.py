@@ -26,6 +26,7 @@ from pydantic import (
 
 from .errors import PayloadTooLarge, PoisonMessage
 from .limits import MAX_IDENTIFIER_BYTES, MAX_MESSAGE_BYTES, MAX_PROVIDER_REF_BYTES
+from .results import ProviderResult
 
 
 def _within_bytes(value: str) -> str:
@@ -200,6 +201,14 @@ class OperationQuery(Message):
     operation_id: Ident
 
 
+class OperationWait(Message):
+    """Request on the operation wait subject: answered (`OperationReply`) once the operation
+    is settled, at rest or awaiting approval, or when `wait_s` (capped by the ledger) is over."""
+
+    operation_id: Ident
+    wait_s: Annotated[float, Field(ge=0, strict=True)] = 0.0
+
+
 class OperationReply(Message):
     ok: Literal[True] = True
     operation: OperationSummary
@@ -231,6 +240,8 @@ class _Outcome(Message):
 class AttemptSucceeded(_Outcome):
     type: Literal["attempt_succeeded"] = "attempt_succeeded"
     response_digest: str
+    # The provider's answer for the agent (bounded, scrubbed; results.py).
+    result: ProviderResult | None = None
 
 
 class AttemptAccepted(_Outcome):
@@ -313,6 +324,8 @@ class VerdictReached(Message):
     reconciler_id: Ident
     reason: ShortText = ""
     at: datetime
+    # For `applied` by readback: the readback's answer, kept like a response's (results.py).
+    result: ProviderResult | None = None
 
 
 class WebhookReceived(Message):

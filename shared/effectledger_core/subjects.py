@@ -90,6 +90,10 @@ class Subjects:
     def rpc_operation_for(self, tenant: str) -> str:
         return f"{self.prefix}.rpc.v1.tenant.{tenant}.operation"
 
+    def rpc_operation_wait_for(self, tenant: str) -> str:
+        """An agent's wait on its own tenant's operation (one token, like its neighbours)."""
+        return f"{self.prefix}.rpc.v1.tenant.{tenant}.wait"
+
     def tenant_of(self, subject: str) -> str | None:
         """The tenant a tenant-bound request subject names, or None."""
         head = f"{self.prefix}.rpc.v1.tenant."
@@ -116,6 +120,12 @@ class Subjects:
     def rpc_operation(self) -> str:
         """Read-only: `{"operation_id": ...}` → `{"ok": true, "operation": {state, epoch, ...}}`."""
         return f"{self.prefix}.rpc.v1.operation"
+
+    @property
+    def rpc_operation_wait(self) -> str:
+        """`{"operation_id", "wait_s"}` → the same reply once the operation is settled (at rest
+        or awaiting approval) or the wait (capped by the ledger) is over."""
+        return f"{self.prefix}.rpc.v1.operation.wait"
 
     # streams
     @property

@@ -31,6 +31,7 @@ from effectledger_core.errors import CatalogError
 from effectledger_core.failures import classify_http_status
 from effectledger_core.messages import DispatchAttempt, FailureClass
 from effectledger_core.readbacks import read_answer
+from effectledger_core.results import ProviderResult
 
 ENTRY_POINT_GROUP = "effectledger.adapters"
 AmbiguousReason = Literal["timeout", "connection_lost", "server_error", "invalid_response",
@@ -48,6 +49,8 @@ class ReadbackResult:
     error: str | None
     # How many effects the answer lists for this key (`readback.count_path`); > 1: duplicate.
     matches: int | None = None
+    # The readback's answer, kept for the agent when it found the effect (calls.readback).
+    result: ProviderResult | None = None
 
 
 @dataclass(frozen=True)

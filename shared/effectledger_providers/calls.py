@@ -55,6 +55,8 @@ from effectledger_core.messages import (
     OutcomeAmbiguous,
     storable,
 )
+from effectledger_core.results import ProviderResult, keep_result
+from effectledger_obs import tracing
 
 from .adapters import Classified, ProviderAdapter, ReadbackResult, load_adapter
 
@@ -124,10 +126,12 @@ class _Body:
     def __init__(self) -> None:
         self._hash = hashlib.sha256()
         self.prefix = bytearray()
+        self.size = 0
 
     async def read(self, response: httpx.Response) -> None:
         async for chunk in response.aiter_bytes():
             self._hash.update(chunk)
+            self.size += len(chunk)
             room = MAX_HTTP_BODY_BYTES - len(self.prefix)
             if room > 0:
                 self.prefix += chunk[:room]
@@ -278,6 +282,7 @@ async def call_provider(
                                   message=f"nothing was sent: {_describe(exc)}"),
                        secrets=_secrets(tool, None, env))
     secrets = _secrets(tool, request, env)
+    tracing.inject(request.headers)  # W3C traceparent for the provider, when tracing is on
     if on_sent is not None:
         on_sent()
     started = time.monotonic()
@@ -301,21 +306,35 @@ async def call_provider(
         classified = Classified("ambiguous", reason="invalid_response",
                                 message=f"the adapter could not classify: {_describe(exc)}")
     digest = ex.body.digest if ex.error is None else None
-    return outcome(classified, status=status, digest=digest, secrets=secrets)
+    kept = _kept(tool, ex, secrets) if classified.kind == "succeeded" and digest else None
+    return _to_outcome(classified, cmd=cmd, attempt_id=attempt_id, dispatcher_id=dispatcher_id,
+                       at=clock(), status=status, digest=digest, secrets=secrets,
+                       duration_ms=(time.monotonic() - started) * 1000, result=kept)
+
+
+def _kept(tool: Tool, ex: _Exchange, secrets: Sequence[str]) -> ProviderResult | None:
+    """The provider's answer as the agent gets it: bounded per tool, scrubbed, narrowed."""
+    if tool.max_result_bytes <= 0 or ex.response is None:
+        return None
+    if ex.body.size > len(ex.body.prefix):  # only a prefix was kept: the answer is not whole
+        return ProviderResult(kind="text", omitted="too_large", bytes=ex.body.size)
+    return keep_result(bytes(ex.body.prefix), ex.response.headers.get("content-type"),
+                       limit=tool.max_result_bytes, path=tool.result_path, secrets=secrets)
 
 
 def _to_outcome(c: Classified, *, cmd: DispatchAttempt, attempt_id: str, dispatcher_id: str,
                 at: datetime, status: int | None, digest: str | None, secrets: Sequence[str],
-                duration_ms: float) -> Outcome:
+                duration_ms: float, result: ProviderResult | None = None) -> Outcome:
     ref = _clean_ref(c.provider_ref, secrets)
     common: dict[str, Any] = dict(
         operation_id=cmd.operation_id, epoch=cmd.epoch, attempt_id=attempt_id,
         dispatcher_id=dispatcher_id, at=at, http_status=status, provider_ref=ref,
         duration_ms=duration_ms)
     message = _clean(c.message, secrets, MAX_MESSAGE_CHARS)
-    if c.kind in ("succeeded", "accepted") and digest is not None:
-        model = AttemptSucceeded if c.kind == "succeeded" else AttemptAccepted
-        return model(**common, response_digest=digest)
+    if c.kind == "succeeded" and digest is not None:
+        return AttemptSucceeded(**common, response_digest=digest, result=result)
+    if c.kind == "accepted" and digest is not None:
+        return AttemptAccepted(**common, response_digest=digest)
     if c.kind == "failed" and c.failure_class is not None:
         retry_after_s = c.retry_after_s
         if retry_after_s is None and c.retry_after is not None:
@@ -365,6 +384,8 @@ async def readback(
             MAX_MESSAGE_CHARS))
     ref = _clean_ref(result.provider_ref, secrets)
     error = _clean(result.error, secrets, MAX_MESSAGE_CHARS) if result.error else None
+    # A readback that found the effect answers what the lost response would have: keep it.
+    kept = _kept(tool, ex, secrets) if result.found is True else None
     # The digest is of every byte received, whatever the adapter computed from its bounded view.
     return replace(result, provider_ref=ref, evidence_digest=ex.body.digest, http_status=status,
-                   error=error)
+                   error=error, result=kept)

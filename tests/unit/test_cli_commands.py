@@ -45,8 +45,9 @@ def fake_tool() -> Iterator[types.ModuleType]:
 
 def test_the_installed_tools_are_registered_as_entry_points() -> None:
     names = {e.name: e.value for e in importlib.metadata.entry_points(group=commands.GROUP)}
-    assert names == {"bench": "effectledger_bench.cli", "chaos": "effectledger_chaos.cli"}
-    assert set(commands.discover()) == {"bench", "chaos"}
+    assert names == {"bench": "effectledger_bench.cli", "chaos": "effectledger_chaos.cli",
+                     "bench-agent": "effectledger_bench.agentwait"}
+    assert set(commands.discover()) == {"bench", "bench-agent", "chaos"}
 
 
 def test_a_tool_whose_module_is_not_installed_is_left_out() -> None:

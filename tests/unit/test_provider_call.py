@@ -38,6 +38,7 @@ from effectledger_core.messages import (
     Outcome,
     OutcomeAmbiguous,
 )
+from effectledger_core.results import ProviderResult
 from effectledger_providers.adapters import (
     DeclarativeAdapter,
     clear_adapter_cache,
@@ -621,7 +622,10 @@ def readback_tool(**readback_kw: Any) -> Tool:
 async def test_readback_renders_url_with_quoted_arguments_and_sends_credentials() -> None:
     result, provider = await do_readback(readback_tool(), status(200, {"id": "t-1"}),
                                          {"ref": "a/b c"})
-    assert result == ReadbackResult(True, "t-1", result.evidence_digest, 200, None)
+    # A readback that found the effect also keeps its answer for the agent.
+    kept = ProviderResult(kind="json", value={"id": "t-1"}, bytes=12)
+    assert result == ReadbackResult(True, "t-1", result.evidence_digest, 200, None,
+                                    result=kept)
     assert result.evidence_digest is not None and result.evidence_digest.startswith("sha256:")
     [request] = provider.requests
     assert request.method == "GET"

@@ -1,137 +1,149 @@
-"""`submit`, `show` and `list`: a thin HTTP client of the ledger API."""
+"""`submit`, `show`, `list` and the operator actions, on the typed client (effectledger_client).
+
+Exit codes, so scripts can branch without parsing: 0 succeeded (or, without `--wait`, the
+request was accepted), 1 the ledger refused the request or could not be reached, 2 bad usage,
+and with `--wait`: 3 failed or cancelled, 4 outcome unknown (ambiguous, needs review),
+5 awaiting an operator's approval, 6 the wait ended before the operation settled.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
 
-import httpx
+from pydantic import BaseModel
 
-AT_REST = {"succeeded", "failed", "cancelled", "needs_review"}
+from effectledger_client import Client, LedgerError, OperationView
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+EXIT_FAILED, EXIT_UNKNOWN, EXIT_APPROVAL, EXIT_TIMEOUT = 3, 4, 5, 6
+_BY_STATE = {"succeeded": EXIT_OK, "failed": EXIT_FAILED, "cancelled": EXIT_FAILED,
+             "needs_review": EXIT_UNKNOWN, "ambiguous": EXIT_UNKNOWN,
+             "awaiting_approval": EXIT_APPROVAL}
 
 
-def _print(data: Any) -> None:
+def exit_code(op: OperationView) -> int:
+    """What a waited-for operation's state means to a script (see module docstring)."""
+    return _BY_STATE.get(op.state, EXIT_TIMEOUT)
+
+
+def _print(data: BaseModel | Any) -> None:
+    if isinstance(data, BaseModel):
+        data = data.model_dump(mode="json")
     print(json.dumps(data, indent=2, sort_keys=True))
 
 
-def _check(resp: httpx.Response) -> Any:
-    try:
-        body = resp.json()
-    except ValueError:
-        body = {"error": {"code": "http_error", "message": resp.text[:500]}}
-    if resp.status_code >= 400:
-        err = body.get("error", {}) if isinstance(body, dict) else {}
-        print(f"effectledger: HTTP {resp.status_code} {err.get('code')}: {err.get('message')}",
-              file=sys.stderr)
-        if err.get("details"):
-            print(json.dumps(err["details"], indent=2), file=sys.stderr)
-        raise SystemExit(1)
-    return body
+class _Progress:
+    """One line per state on a terminal (stderr), so stdout stays the JSON answer."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.last: str | None = None
+
+    def __call__(self, op: OperationView) -> None:
+        if op.state != self.last:
+            self.last = op.state
+            print(f"  {time.monotonic() - self.started:6.2f}s  {op.state}", file=sys.stderr,
+                  flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
     # Agents and operators authenticate with a bearer token (EFFECTLEDGER_TOKEN).
-    token = os.environ.get("EFFECTLEDGER_TOKEN")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        with httpx.Client(base_url=args.ledger_url, timeout=10.0, headers=headers) as http:
-            return _run(http, args)
-    except httpx.TransportError as exc:
-        print(f"effectledger: cannot reach the ledger at {args.ledger_url}: {exc}",
-              file=sys.stderr)
-        return 1
+        with Client(args.ledger_url) as client:
+            return _run(client, args)
+    except LedgerError as exc:
+        print(f"effectledger: {exc.code}: {exc.message}", file=sys.stderr)
+        if exc.details:
+            print(json.dumps(exc.details, indent=2), file=sys.stderr)
+        return EXIT_ERROR
 
 
-def _run(http: httpx.Client, args: argparse.Namespace) -> int:
+def _wait(client: Client, op: OperationView, wait_s: float,
+          progress: _Progress | None) -> int:
+    op = client.wait(op.id, wait_s, on_change=progress, current=op)
+    _print(op)
+    return exit_code(op)
+
+
+def _run(client: Client, args: argparse.Namespace) -> int:
     if args.command == "submit":
         try:
             arguments = json.loads(args.args)
         except json.JSONDecodeError as exc:
             print(f"effectledger: --args is not valid JSON: {exc}", file=sys.stderr)
-            return 2
-        body: dict[str, Any] = {"tool": args.tool, "arguments": arguments}
-        if args.key:
-            body["idempotency_key"] = args.key
-        if args.task:
-            body["task_id"] = args.task
-        if args.tenant:
-            body["tenant"] = args.tenant
-        op = _check(http.post("/v1/intents", json=body))
-        deadline = time.monotonic() + args.wait
-        while op["state"] not in AT_REST and time.monotonic() < deadline:
-            time.sleep(0.2)  # polling the API; the ledger has no push channel for the CLI
-            op = _check(http.get(f"/v1/operations/{op['id']}"))
-        _print(op)
-        return 0
+            return EXIT_USAGE
+        if not isinstance(arguments, dict):
+            print("effectledger: --args must be a JSON object", file=sys.stderr)
+            return EXIT_USAGE
+        # On a terminal each state is shown as it comes (waits that end at every change);
+        # otherwise the submission itself waits, and one request usually answers it all.
+        progress = _Progress() if args.wait > 0 and sys.stderr.isatty() else None
+        started = time.monotonic()
+        submitted = client.submit(args.tool, arguments, idempotency_key=args.key,
+                                  task_id=args.task, tenant=args.tenant,
+                                  wait_s=args.wait if progress is None else None)
+        if args.wait > 0:
+            left = max(0.0, args.wait - (time.monotonic() - started))
+            return _wait(client, submitted.operation, left, progress)
+        _print(submitted.operation)
+        return EXIT_OK
     if args.command == "show":
         if args.journal:
-            _print(_check(http.get(f"/v1/operations/{args.operation_id}/journal")))
+            _print(client.journal(args.operation_id))
         elif args.receipt:
-            _print(_check(http.get(f"/v1/operations/{args.operation_id}/receipt")))
+            _print(client.receipt(args.operation_id))
+        elif getattr(args, "wait", 0) > 0:
+            progress = _Progress() if sys.stderr.isatty() else None
+            return _wait(client, client.get(args.operation_id), args.wait, progress)
         else:
-            _print(_check(http.get(f"/v1/operations/{args.operation_id}")))
-        return 0
+            _print(client.get(args.operation_id))
+        return EXIT_OK
     if args.command == "review":
-        return _review(http, args)
+        return _review(client, args)
     if args.command in ("approve", "reject", "cancel", "retry"):
-        return _operator(http, args)
-    params: dict[str, Any] = {"limit": args.limit}
-    if args.state:
-        params["state"] = args.state
-    if args.cursor:
-        params["cursor"] = args.cursor
-    _print(_check(http.get("/v1/operations", params=params)))
-    return 0
+        return _operator(client, args)
+    _print(client.list(state=args.state, limit=args.limit, cursor=args.cursor))
+    return EXIT_OK
 
 
-def _operator(http: httpx.Client, args: argparse.Namespace) -> int:
-    op_id = args.operation_id
-    op = _check(http.get(f"/v1/operations/{op_id}"))
-    epoch = args.epoch if args.epoch is not None else op["epoch"]
-    body: dict[str, Any] = {"operator": args.operator}
+def _operator(client: Client, args: argparse.Namespace) -> int:
+    op_id, who = args.operation_id, args.operator
     if args.command == "approve":
         # Approving binds to the exact arguments: by default those shown to you now.
-        body.update(epoch=epoch, arguments_digest=args.arguments_digest or op["arguments_digest"])
+        _print(client.approve(op_id, epoch=args.epoch, arguments_digest=args.arguments_digest,
+                              operator=who))
     elif args.command == "reject":
-        body.update(epoch=epoch, reason=args.reason)
+        _print(client.reject(op_id, epoch=args.epoch, reason=args.reason, operator=who))
     elif args.command == "cancel":
-        body.update(reason=args.reason)
+        _print(client.cancel(op_id, reason=args.reason, operator=who))
     else:
-        body["epoch"] = epoch
-        if args.review:
-            if not args.evidence_ref:
-                print("effectledger: --review needs --evidence-ref", file=sys.stderr)
-                return 2
-            body["review"] = {"conclusion": args.review, "evidence_ref": args.evidence_ref,
-                              "operator": args.operator}
-    _print(_check(http.post(f"/v1/operations/{op_id}/{args.command}", json=body)))
-    return 0
+        if args.review and not args.evidence_ref:
+            print("effectledger: --review needs --evidence-ref", file=sys.stderr)
+            return EXIT_USAGE
+        epoch = args.epoch if args.epoch is not None else client.get(op_id).epoch
+        _print(client.retry(op_id, epoch=epoch, review=args.review,
+                            evidence_ref=args.evidence_ref, operator=who))
+    return EXIT_OK
 
 
-def _review(http: httpx.Client, args: argparse.Namespace) -> int:
+def _review(client: Client, args: argparse.Namespace) -> int:
     if args.operation_id is None:
-        _print(_check(http.get("/v1/reviews")))
-        return 0
+        _print(client.review_queue())
+        return EXIT_OK
     if not (args.conclusion and args.evidence_ref):
         print("effectledger: a review needs --conclusion and --evidence-ref", file=sys.stderr)
-        return 2
-    body: dict[str, Any] = {"conclusion": args.conclusion, "evidence_ref": args.evidence_ref}
-    if args.operator:
-        body["operator"] = args.operator
-    if args.epoch is not None:
-        body["epoch"] = args.epoch
-    op = _check(http.post(f"/v1/operations/{args.operation_id}/reviews", json=body))
+        return EXIT_USAGE
+    if args.retry and args.conclusion != "not_executed":
+        print("effectledger: --retry only follows a not_executed review", file=sys.stderr)
+        return EXIT_USAGE
+    op = client.review(args.operation_id, conclusion=args.conclusion,
+                       evidence_ref=args.evidence_ref, epoch=args.epoch, operator=args.operator)
     if args.retry:
-        if args.conclusion != "not_executed":
-            print("effectledger: --retry only follows a not_executed review", file=sys.stderr)
-            return 2
-        retry_body: dict[str, Any] = {"epoch": op["epoch"]}
-        if args.operator:
-            retry_body["operator"] = args.operator
-        op = _check(http.post(f"/v1/operations/{args.operation_id}/retry", json=retry_body))
+        _print(client.retry(args.operation_id, epoch=op.epoch, operator=args.operator))
+        return EXIT_OK
     _print(op)
-    return 0
+    return EXIT_OK

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import os
 import sys
 from collections.abc import Coroutine
@@ -33,9 +32,21 @@ def _settings(args: argparse.Namespace) -> Settings:
     return Settings(**overrides)
 
 
-def _logging(settings: Settings) -> None:
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _logging(settings: Settings, service: str) -> None:
+    """Logs as EFFECTLEDGER_LOG_LEVEL / _LOG_FORMAT say; traces if OTEL_* ask for them."""
+    from effectledger_obs.logs import configure_logging
+    from effectledger_obs.tracing import configure_tracing
+
+    configure_logging(settings.log_level, settings.log_format)
+    configure_tracing(f"effectledger-{service}")
+
+
+def _logging_or_exit(settings: Settings, service: str) -> None:
+    try:
+        _logging(settings, service)
+    except ValueError as exc:  # a bad level or format: one line naming the setting
+        print(f"effectledger {service}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _common(p: argparse.ArgumentParser, *, db: bool = False, nats: bool = False) -> None:
@@ -138,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="list the switches that turn a guarantee off, and which are armed here")
     nats_config.add_parser(sub)
 
+    from effectledger_mcp.cli import add_arguments as add_mcp_arguments
+
+    add_mcp_arguments(sub.add_parser(
+        "mcp", help="serve the catalog to MCP agents (stdio, or --http HOST:PORT)"))
+
     for name, help_ in (("submit", "submit an intent"), ("show", "show an operation"),
                         ("list", "list operations"),
                         ("approve", "approve an operation awaiting approval (operator)"),
@@ -156,11 +172,14 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--task", help="task id scoping the key")
             p.add_argument("--tenant", default=None)
             p.add_argument("--wait", type=float, default=0.0,
-                           help="seconds to wait for the operation to come to rest")
+                           help="seconds to wait for the operation to settle (at rest or "
+                                "awaiting approval); exit code says how it ended")
         elif name == "show":
             p.add_argument("operation_id")
             p.add_argument("--journal", action="store_true")
             p.add_argument("--receipt", action="store_true")
+            p.add_argument("--wait", type=float, default=0.0,
+                           help="seconds to wait for the operation to settle")
         elif name == "review":
             p.add_argument("operation_id", nargs="?", help="omit to list the review queue")
             p.add_argument("--conclusion", choices=["not_executed", "completed", "uncertain"])
@@ -230,6 +249,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         print(describe(os.environ))
         return 0
+    if cmd == "mcp":
+        from effectledger_mcp.cli import run as run_mcp
+
+        return run_mcp(args)
     if cmd in ("submit", "show", "list", "approve", "reject", "cancel", "retry", "review"):
         from . import client
 
@@ -243,7 +266,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         from effectledger_sandbox.server import serve as serve_sandbox
         from effectledger_sandbox.server import webhook_options
 
-        logging.basicConfig(level="INFO")
+        sandbox_settings = Settings()
+        _logging_or_exit(sandbox_settings, "sandbox")
         try:
             hooks = webhook_options(args)
         except ValueError as exc:
@@ -253,7 +277,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         run_loop(serve_sandbox(args.host, args.port, app=app))
         return 0
     settings = _settings(args)
-    _logging(settings)
+    _logging_or_exit(settings, cmd)
     if cmd == "streams":
         from .streams_cmd import run as run_streams
 

@@ -17,6 +17,8 @@ from effectledger_bus.pull import PullConsumer
 from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
+from effectledger_obs.http import HealthServer
+from effectledger_obs.logs import announce
 from effectledger_providers.adapters import load_adapter
 from effectledger_providers.calls import make_clients
 
@@ -62,17 +64,30 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         ack_wait_s=settings.ack_wait_s, max_deliver=settings.max_deliver, env=env)
     consumer = build_consumer(nc, settings, dispatcher)
     await consumer.start()
+    health = None
+    if settings.dispatcher_health_port is not None:
+        async def ready() -> dict[str, bool]:
+            return {"nats": nc.is_connected}
+
+        health = HealthServer(ready, host=settings.dispatcher_health_host,
+                              port=settings.dispatcher_health_port,
+                              setting="EFFECTLEDGER_DISPATCHER_HEALTH_PORT")
+        port = await health.start()
+        log.info("dispatcher health and metrics on http://%s:%d",
+                 settings.dispatcher_health_host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    print(f"dispatcher ready: {settings.dispatcher_id}", flush=True)
+    announce(f"dispatcher ready: {settings.dispatcher_id}")
     if started is not None:
         started.set()
     try:
         await stop.wait()
     finally:
+        if health is not None:
+            await health.stop()
         await consumer.stop()
         await caller.aclose()
         with contextlib.suppress(Exception):

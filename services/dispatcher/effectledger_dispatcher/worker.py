@@ -48,6 +48,7 @@ from effectledger_core.messages import (
 )
 from effectledger_core.send_deadline import NOT_SENT_CODE, SendWindow
 from effectledger_core.subjects import Subjects
+from effectledger_obs import logs, metrics, tracing
 from effectledger_providers.calls import SendRefused
 
 from . import decision
@@ -119,12 +120,18 @@ class Dispatcher:
                 await d.nak(delay=UNKNOWN_TOOL_RETRY_S)
             return
 
+        with logs.bind(operation_id=cmd.operation_id, epoch=cmd.epoch, tool=cmd.tool):
+            tracing.annotate(operation_id=cmd.operation_id, epoch=cmd.epoch, tool=cmd.tool)
+            await self._handle(d, cmd, tool)
+
+    async def _handle(self, d: Delivery, cmd: DispatchAttempt, tool: Tool) -> None:
         key = (cmd.operation_id, cmd.epoch)
         attempt_id = self.unanswered_claims.pop(key, None) or self.ids()
         # Before the claim request: the ledger's claimed_at is later, so this never
         # under-counts the time that the reconciler's horizon counts.
         window = SendWindow.for_horizon(self.monotonic(), tool.horizon_s)
-        reply = await self._claim(cmd, attempt_id, d)
+        with tracing.span("claim", attributes={"effectledger.attempt_id": attempt_id}):
+            reply = await self._claim(cmd, attempt_id, d)
         step = decision.decide(reply, attempt_id=attempt_id, deliveries=d.deliveries,
                                tool_timeout_s=tool.timeout_s, skip_claim=self.skip_claim,
                                tool=cmd.tool, arguments_digest=arguments_digest(cmd.arguments))
@@ -163,6 +170,8 @@ class Dispatcher:
     def _note_claim(self, key: tuple[str, int], attempt_id: str,
                     reply: ClaimReply | None) -> None:
         """Count the reply; remember an unanswered attempt id for the redelivery."""
+        metrics.inc(metrics.DISPATCH_CLAIM_REPLIES,
+                    "no_reply" if reply is None else reply.status.value)
         if reply is None:
             self.stats["claim_unavailable"] += 1
             self.unanswered_claims[key] = attempt_id
@@ -194,10 +203,16 @@ class Dispatcher:
         # Long provider calls must not let ack_wait expire: that would redeliver the command
         # to another dispatcher, which would (safely, but needlessly) declare it ambiguous.
         async with heartbeat(d, self.ack_wait_s / 3):
-            outcome = await self.call(tool, cmd, attempt_id=attempt_id,
-                                      dispatcher_id=self.dispatcher_id,
-                                      on_sent=lambda: crash_point("dispatcher.before_call"),
-                                      before_write=before_write)
+            with tracing.span("provider call", kind=tracing.SpanKind.CLIENT,
+                              attributes={"effectledger.tool": tool.name,
+                                          "effectledger.attempt_id": attempt_id}) as sp:
+                outcome = await self.call(tool, cmd, attempt_id=attempt_id,
+                                          dispatcher_id=self.dispatcher_id,
+                                          on_sent=lambda: crash_point("dispatcher.before_call"),
+                                          before_write=before_write)
+                if sp is not None:
+                    sp.set_attribute("effectledger.outcome", outcome.type)
+        _observe_call(tool, outcome, attempt_id)
         crash_point("dispatcher.after_response")
         return outcome
 
@@ -253,3 +268,18 @@ class Dispatcher:
         letter = dead_letter(d, consumer=CONSUMER, error=error)
         await self.publisher.publish(self.subjects.deadletter, encode(letter),
                                      msg_id=msgids.dead_letter(letter))
+
+
+def _observe_call(tool: Tool, outcome: Outcome, attempt_id: str) -> None:
+    """One metric sample and one INFO line per provider call (never the arguments or body)."""
+    failure = getattr(outcome, "failure_class", None)
+    failure_class = failure.value if failure is not None else "none"
+    metrics.inc(metrics.PROVIDER_CALLS, tool.name, outcome.type, failure_class)
+    if outcome.duration_ms is not None:
+        metrics.observe(metrics.PROVIDER_CALL_DURATION, outcome.duration_ms / 1000,
+                        tool.name, outcome.type)
+    detail = getattr(outcome, "code", None) or getattr(outcome, "reason", None) or ""
+    log.info("provider call: %s%s http=%s in %.0f ms", outcome.type,
+             f" ({failure_class}: {detail})" if failure is not None else
+             (f" ({detail})" if detail else ""), outcome.http_status,
+             outcome.duration_ms or 0.0, extra={"attempt_id": attempt_id})

@@ -12,9 +12,10 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Query, Request, Security
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -29,9 +30,25 @@ from effectledger_core.limits import MAX_HTTP_BODY_BYTES, MAX_IDENTIFIER_BYTES
 from effectledger_core.messages import SubmitIntent, parse
 from effectledger_core.quotas import retry_after_header
 from effectledger_core.recovery import Conclusion, Review
+from effectledger_core.views import (
+    Admission,
+    Health,
+    Journal,
+    OperationPage,
+    OperationView,
+    Readiness,
+    Receipt,
+    RecoveryView,
+    ReviewQueue,
+    Stats,
+    ToolList,
+)
+from effectledger_core.waiting import DEFAULT_MAX_WAIT_S, parse_wait, wait_over
+from effectledger_obs.http import HttpObservability, metrics_response
 
 from . import console
 from .auth import Authenticator, Forbidden, Principal, check_tenant, operator_name
+from .openapi import WAIT_DOC, errors, submit_intent_body
 from .service import LedgerService
 
 log = logging.getLogger(__name__)
@@ -128,14 +145,35 @@ RELAY_NEEDS = ("database", "nats", "relay")
 
 
 def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str, Any]]],
-               auth: Authenticator | None = None) -> FastAPI:
-    app = FastAPI(title="effectledger ledger", version="1")
+               auth: Authenticator | None = None,
+               max_wait_s: float = DEFAULT_MAX_WAIT_S,
+               before_scrape: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+    app = FastAPI(title="effectledger ledger", version="1",
+                  description="Side-effecting tool calls, attempted at most once per decision.")
+    # Request counts by route template and, when tracing is on, a span per request.
+    app.add_middleware(HttpObservability)
     authenticator = auth or Authenticator({}, {})
+    # Declares the bearer scheme in the OpenAPI document; the Authenticator does the checking
+    # (auto_error off: with authentication disabled a request without a token is fine).
+    bearer = HTTPBearer(auto_error=False, description="an agent or operator token")
 
-    async def principal(request: Request) -> Principal:
+    Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
+
+    async def principal(request: Request, _: Credentials = None) -> Principal:
         return authenticator.authenticate(request)
 
     Who = Annotated[Principal, Depends(principal)]
+    Wait = Annotated[str | None, Query(description=WAIT_DOC, examples=["10s"])]
+    ChangedFrom = Annotated[str | None, Query(
+        description="with `wait`: also answer as soon as the state is no longer this one "
+                    "(progress displays)")]
+
+    async def waited(op: dict[str, Any], wait: str | None,
+                     changed_from: str | None) -> dict[str, Any]:
+        wait_s = parse_wait(wait, cap_s=max_wait_s)
+        if wait_s <= 0 or wait_over(op["state"], changed_from):
+            return op  # nothing to wait for: no second read
+        return await service.wait_operation(op["id"], wait_s, changed_from=changed_from)
 
     async def visible(p: Principal, operation_id: str) -> dict[str, Any]:
         op = await service.operation(operation_id)
@@ -163,8 +201,15 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, "http_error", str(exc.detail))
 
-    @app.post("/v1/intents")
-    async def submit_intent(request: Request, p: Who) -> JSONResponse:
+    @app.post("/v1/intents", status_code=201, openapi_extra=submit_intent_body(),
+              summary="Submit an intent (optionally wait for its outcome)",
+              responses={201: {"model": OperationView, "description": "a new operation"},
+                         200: {"model": OperationView,
+                               "description": "the existing operation for this key and "
+                                              "arguments"},
+                         **errors(401, 403, 409, 413, 422, 503)})
+    async def submit_intent(request: Request, p: Who, wait: Wait = None) -> JSONResponse:
+        wait_s = parse_wait(wait, cap_s=max_wait_s)  # a bad wait is refused before submitting
         raw = await read_bounded(request)
         try:
             intent = parse(SubmitIntent, raw)
@@ -175,56 +220,68 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
                 raise Forbidden("agents submit intents for their own tenant only")
             intent = intent.model_copy(update={"tenant": p.tenant})
         submitted = await service.submit(intent, actor=p.name)
-        view = await service.operation(submitted.operation["id"])
+        op_id = submitted.operation["id"]
+        view = (await service.wait_operation(op_id, wait_s) if wait_s > 0
+                else await service.operation(op_id))
         return JSONResponse(view, status_code=201 if submitted.created else 200)
 
-    @app.get("/v1/operations/{operation_id}")
-    async def get_operation(operation_id: str, p: Who) -> dict[str, Any]:
-        return await visible(p, operation_id)
+    @app.get("/v1/operations/{operation_id}", responses={
+        200: {"model": OperationView}, **errors(401, 404, 422)},
+        summary="An operation (optionally wait until it is settled)")
+    async def get_operation(operation_id: str, p: Who, wait: Wait = None,
+                            changed_from: ChangedFrom = None) -> dict[str, Any]:
+        return await waited(await visible(p, operation_id), wait, changed_from)
 
-    @app.get("/v1/operations/{operation_id}/journal")
+    @app.get("/v1/operations/{operation_id}/journal",
+             responses={200: {"model": Journal}, **errors(401, 404)})
     async def get_journal(operation_id: str, p: Who) -> dict[str, Any]:
         await visible(p, operation_id)
         return {"operation_id": operation_id, "entries": await service.journal(operation_id)}
 
-    @app.get("/v1/operations/{operation_id}/receipt")
+    @app.get("/v1/operations/{operation_id}/receipt",
+             responses={200: {"model": Receipt}, **errors(401, 404)})
     async def get_receipt(operation_id: str, p: Who) -> dict[str, Any]:
         await visible(p, operation_id)
         return await service.receipt(operation_id)
 
-    @app.get("/v1/operations")
+    @app.get("/v1/operations", responses={200: {"model": OperationPage}, **errors(401, 422)})
     async def list_operations(p: Who, state: str | None = None,
                               limit: int = Query(100, ge=1, le=1000),
                               cursor: str | None = None) -> dict[str, Any]:
         return await service.list_operations(state=state, limit=limit, cursor=cursor,
                                              tenant=p.tenant)
 
-    @app.post("/v1/operations/{operation_id}/approve")
+    @app.post("/v1/operations/{operation_id}/approve",
+              responses={200: {"model": OperationView}, **errors(401, 403, 404, 409, 422)})
     async def approve(operation_id: str, body: ApproveBody, p: Who) -> dict[str, Any]:
         await service.approve(operation_id, epoch=body.epoch,
                               arguments_digest=body.arguments_digest,
                               operator=operator_name(p, body.operator))
         return await service.operation(operation_id)
 
-    @app.post("/v1/operations/{operation_id}/reject")
+    @app.post("/v1/operations/{operation_id}/reject",
+              responses={200: {"model": OperationView}, **errors(401, 403, 404, 409, 422)})
     async def reject(operation_id: str, body: RejectBody, p: Who) -> dict[str, Any]:
         await service.reject(operation_id, epoch=body.epoch,
                              operator=operator_name(p, body.operator), reason=body.reason)
         return await service.operation(operation_id)
 
-    @app.post("/v1/operations/{operation_id}/cancel")
+    @app.post("/v1/operations/{operation_id}/cancel",
+              responses={200: {"model": OperationView}, **errors(401, 403, 404, 409, 422)})
     async def cancel(operation_id: str, body: CancelBody, p: Who) -> dict[str, Any]:
         await service.cancel(operation_id, operator=operator_name(p, body.operator),
                              reason=body.reason)
         return await service.operation(operation_id)
 
-    @app.get("/v1/operations/{operation_id}/recovery")
+    @app.get("/v1/operations/{operation_id}/recovery",
+             responses={200: {"model": RecoveryView}, **errors(401, 404)})
     async def recovery(operation_id: str, p: Who) -> dict[str, Any]:
         await visible(p, operation_id)
         a = await service.inspect(operation_id)
         return {"fact": a.fact.value, "decision": a.decision.value, "reason": a.reason}
 
-    @app.post("/v1/operations/{operation_id}/retry")
+    @app.post("/v1/operations/{operation_id}/retry",
+              responses={200: {"model": Admission}, **errors(401, 403, 404, 409, 422)})
     async def retry(operation_id: str, body: RetryBody, p: Who) -> JSONResponse:
         who = operator_name(p, body.operator)
         review = None
@@ -238,17 +295,20 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
                                                  for_epoch=body.epoch)
         return _admission(plan_id, admission)
 
-    @app.post("/v1/retry-plans/{plan_id}/use")
+    @app.post("/v1/retry-plans/{plan_id}/use",
+              summary="Use a prepared single-use retry plan (operator)",
+              responses={200: {"model": Admission}, **errors(401, 403, 404, 409)})
     async def use_plan(plan_id: str, p: Who) -> JSONResponse:
         operator_name(p, None if p.role == "operator" else "anonymous")
         return _admission(plan_id, await service.use_plan(plan_id))
 
-    @app.get("/v1/reviews")
+    @app.get("/v1/reviews", responses={200: {"model": ReviewQueue}, **errors(401, 403, 422)})
     async def review_queue(p: Who, limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
         operator_name(p, None if p.role == "operator" else "anonymous")
         return {"items": await service.review_queue(limit)}
 
-    @app.post("/v1/operations/{operation_id}/reviews")
+    @app.post("/v1/operations/{operation_id}/reviews",
+              responses={200: {"model": OperationView}, **errors(401, 403, 404, 409, 422)})
     async def review(operation_id: str, body: ReviewBody, p: Who) -> dict[str, Any]:
         who = operator_name(p, body.operator)
         op = await service.operation(operation_id)
@@ -257,18 +317,26 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
             epoch=body.epoch if body.epoch is not None else op["epoch"]))
         return await service.operation(operation_id)
 
-    @app.get("/v1/tools")
+    @app.get("/v1/tools", responses={200: {"model": ToolList}, **errors(401)})
     async def list_tools(p: Who) -> dict[str, Any]:
         tools = service.catalog.tools
         return {"catalog_digest": service.catalog.digest(),
                 "tools": [tools[n].public_view() for n in sorted(tools)]}
 
-    @app.get("/v1/stats")
+    @app.get("/v1/stats", responses={200: {"model": Stats}, **errors(401)})
     async def stats(p: Who) -> dict[str, Any]:
         # Agents see their own tenant's counts only, like every other read.
         return await service.stats(tenant=p.tenant if p.role == "agent" else None)
 
-    @app.get("/healthz")
+    @app.get("/metrics", include_in_schema=False)
+    async def prometheus_metrics() -> Response:
+        # Unauthenticated like /healthz: scrapers carry no token, and the figures hold no
+        # operation ids, tenants or arguments (bounded labels only).
+        if before_scrape is not None:
+            await before_scrape()  # the gauges read from the database (gauges.py)
+        return metrics_response()
+
+    @app.get("/healthz", responses={200: {"model": Health}})
     async def healthz() -> dict[str, bool]:
         return {"ok": True}
 
@@ -282,14 +350,14 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
                              "auth": "enabled" if authenticator.enabled else "disabled"},
                             status_code=200 if ok else 503)
 
-    @app.get("/readyz")
+    @app.get("/readyz", responses={200: {"model": Readiness}, 503: {"model": Readiness}})
     async def readyz() -> JSONResponse:
         """Ready to accept intents, approvals and reads: the database answers. A missing
         broker is named in `missing` but does not make the ledger unready: commands wait in
         the outbox and the relay publishes them once NATS is back."""
         return await readiness(INTENTS_NEED)
 
-    @app.get("/readyz/relay")
+    @app.get("/readyz/relay", responses={200: {"model": Readiness}, 503: {"model": Readiness}})
     async def readyz_relay() -> JSONResponse:
         """Ready to move commands and outcomes: database, NATS and the relay all running."""
         return await readiness(RELAY_NEEDS)

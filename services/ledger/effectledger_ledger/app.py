@@ -19,11 +19,13 @@ from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
 from effectledger_core.quotas import QuotaLimits
+from effectledger_obs.logs import announce
 
 from .api import create_app
 from .auth import Authenticator
 from .db.outbox import StreamPosition
 from .db.store import Store
+from .gauges import DbGauges
 from .messaging import build_inbox, serve_requests
 from .migrate import upgrade_when_reachable
 from .relay import DirectPublisher, Relay, Sweeper, listen_notify, stream_position
@@ -44,7 +46,8 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
                                 rate_per_s=settings.tenant_rate_per_s,
                                 burst=settings.tenant_burst,
                                 max_in_flight=settings.tenant_max_in_flight,
-                                max_awaiting_approval=settings.tenant_max_awaiting_approval))
+                                max_awaiting_approval=settings.tenant_max_awaiting_approval),
+                            wait_recheck_s=settings.wait_recheck_s)
 
     # The database is the ledger's only hard dependency: it listens and accepts intents,
     # approvals and reads while NATS is down or not yet reachable. The outbox keeps every
@@ -57,12 +60,15 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         return {"database": await store.ping(), "nats": plane.nc.is_connected,
                 "relay": plane.relay_running()}
 
+    gauges = DbGauges(store, reconcile_deadline_s=settings.reconcile_deadline_s)
     app = create_app(service, ready=ready,
-                     auth=Authenticator(settings.agent_tokens, settings.operator_tokens))
+                     auth=Authenticator(settings.agent_tokens, settings.operator_tokens),
+                     max_wait_s=settings.wait_max_s, before_scrape=gauges.refresh)
     server = uvicorn.Server(server_config(
         app, host=settings.ledger_host, port=settings.ledger_port, log_level="warning",
         access_log=False, lifespan="off", header_timeout_s=settings.http_header_timeout_s,
-        body_timeout_s=settings.http_body_timeout_s))
+        body_timeout_s=settings.http_body_timeout_s,
+        log_config=None))  # our log handlers and format, not uvicorn's
     watcher = asyncio.create_task(_announce(server, settings, plane_task, started))
     try:
         await server.serve()
@@ -169,9 +175,9 @@ async def _announce(server: uvicorn.Server, settings: Settings, plane: asyncio.T
         await asyncio.sleep(0.02)  # polling uvicorn's flag; it offers no event to wait on
     url = f"http://{settings.ledger_host}:{settings.ledger_port}"
     log.info("ledger listening on %s", url)
-    print(f"ledger listening: {url}", flush=True)
+    announce(f"ledger listening: {url}")
     await plane
-    print(f"ledger ready: {url}", flush=True)
+    announce(f"ledger ready: {url}")
     if started is not None:
         started.set()
 

@@ -35,6 +35,7 @@ from effectledger_core.messages import (
     OperationQuery,
     OperationReply,
     OperationSummary,
+    OperationWait,
     SubmitIntent,
     VerdictReached,
     WebhookReceived,
@@ -70,8 +71,9 @@ class Requests:
     for bad input (served by effectledger_bus.rpc on plain nats-py subscriptions). Replies are
     the typed models of effectledger_core.messages."""
 
-    def __init__(self, service: LedgerService) -> None:
+    def __init__(self, service: LedgerService, *, max_wait_s: float = 60.0) -> None:
         self.service = service
+        self.max_wait_s = max_wait_s
 
     async def intent(self, raw: bytes) -> bytes:
         try:
@@ -115,6 +117,24 @@ class Requests:
             return _error_reply(exc)
         return encode(OperationReply(operation=_summary(op, with_ref=False)))
 
+    async def operation_wait_for(self, subject: str, raw: bytes) -> bytes:
+        """An agent's wait on its own tenant's operation; another tenant's reads as missing."""
+        try:
+            tenant = self.service.subjects.tenant_of(subject)
+            query = parse(OperationWait, raw)
+            try:
+                op = await self.service.operation(query.operation_id)
+            except NotFound:
+                op = None
+            if op is None or tenant is None or op.get("tenant") != tenant:
+                raise NotFound(f"operation {query.operation_id!r} not found")
+            if query.wait_s > 0:
+                op = await self.service.wait_operation(query.operation_id,
+                                                       min(query.wait_s, self.max_wait_s))
+        except EffectLedgerError as exc:
+            return _error_reply(exc)
+        return encode(OperationReply(operation=_summary(op, with_ref=False)))
+
     async def claim(self, raw: bytes) -> bytes:
         try:
             claim = parse(ClaimAttempt, raw)
@@ -148,6 +168,16 @@ class Requests:
             return _error_reply(exc)
         return encode(OperationReply(operation=_summary(op, with_ref=True)))
 
+    async def operation_wait(self, raw: bytes) -> bytes:
+        """Like `operation`, answered once the operation is settled or `wait_s` is over."""
+        try:
+            query = parse(OperationWait, raw)
+            op = await self.service.wait_operation(query.operation_id,
+                                                   min(query.wait_s, self.max_wait_s))
+        except EffectLedgerError as exc:
+            return _error_reply(exc)
+        return encode(OperationReply(operation=_summary(op, with_ref=True)))
+
 
 async def serve_requests(nc: NatsClient, settings: Settings,
                          service: LedgerService) -> RequestServer:
@@ -156,7 +186,7 @@ async def serve_requests(nc: NatsClient, settings: Settings,
     The subjects naming a sender (`.tenant.<tenant>.intents`, `.tenant.<tenant>.operation`,
     `.claim.<dispatcher id>`) bind it: NATS permissions let each principal publish only
     on its own. The plain subjects serve trusted callers (operator tools, older dispatchers)."""
-    subjects, handlers = settings.subjects, Requests(service)
+    subjects, handlers = settings.subjects, Requests(service, max_wait_s=settings.wait_max_s)
     server = RequestServer(nc)
     await server.serve(subjects.rpc_intents, handlers.intent, queue="ledger", concurrency=256)
     await server.serve_by_subject(subjects.rpc_intents_for("*"), handlers.intent_for,
@@ -166,8 +196,13 @@ async def serve_requests(nc: NatsClient, settings: Settings,
                                   queue="ledger", concurrency=256)
     await server.serve(subjects.rpc_operation, handlers.operation, queue="ledger",
                        concurrency=16)
+    # Waits sleep on the in-process notifier, not on a database connection: many may be open.
+    await server.serve(subjects.rpc_operation_wait, handlers.operation_wait, queue="ledger",
+                       concurrency=16384)
     await server.serve_by_subject(subjects.rpc_operation_for("*"), handlers.operation_for,
                                   queue="ledger", concurrency=16)
+    await server.serve_by_subject(subjects.rpc_operation_wait_for("*"),
+                                  handlers.operation_wait_for, queue="ledger", concurrency=16384)
     return server
 
 

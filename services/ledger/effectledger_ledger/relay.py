@@ -20,6 +20,7 @@ from effectledger_core.crash import crash_point
 from effectledger_core.errors import StoreUnavailable
 from effectledger_core.ids import Clock, utcnow
 from effectledger_core.states import OutboxKind
+from effectledger_obs import metrics, tracing
 
 from .db.batch import GroupCommit
 from .db.outbox import (
@@ -37,10 +38,29 @@ log = logging.getLogger(__name__)
 
 
 async def publish_item(js: JetStreamContext, item: OutboxItem, timeout_s: float) -> int:
-    """Publish one outbox row under its Nats-Msg-Id; returns the stream sequence of the ack."""
-    ack = await js.publish(item.subject, item.payload, timeout=timeout_s,
-                           headers={"Nats-Msg-Id": item.message_id})
-    return int(ack.seq)
+    """Publish one outbox row under its Nats-Msg-Id; returns the stream sequence of the ack.
+
+    With tracing on, the publish is a span in the trace of the request that wrote the row (its
+    stored traceparent), and the message carries the publish span's context to the consumer.
+    """
+    headers = {"Nats-Msg-Id": item.message_id}
+    if not tracing.ENABLED:
+        ack = await js.publish(item.subject, item.payload, timeout=timeout_s, headers=headers)
+        return int(ack.seq)
+    with tracing.span(f"publish {item.kind}", kind=tracing.SpanKind.PRODUCER,
+                      context=tracing.context_from_traceparent(item.traceparent),
+                      attributes={"messaging.system": "nats",
+                                  "messaging.destination.name": item.subject,
+                                  "messaging.message.id": item.message_id}):
+        tracing.inject(headers)
+        ack = await js.publish(item.subject, item.payload, timeout=timeout_s, headers=headers)
+        return int(ack.seq)
+
+
+def _count_published(items: list[OutboxItem], published: set[str], via: str) -> None:
+    for item in items:
+        if item.id in published:
+            metrics.child(metrics.RELAY_PUBLISHED, item.kind, via).inc()
 
 
 class Relay:
@@ -69,7 +89,9 @@ class Relay:
         if ok:
             await self.store.run(mark_published_txn, ok, now=self.clock(), seqs=seqs)
             self.published += len(ok)
+            _count_published(items, set(ok), "relay")
         if failed:
+            metrics.child(metrics.RELAY_PUBLISH_FAILURES, "relay").inc(len(failed))
             err = repr(failed[0][1])
             log.warning("relay: %d publishes failed (%s); retrying later", len(failed), err)
             await self.store.run(release_txn, [i.id for i, _ in failed], now=self.clock(),
@@ -157,7 +179,9 @@ class DirectPublisher:
             if seqs:
                 await self.writes.call(MarkPublished(list(seqs), now=self.clock(), seqs=seqs))
                 self.published += len(seqs)
+                _count_published(items, set(seqs), "direct")
             if failed:
+                metrics.child(metrics.RELAY_PUBLISH_FAILURES, "direct").inc(len(failed))
                 log.warning("direct publish: %d failed (%r); handed to the relay", len(failed),
                             next(r for r in results if isinstance(r, BaseException)))
                 await self.store.run(release_txn, failed, now=self.clock(),
@@ -207,12 +231,16 @@ class Sweeper:
         pos: dict[str, StreamPosition | None] = {}
         if self.positions is not None:
             pos = await self.positions()
-        n = await self.store.run(sweep_unclaimed_txn, now=self.clock(),
-                                 older_than_s=self.older_than_s, position=pos.get("dispatch"))
-        n += await self.store.run(sweep_unclaimed_txn, now=self.clock(),
-                                  older_than_s=self.reconcile_after_s,
-                                  kind=OutboxKind.RECONCILE.value,
-                                  position=pos.get("reconcile"))
+        dispatch = await self.store.run(sweep_unclaimed_txn, now=self.clock(),
+                                        older_than_s=self.older_than_s,
+                                        position=pos.get("dispatch"))
+        reconcile = await self.store.run(sweep_unclaimed_txn, now=self.clock(),
+                                         older_than_s=self.reconcile_after_s,
+                                         kind=OutboxKind.RECONCILE.value,
+                                         position=pos.get("reconcile"))
+        metrics.child(metrics.SWEEPER_REPUBLISHED, "dispatch").inc(dispatch)
+        metrics.child(metrics.SWEEPER_REPUBLISHED, "reconcile").inc(reconcile)
+        n = dispatch + reconcile
         if n:
             log.warning("sweeper: republishing %d unclaimed dispatch commands", n)
             self.republished += n

@@ -15,12 +15,13 @@ from sqlalchemy.exc import IntegrityError
 from effectledger_core.argschema import check_arguments
 from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.crash import crash_point
-from effectledger_core.errors import UnknownTool
+from effectledger_core.errors import EffectLedgerError, NotFound, UnknownTool
 from effectledger_core.failures import Failure
 from effectledger_core.ids import Clock, IdFactory, new_id, utcnow
 from effectledger_core.messages import (
     ClaimAttempt,
     ClaimReply,
+    ClaimStatus,
     DeadLetter,
     Outcome,
     SubmitIntent,
@@ -32,6 +33,8 @@ from effectledger_core.recovery import Assessment, Review, inspect_recovery, pre
 from effectledger_core.retry_policy import RetryBudget, RetryContext, RetryDecision, decide_retry
 from effectledger_core.states import ACTIVE, State
 from effectledger_core.subjects import Subjects
+from effectledger_core.waiting import wait_over
+from effectledger_obs import metrics, tracing
 
 from .db import duplicates, reads
 from .db import recovery as rec
@@ -42,11 +45,16 @@ from .db.outcomes import OutcomeCall, record_dead_letter_txn
 from .db.resolution import record_verdict_txn, record_webhook_txn
 from .db.rows import OperationRow, Recorded
 from .db.store import Store
+from .db.watch import states_of
+from .observe import Observer, keep_trace_txn
+from .waiters import Waiters
 
 if TYPE_CHECKING:
     from .relay import DirectPublisher
 
 log = logging.getLogger(__name__)
+# The consumers that record dead letters (a label must not take a message's free text).
+DEAD_LETTER_CONSUMERS = frozenset({"ledger-inbox", "dispatcher", "reconciler"})
 # States an outcome leaves with a new outbox command (reconcile, or a retry's dispatch).
 _NEW_COMMAND = frozenset({State.AMBIGUOUS.value, State.PENDING.value})
 
@@ -70,16 +78,25 @@ class LedgerService:
     # the app once NATS is connected. Without it every command goes through the relay.
     publisher: DirectPublisher | None = None
     direct_lease_s: float = 10.0
+    # Submit-and-wait: signalled after each commit that moves an operation (waiters.py).
+    waiters: Waiters = field(init=False)
+    wait_recheck_s: float = 2.0
     quotas: QuotaLimits = field(default_factory=QuotaLimits)  # all off unless configured
     rates: TenantRates = field(init=False)
+    # Counts, times and logs committed transitions (observe.py), fed by the store.
+    observer: Observer = field(default_factory=Observer)
 
     def __post_init__(self) -> None:
         self.rates = TenantRates(self.quotas.rate_per_s, self.quotas.burst)
         workers = self.batch_workers or 1
         self.writes = GroupCommit(self.store, name="ledger", max_batch=self.batch_max,
                                   workers=workers)
+        self.waiters = Waiters(self._states_of, recheck_s=self.wait_recheck_s)
+        self.store.on_commit = self.observer.committed
+        metrics.RETRY_BUDGET_TOKENS.set_function(lambda: self.budget.tokens)
 
     async def close(self) -> None:
+        await self.waiters.close()
         if self.publisher is not None:
             await self.publisher.close()
         await self.writes.close()
@@ -102,11 +119,26 @@ class LedgerService:
         return decision
 
     async def submit(self, intent: SubmitIntent, *, actor: str = "agent") -> Submitted:
+        try:
+            result = await self._submit(intent, actor=actor)
+        except EffectLedgerError as exc:
+            metrics.child(metrics.INTENTS_REFUSED, exc.code).inc()
+            raise
+        op = result.operation
+        metrics.inc(metrics.INTENTS, op["tool"], "created" if result.created else "existing")
+        tracing.annotate(operation_id=op["id"], tool=op["tool"], epoch=op["epoch"])
+        if result.created:
+            self.observer.accepted(op)
+        return result
+
+    async def _submit(self, intent: SubmitIntent, *, actor: str) -> Submitted:
         # Unknown tool or arguments the tool can never be sent with: a clear error (422, with
         # the JSON pointer of each bad field) before any transaction, so nothing is enqueued.
         tool = self.catalog.get(intent.tool)
         check_arguments(tool, intent.arguments)
         await self._admit(intent, tool)
+        # The request's trace context, kept in the outbox row for whoever publishes it.
+        traceparent = tracing.current_traceparent()
         direct = self.publisher is not None and self.direct_lease_s > 0
         for _ in range(3):
             now = self.clock()
@@ -114,7 +146,8 @@ class LedgerService:
                 result = await self.writes.call(SubmitCall(
                     catalog=self.catalog, intent=intent, subjects=self.subjects,
                     operation_id=self.ids(), outbox_id=self.ids(), now=now, actor=actor,
-                    lease_until=now + timedelta(seconds=self.direct_lease_s) if direct else None))
+                    lease_until=now + timedelta(seconds=self.direct_lease_s) if direct else None,
+                    traceparent=traceparent))
             except IntegrityError:
                 # Two submissions with the same key raced; the loser retries and finds the
                 # winner's operation (same arguments) or a conflict (different arguments).
@@ -156,19 +189,33 @@ class LedgerService:
     async def claim(self, claim: ClaimAttempt) -> ClaimReply:
         for _ in range(3):
             try:
-                return await self.writes.call(ClaimCall(claim, now=self.clock()))
+                reply = await self.writes.call(ClaimCall(claim, now=self.clock()))
+                metrics.child(metrics.CLAIMS, reply.status.value).inc()
+                if reply.status is ClaimStatus.GRANTED:
+                    self.waiters.changed(claim.operation_id, State.IN_FLIGHT)
+                return reply
             except IntegrityError:
                 continue  # a concurrent claim for this epoch won; re-read answers "already"
         raise RuntimeError("claim kept conflicting")
 
     async def record_outcome(self, outcome: Outcome, *, consumer: str,
                              message_id: str) -> Recorded:
+        follow_up = self.ids()  # the reconcile or retry command's outbox row, if one is due
         result = await self.writes.call(OutcomeCall(
             outcome, consumer=consumer, message_id=message_id, subjects=self.subjects,
-            now=self.clock(), ambiguous_outbox_id=self.ids(), decide_retry=self.decide_retry,
+            now=self.clock(), ambiguous_outbox_id=follow_up, decide_retry=self.decide_retry,
             webhook_binding=self.catalog.webhook_speaks_for))
         crash_point("ledger.inbox.after_commit")
+        metrics.child(metrics.OUTCOMES, outcome.type, result.status).inc()
+        if result.status == "duplicate":
+            metrics.child(metrics.INBOX_DUPLICATES, "outcome").inc()
+        else:
+            self.observer.outcome_reported(operation_id=outcome.operation_id, at=outcome.at,
+                                           now=self.clock())
+        self.waiters.changed(outcome.operation_id,
+                             result.to_state if result.status == "applied" else None)
         if result.to_state in _NEW_COMMAND:
+            await self._keep_trace(follow_up)
             self.outbox_wake.set()
         if result.status == "rejected":
             log.info("outcome rejected: op=%s reason=%s", outcome.operation_id, result.reason)
@@ -176,11 +223,18 @@ class LedgerService:
 
     async def record_verdict(self, verdict: VerdictReached, *, consumer: str,
                              message_id: str) -> Recorded:
+        follow_up = self.ids()
         result = await self.store.run(
             record_verdict_txn, verdict, consumer=consumer, message_id=message_id,
-            subjects=self.subjects, now=self.clock(), outbox_id=self.ids(),
+            subjects=self.subjects, now=self.clock(), outbox_id=follow_up,
             decide_retry=self.decide_retry)
+        metrics.child(metrics.VERDICTS, verdict.verdict, result.status).inc()
+        if result.status == "duplicate":
+            metrics.child(metrics.INBOX_DUPLICATES, "verdict").inc()
+        self.waiters.changed(verdict.operation_id,
+                             result.to_state if result.status == "applied" else None)
         if result.to_state == State.PENDING:
+            await self._keep_trace(follow_up)
             self.outbox_wake.set()
         evidence = verdict.evidence
         if result.status == "applied" and evidence is not None and (evidence.matches or 0) > 1:
@@ -189,31 +243,74 @@ class LedgerService:
         return result
 
     async def record_webhook(self, hook: WebhookReceived) -> Recorded:
+        follow_up = self.ids()
         result = await self.store.run(
             record_webhook_txn, hook, now=self.clock(), subjects=self.subjects,
-            outbox_id=self.ids(), decide_retry=self.decide_retry,
+            outbox_id=follow_up, decide_retry=self.decide_retry,
             tools=self.catalog.webhook_tools(hook.provider))
+        metrics.child(metrics.WEBHOOKS_RECORDED, result.status).inc()
+        if result.status == "duplicate":
+            metrics.child(metrics.INBOX_DUPLICATES, "webhook").inc()
         if result.to_state == State.PENDING:
+            await self._keep_trace(follow_up)
             self.outbox_wake.set()
         return result
+
+    async def _keep_trace(self, outbox_id: str) -> None:
+        """Keep the current trace context in a follow-up command's outbox row, so that the
+        reconciler's or the retry's work joins the operation's trace. Written after the
+        commit, not in it: the group-committed transaction runs in another task, which does
+        not carry this message's context. Best effort: the relay may publish first."""
+        traceparent = tracing.current_traceparent()
+        if traceparent is None:
+            return
+        try:
+            await self.store.run(keep_trace_txn, outbox_id, traceparent)
+        except Exception as exc:  # a trace is never worth failing a recorded outcome
+            log.debug("trace context not kept for %s: %s", outbox_id, exc)
 
     async def repair_lost_outcomes(self, older_than_s: float) -> int:
         """In-flight attempts with no outcome for `older_than_s`: ambiguous (db/lost.py)."""
         from .db.lost import sweep_lost_outcomes_txn
 
-        return await self.store.run(sweep_lost_outcomes_txn, now=self.clock(),
-                                    older_than_s=older_than_s, subjects=self.subjects,
-                                    new_id=self.ids, decide_retry=self.decide_retry,
-                                    webhook_binding=self.catalog.webhook_speaks_for)
+        lost: int = await self.store.run(
+            sweep_lost_outcomes_txn, now=self.clock(), older_than_s=older_than_s,
+            subjects=self.subjects, new_id=self.ids, decide_retry=self.decide_retry,
+            webhook_binding=self.catalog.webhook_speaks_for)
+        metrics.LOST_OUTCOMES.inc(lost)
+        return lost
 
     async def record_dead_letter(self, letter: DeadLetter) -> None:
         await self.store.run(record_dead_letter_txn, letter, now=self.clock())
+        metrics.inc(metrics.DEAD_LETTERS, metrics.bounded(letter.consumer, DEAD_LETTER_CONSUMERS))
         log.warning("dead-lettered %s from %s: %s", letter.message_id, letter.consumer,
                     letter.error)
 
     async def operation(self, operation_id: str) -> dict[str, Any]:
         async with self.store.transaction() as conn:
             return await reads.get_operation(conn, operation_id)
+
+    async def wait_operation(self, operation_id: str, wait_s: float, *,
+                             changed_from: str | None = None) -> dict[str, Any]:
+        """The operation once it is settled (or, with `changed_from`, once its state is no
+        longer that one), else after `wait_s` as it is then. Woken by commits, not polling;
+        while it waits only its state is read (batched with other waits, waiters.py)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        with self.waiters.watch(operation_id) as watch:  # before the read: no missed change
+            while True:
+                state = watch.take_told() or await self.waiters.state(operation_id)
+                if state is None:
+                    raise NotFound(f"operation {operation_id!r} not found")
+                watch.seen = state
+                remaining = deadline - loop.time()
+                if remaining <= 0 or wait_over(state, changed_from):
+                    return await self.operation(operation_id)
+                await watch.sleep(remaining)
+
+    async def _states_of(self, operation_ids: list[str]) -> dict[str, str]:
+        async with self.store.transaction() as conn:
+            return await states_of(conn, operation_ids)
 
     async def journal(self, operation_id: str) -> list[dict[str, Any]]:
         async with self.store.transaction() as conn:
@@ -246,17 +343,22 @@ class LedgerService:
         op = await self.store.run(rec.approve_txn, operation_id, epoch=epoch,
                                   arguments_digest=arguments_digest, operator=operator,
                                   subjects=self.subjects, outbox_id=self.ids(), now=self.clock())
+        self.waiters.changed(operation_id)
         self.outbox_wake.set()
         return op
 
     async def reject(self, operation_id: str, *, epoch: int, operator: str,
                      reason: str) -> dict[str, Any]:
-        return await self.store.run(rec.reject_txn, operation_id, epoch=epoch, operator=operator,
-                                    reason=reason, subjects=self.subjects, now=self.clock())
+        op = await self.store.run(rec.reject_txn, operation_id, epoch=epoch, operator=operator,
+                                  reason=reason, subjects=self.subjects, now=self.clock())
+        self.waiters.changed(operation_id)
+        return op
 
     async def cancel(self, operation_id: str, *, operator: str, reason: str) -> dict[str, Any]:
-        return await self.store.run(rec.cancel_txn, operation_id, operator=operator,
-                                    reason=reason, subjects=self.subjects, now=self.clock())
+        op = await self.store.run(rec.cancel_txn, operation_id, operator=operator,
+                                  reason=reason, subjects=self.subjects, now=self.clock())
+        self.waiters.changed(operation_id)
+        return op
 
     async def inspect(self, operation_id: str) -> Assessment:
         async with self.store.transaction() as conn:
@@ -283,6 +385,7 @@ class LedgerService:
                                          subjects=self.subjects, outbox_id=self.ids(),
                                          now=self.clock())
         if admission.admitted:
+            self.waiters.changed((admission.operation or {}).get("id"))
             self.outbox_wake.set()
         return admission
 
@@ -291,9 +394,11 @@ class LedgerService:
     async def review(self, operation_id: str, review: Review) -> dict[str, Any]:
         from .db.reviews import record_review_txn
 
-        return await self.store.run(record_review_txn, operation_id, review=review,
-                                    review_id=self.ids(), subjects=self.subjects,
-                                    now=self.clock())
+        op = await self.store.run(record_review_txn, operation_id, review=review,
+                                  review_id=self.ids(), subjects=self.subjects,
+                                  now=self.clock())
+        self.waiters.changed(operation_id)
+        return op
 
     async def review_queue(self, limit: int = 100) -> list[dict[str, Any]]:
         from .db.reviews import review_queue

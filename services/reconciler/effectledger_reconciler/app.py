@@ -21,6 +21,7 @@ from effectledger_bus.streams import ensure_streams
 from effectledger_core import unsafe
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
+from effectledger_obs.logs import announce
 from effectledger_providers.adapters import load_adapter
 from effectledger_providers.calls import make_client
 
@@ -96,11 +97,11 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     app.state.reconciler = reconciler
     listening = asyncio.Event()
     nats_side = asyncio.create_task(_start_nats(nc, settings, consumer), name="nats")
-    announce = asyncio.create_task(_announce(settings, listening, nats_side, started))
+    announcer = asyncio.create_task(_announce(settings, listening, nats_side, started))
     try:
         await _serve_http(app, settings, listening)
     finally:
-        for t in (announce, nats_side):
+        for t in (announcer, nats_side):
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
@@ -132,7 +133,7 @@ async def _announce(settings: Settings, listening: asyncio.Event,
     await listening.wait()
     await nats_side
     url = f"http://{settings.reconciler_host}:{settings.reconciler_port}"
-    print(f"reconciler ready: {url} ({settings.reconciler_id})", flush=True)
+    announce(f"reconciler ready: {url} ({settings.reconciler_id})")
     if started is not None:
         started.set()
 
@@ -142,7 +143,8 @@ async def _serve_http(app: Starlette, settings: Settings, listening: asyncio.Eve
     server = uvicorn.Server(server_config(
         app, host=settings.reconciler_host, port=settings.reconciler_port, log_level="warning",
         access_log=False, lifespan="off", header_timeout_s=settings.http_header_timeout_s,
-        body_timeout_s=settings.http_body_timeout_s))
+        body_timeout_s=settings.http_body_timeout_s,
+        log_config=None))  # our log handlers and format, not uvicorn's
     task = asyncio.create_task(_run(server, settings))
     try:
         while not server.started:  # uvicorn exposes a flag, not an event
@@ -152,7 +154,7 @@ async def _serve_http(app: Starlette, settings: Settings, listening: asyncio.Eve
             await asyncio.sleep(0.02)
         url = f"http://{settings.reconciler_host}:{settings.reconciler_port}"
         log.info("reconciler %s listening on %s", settings.reconciler_id, url)
-        print(f"reconciler listening: {url} ({settings.reconciler_id})", flush=True)
+        announce(f"reconciler listening: {url} ({settings.reconciler_id})")
         listening.set()
         await asyncio.shield(task)
     except asyncio.CancelledError:

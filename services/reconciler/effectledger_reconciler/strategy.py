@@ -28,6 +28,7 @@ from effectledger_bus.backoff import nak_backoff
 from effectledger_core.catalog import Tool
 from effectledger_core.commands import arguments_digest, mismatch
 from effectledger_core.messages import Evidence, ReconcileOperation
+from effectledger_core.results import ProviderResult
 
 # States in which the ledger still waits for a verdict for the operation's current epoch.
 OPEN_STATES = frozenset({"ambiguous", "awaiting_confirmation"})
@@ -72,6 +73,7 @@ class ReadbackAnswer:
     http_status: int | None = None
     error: str | None = None
     matches: int | None = None  # effects listed for the key (readback.count_path)
+    result: ProviderResult | None = None  # the answer, kept for the agent, when found
 
 
 # -- decisions ------------------------------------------------------------------------------
@@ -98,6 +100,7 @@ class Decide:
     verdict: Literal["applied", "not_applied", "undecidable"]
     reason: str
     evidence: Evidence | None = None
+    result: ProviderResult | None = None  # the provider's answer, for `applied` by readback
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,7 +232,8 @@ def after_readback(cmd: ReconcileOperation, tool: Tool, answer: ReadbackAnswer, 
     if answer.found is True:
         return Decide("applied", "the provider's readback shows the effect", Evidence(
             source="readback", at=answered_at, provider_ref=answer.provider_ref,
-            digest=answer.digest, detail=f"readback found the effect ({status})"))
+            digest=answer.digest, detail=f"readback found the effect ({status})"),
+            result=answer.result)
     if answer.found is False:
         if sent_at >= horizon:
             after = (sent_at - cmd.claimed_at).total_seconds()

@@ -36,6 +36,7 @@ from typing import Any, Literal
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -47,6 +48,8 @@ from effectledger_core.errors import BrokerUnavailable
 from effectledger_core.ids import Clock, utcnow
 from effectledger_core.messages import WebhookReceived, encode
 from effectledger_core.subjects import Subjects
+from effectledger_obs import metrics
+from effectledger_obs.http import HttpObservability, metrics_endpoint
 
 from .native import NativeWebhooks
 from .signatures import Verified, WebhookRejected, WebhookVerifier
@@ -141,16 +144,22 @@ class _Ingest:
         self.clock = clock
         self.max_body_bytes = max_body_bytes
         self.ready_check = ready
+        # Providers configured here: the only values the metrics' provider label takes.
+        self.providers = frozenset(verifier.providers) | frozenset(
+            native.providers if native is not None else ())
         self.stats: dict[str, int] = {"accepted": 0, "duplicates": 0, "rejected": 0,
                                       "unavailable": 0, "ignored": 0}
 
     async def receive(self, request: Request) -> Response:
         provider: str = request.path_params["provider"]
+        label = metrics.bounded(provider, self.providers)  # the path is the sender's text
+        metrics.inc(metrics.WEBHOOKS_RECEIVED, label)
         try:
             if self.native is not None and provider in self.native:
                 # Declared in the catalog: the provider's own scheme and event shape.
                 body = await read_bounded(request, self.max_body_bytes)
                 native = self.native.message(provider, request.headers, body, self.clock())
+                metrics.inc(metrics.WEBHOOKS_VERIFIED, label)
                 if native is None:
                     self.stats["ignored"] += 1
                     return JSONResponse({"ok": True, "ignored": True})
@@ -159,11 +168,14 @@ class _Ingest:
                 self.verifier.check_provider(provider)  # before reading any of the body
                 body = await read_bounded(request, self.max_body_bytes)
                 verified = self.verifier.verify(provider, request.headers, body)
+                if verified.verified:
+                    metrics.inc(metrics.WEBHOOKS_VERIFIED, label)
                 message = to_message(provider, verified, body, self.clock())
                 if not verified.verified:
                     log.warning("UNSAFE: webhook %r from %r accepted WITHOUT signature "
                                 "verification", verified.webhook_id, provider)
         except WebhookRejected as exc:
+            metrics.inc(metrics.WEBHOOKS_REFUSED, label, exc.code)
             self.stats["rejected"] += 1
             log.info("webhook from %r rejected: %s (%s)", provider[:64], exc.code, exc.message)
             return error(exc.status, exc.code, exc.message)
@@ -217,6 +229,8 @@ def create_app(*, verifier: WebhookVerifier, publisher: Publisher, subjects: Sub
         Route("/v1/webhooks/{provider}", ingest.receive, methods=["POST"]),
         Route("/healthz", ingest.healthz, methods=["GET"]),
         Route("/readyz", ingest.readyz, methods=["GET"]),
-    ], exception_handlers={404: _http_error, 405: _http_error})
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+    ], exception_handlers={404: _http_error, 405: _http_error},
+        middleware=[Middleware(HttpObservability)])
     app.state.webhook_stats = ingest.stats
     return app

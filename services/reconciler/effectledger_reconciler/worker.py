@@ -27,6 +27,7 @@ from effectledger_core.errors import BrokerUnavailable, PayloadTooLarge, PoisonM
 from effectledger_core.ids import Clock, utcnow
 from effectledger_core.messages import ReconcileOperation, VerdictReached, encode, parse
 from effectledger_core.subjects import Subjects
+from effectledger_obs import logs, metrics, tracing
 from effectledger_providers.calls import readback as provider_readback
 
 from . import strategy
@@ -49,7 +50,8 @@ def http_readback(client: httpx.AsyncClient, env: Mapping[str, str]) -> Readback
                                          dict(cmd.arguments), env)
         return ReadbackAnswer(found=result.found, provider_ref=result.provider_ref,
                               digest=result.evidence_digest, http_status=result.http_status,
-                              error=result.error, matches=result.matches)
+                              error=result.error, matches=result.matches,
+                              result=result.result)
 
     return run
 
@@ -99,7 +101,9 @@ class Reconciler:
                                    timing=self.timing)
         if isinstance(decision, strategy.NeedReadback):
             assert tool is not None
-            decision = await self._readback(d, cmd, tool)
+            with logs.bind(operation_id=cmd.operation_id, epoch=cmd.epoch, tool=cmd.tool,
+                           attempt_id=cmd.attempt_id):
+                decision = await self._readback(d, cmd, tool)
         if isinstance(decision, strategy.Done):
             self.stats["done"] += 1
             log.debug("reconcile %s: %s", cmd.operation_id, decision.reason)
@@ -116,7 +120,19 @@ class Reconciler:
         self.stats["readbacks"] += 1
         sent_at = self.clock()  # taken before sending: "not found" counts from here
         async with heartbeat(d, self.ack_wait_s / 3):
-            answer = await self.readback(tool, cmd)
+            with tracing.span("readback", kind=tracing.SpanKind.CLIENT,
+                              attributes={"effectledger.tool": tool.name,
+                                          "effectledger.operation_id": cmd.operation_id}):
+                answer = await self.readback(tool, cmd)
+        result = ("found" if answer.found else "not_found" if answer.found is False
+                  else "error")
+        metrics.inc(metrics.READBACKS, tool.name, result)
+        if result == "error":
+            # Not silent: an unset `${VAR}` or a provider outage shows on every attempt.
+            log.warning("readback failed: %s (http=%s)", (answer.error or "no answer")[:300],
+                        answer.http_status)
+        else:
+            log.info("readback: %s (http=%s)", result, answer.http_status)
         return strategy.after_readback(cmd, tool, answer, sent_at=sent_at,
                                        answered_at=self.clock(), deliveries=d.deliveries,
                                        timing=self.timing)
@@ -131,7 +147,7 @@ class Reconciler:
         verdict = VerdictReached(operation_id=cmd.operation_id, epoch=cmd.epoch,
                                  verdict=decision.verdict, evidence=decision.evidence,
                                  reconciler_id=self.reconciler_id, reason=decision.reason,
-                                 at=self.clock())
+                                 at=self.clock(), result=decision.result)
         try:
             async with heartbeat(d, self.ack_wait_s / 3):
                 await self._publish(self.subjects.verdict, encode(verdict),
@@ -142,6 +158,8 @@ class Reconciler:
             await d.nak(delay=strategy.backoff(d.deliveries, self.timing))
             return
         self.stats[decision.verdict] += 1
+        source = decision.evidence.source if decision.evidence is not None else "none"
+        metrics.inc(metrics.VERDICTS_PUBLISHED, decision.verdict, source)
         log.info("reconcile %s epoch %d: %s (%s)", cmd.operation_id, cmd.epoch,
                  decision.verdict, decision.reason)
         await d.ack()

@@ -142,6 +142,8 @@ class _Api:
 
         state = self.state
         entry = state.arrive(route, key, token)
+        # The caller's W3C trace context, kept so tests can see it reached the provider.
+        entry["traceparent"] = request.headers.get("traceparent")
         headers = {"X-Request-Id": f"req_{entry['seq']}"}
         before = state.faults.pick(Phase.BEFORE, route, key)
         if before is not None and before.kind == "status_before_apply":

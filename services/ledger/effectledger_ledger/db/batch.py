@@ -26,11 +26,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Self, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection
+
+from effectledger_obs import metrics
 
 from .store import Store
 
@@ -141,14 +144,21 @@ class GroupCommit:
         self.stats.batches += 1
         self.stats.calls += len(batch)
         self.stats.largest = max(self.stats.largest, len(batch))
+        metrics.child(metrics.DB_BATCH_SIZE, self.name).observe(len(batch))
+        started = time.perf_counter()
         if len(batch) == 1:
             await self._run_alone(batch[0])
+            metrics.child(metrics.DB_TRANSACTION_DURATION, self.name).observe(
+                time.perf_counter() - started)
             return
         try:
             async with self.store.transaction() as conn:
                 results = await _run_in(conn, batch)
+            metrics.child(metrics.DB_TRANSACTION_DURATION, self.name).observe(
+                time.perf_counter() - started)
         except Exception as exc:
             self.stats.fallbacks += 1
+            metrics.child(metrics.DB_BATCH_FALLBACKS, self.name).inc()
             log.debug("group commit %s: batch of %d rolled back (%s: %s); replaying one by one",
                       self.name, len(batch), type(exc).__name__, exc)
             await asyncio.gather(*(self._run_alone(call) for call in batch))

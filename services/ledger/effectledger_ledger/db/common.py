@@ -42,14 +42,25 @@ def journal_row(*, operation_id: str | None, at: datetime, kind: JournalKind | s
 _PLAIN: dict[str, str] = {m: m.value for e in (State, JournalKind) for m in e}
 
 
+TRANSITIONS_KEY = "effectledger_transitions"
+
+
+def note_transitions(conn: AsyncConnection, rows: Sequence[JournalRow]) -> None:
+    """Remember this transaction's state changes; `Store` reports them after the commit."""
+    changed = [r for r in rows if r["to_state"] is not None and r["operation_id"] is not None]
+    if changed:
+        conn.info.setdefault(TRANSITIONS_KEY, []).extend(changed)
+
+
 async def append_journal(conn: AsyncConnection, *, operation_id: str | None, at: datetime,
                          kind: JournalKind | str, actor: str, epoch: int | None = None,
                          from_state: State | str | None = None,
                          to_state: State | str | None = None,
                          detail: dict[str, Any] | None = None) -> None:
-    await conn.execute(journal.insert().values(**journal_row(
-        operation_id=operation_id, at=at, kind=kind, actor=actor, epoch=epoch,
-        from_state=from_state, to_state=to_state, detail=detail)))
+    row = journal_row(operation_id=operation_id, at=at, kind=kind, actor=actor, epoch=epoch,
+                      from_state=from_state, to_state=to_state, detail=detail)
+    await conn.execute(journal.insert().values(**row))
+    note_transitions(conn, [row])
 
 
 async def execute_rows(conn: AsyncConnection, stmt: sa.Executable,
@@ -72,6 +83,7 @@ _INSERT_JOURNAL = journal.insert()
 async def insert_journal(conn: AsyncConnection, rows: Sequence[JournalRow]) -> None:
     """Journal entries made by a set-based transaction: one multi-row INSERT."""
     await execute_rows(conn, _INSERT_JOURNAL, rows)
+    note_transitions(conn, rows)
 
 
 NOTIFY_FLAG = "effectledger_notify_outbox"

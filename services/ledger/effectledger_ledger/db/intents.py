@@ -47,6 +47,14 @@ def dispatch_row(op: OperationRow, *, subjects: Subjects, outbox_id: str,
                 status=OUTBOX_PENDING, created_at=now, available_at=now, publish_count=0)
 
 
+def _trace_ids(traceparent: str | None) -> dict[str, str]:
+    """The request's trace and span ids for the journal entry (nothing when not traced)."""
+    if traceparent is None:
+        return {}
+    parts = traceparent.split("-")
+    return {"trace_id": parts[1], "span_id": parts[2]} if len(parts) == 4 else {}
+
+
 # Built once (see common._LOCK_WITH_ATTEMPTS).
 _BY_KEYS = sa.select(operations).where(
     operations.c.operation_key.in_(sa.bindparam("keys", expanding=True)))
@@ -117,16 +125,17 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
             epoch=1, to_state=state.value,
             detail={"arguments_digest": args_digest, "tool_digest": op.tool_digest,
                     "contract_revision": tool.contract_revision, "tenant": intent.tenant,
-                    "task_id": intent.task_id}))
+                    "task_id": intent.task_id, **_trace_ids(kw.traceparent)}))
         command = None
         if state is State.PENDING:
             row = dispatch_row(op, subjects=kw.subjects, outbox_id=kw.outbox_id, now=now)
+            row["traceparent"] = kw.traceparent
             lease_until = kw.lease_until
             if lease_until is not None:
                 # Written as already leased, so no relay takes it while we publish it.
                 row.update(status=OUTBOX_PUBLISHING, lease_until=lease_until)
                 command = OutboxItem(row["id"], row["subject"], row["payload"].encode(), 0,
-                                     OutboxKind.DISPATCH.value)
+                                     OutboxKind.DISPATCH.value, row["traceparent"])
             else:
                 relay = True
             commands.append(row)
@@ -156,6 +165,8 @@ class SubmitCall(BatchCall[Submitted]):
     actor: str = "agent"
     # When set, the dispatch command is written already leased to this ledger until then.
     lease_until: datetime | None = None
+    # The request's W3C trace context, kept in the dispatch command's outbox row.
+    traceparent: str | None = None
 
     @classmethod
     async def many(cls, conn: AsyncConnection, calls: Sequence[SubmitCall]
@@ -166,6 +177,7 @@ class SubmitCall(BatchCall[Submitted]):
 async def submit_intent_txn(conn: AsyncConnection, *, catalog: Catalog, intent: SubmitIntent,
                             subjects: Subjects, operation_id: str, outbox_id: str,
                             now: datetime, actor: str = "agent",
-                            lease_until: datetime | None = None) -> Submitted:
+                            lease_until: datetime | None = None,
+                            traceparent: str | None = None) -> Submitted:
     return await SubmitCall(catalog, intent, subjects, operation_id, outbox_id, now, actor,
-                            lease_until).one(conn)
+                            lease_until, traceparent).one(conn)

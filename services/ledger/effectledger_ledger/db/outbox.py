@@ -39,6 +39,7 @@ class OutboxItem:
     payload: bytes
     publish_count: int
     kind: str
+    traceparent: str | None = None
 
     @property
     def message_id(self) -> str:
@@ -56,7 +57,7 @@ async def lease_batch_txn(conn: AsyncConnection, *, now: datetime, limit: int,
     )
     rows = (await conn.execute(
         sa.select(outbox.c.id, outbox.c.subject, outbox.c.payload, outbox.c.publish_count,
-                  outbox.c.kind)
+                  outbox.c.kind, outbox.c.traceparent)
         .where(due, outbox.c.available_at <= now)
         .order_by(outbox.c.available_at)
         .limit(limit)
@@ -66,8 +67,8 @@ async def lease_batch_txn(conn: AsyncConnection, *, now: datetime, limit: int,
     await conn.execute(
         outbox.update().where(outbox.c.id.in_([r.id for r in rows]))
         .values(status=OUTBOX_PUBLISHING, lease_until=now + timedelta(seconds=lease_s)))
-    return [OutboxItem(r.id, r.subject, r.payload.encode(), r.publish_count, r.kind)
-            for r in rows]
+    return [OutboxItem(r.id, r.subject, r.payload.encode(), r.publish_count, r.kind,
+                       r.traceparent) for r in rows]
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,7 @@ from .rows import JournalRow, OperationRow, Recorded
 from .schema import attempts, dead_letters, inbox, operations
 from .transitions import Batch, Change, Dispatch, Reconcile, apply, writes_commands
 
+_RESULT = {"result"}
 _EVENT = {
     AttemptSucceeded: Event.OUTCOME_SUCCEEDED,
     AttemptAccepted: Event.OUTCOME_ACCEPTED,
@@ -156,7 +157,9 @@ class _Decider:
     async def decide(self, it: OutcomeCall) -> Recorded:
         outcome, now = it.outcome, it.now
         event = _EVENT[type(outcome)]
-        detail = outcome.model_dump(mode="json")
+        # The provider's answer is stored once, in `operations.result`, not again in the
+        # journal, the attempt and `last_outcome` (up to 128 KiB each time).
+        detail = outcome.model_dump(mode="json", exclude=_RESULT)
         op = self.ops.get(outcome.operation_id)
         reason = _rejection(outcome, op, self.held.get((outcome.operation_id, outcome.epoch)),
                             event)
@@ -174,6 +177,10 @@ class _Decider:
         if isinstance(outcome, AttemptSucceeded | AttemptAccepted):
             values.update(provider_ref=outcome.provider_ref,
                           response_digest=outcome.response_digest)
+        if isinstance(outcome, AttemptSucceeded):
+            # Always the column, so every success shares one statement in the batch.
+            values["result"] = (outcome.result.model_dump(mode="json")
+                                if outcome.result is not None else None)
         change = Change(operation_id=outcome.operation_id, epoch=outcome.epoch,
                         from_state=State(op.state), event=event, at=now,
                         actor=outcome.dispatcher_id, detail=detail, values=values,

@@ -209,4 +209,6 @@ def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
         "recovery_decision": _recovery(op),
         "guidance": _guidance(op.get("last_outcome") or {}),
         "open_uncertainties": open_items,
+        # What the provider answered (response, or the readback that found the effect).
+        "result": op.get("result"),
     }

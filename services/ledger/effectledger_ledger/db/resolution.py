@@ -43,8 +43,10 @@ WebhookBinding = Callable[[str, str], bool]
 async def apply_verdict(conn: AsyncConnection, *, op: OperationRow, epoch: int, verdict: str,
                         evidence: dict[str, Any], actor: str, now: datetime,
                         subjects: Subjects, outbox_id: str,
-                        decide_retry: RetryDecider | None) -> Recorded:
-    """Apply applied / not_applied / undecidable for `epoch` of `op` (already row-locked)."""
+                        decide_retry: RetryDecider | None,
+                        result: dict[str, Any] | None = None) -> Recorded:
+    """Apply applied / not_applied / undecidable for `epoch` of `op` (already row-locked).
+    `result`: the provider's answer the evidence brought (a readback's), kept with `applied`."""
     if op.epoch != epoch:
         return Recorded("rejected", reason="stale_epoch")
     if op.state not in UNRESOLVED:
@@ -68,6 +70,8 @@ async def apply_verdict(conn: AsyncConnection, *, op: OperationRow, epoch: int, 
     values: dict[str, Any] = {"evidence": evidence}
     if verdict == "applied" and evidence.get("provider_ref"):
         values["provider_ref"] = evidence["provider_ref"]
+    if verdict == "applied" and result is not None:
+        values["result"] = result
     due = now + timedelta(seconds=decision.delay_s) if decision is not None else now
     applied = await apply(conn, Change(
         operation_id=op.id, epoch=epoch, from_state=op.state, event=event, at=now, actor=actor,
@@ -129,7 +133,8 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
               await apply_verdict(conn, op=op, epoch=v.epoch, verdict=verdict,
                                   evidence=evidence, actor=f"reconciler:{v.reconciler_id}",
                                   now=now, subjects=subjects, outbox_id=outbox_id,
-                                  decide_retry=decide_retry))
+                                  decide_retry=decide_retry,
+                                  result=v.result.model_dump(mode="json") if v.result else None))
     if result.status == "applied" and op is not None and is_duplicate(evidence):
         await note_duplicate_txn(conn, op=op, epoch=v.epoch, evidence=evidence,
                                  actor=f"reconciler:{v.reconciler_id}", now=now)

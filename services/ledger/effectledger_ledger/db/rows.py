@@ -42,6 +42,7 @@ class OperationRow(NamedTuple):
     response_digest: str | None = None
     last_outcome: dict[str, Any] | None = None
     evidence: dict[str, Any] | None = None
+    result: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, row: Mapping[Any, Any]) -> OperationRow:

@@ -72,6 +72,9 @@ operations = sa.Table(
     sa.Column("last_outcome", JSONType),
     # How the operation's outcome became known (reconciliation or operator evidence).
     sa.Column("evidence", JSONType),
+    # The provider's answer for the agent (effectledger_core.results.ProviderResult): from the
+    # successful response or the readback that found the effect. Never synthesized.
+    sa.Column("result", JSONType),
     # Operations that are not yet at rest are what relays, sweepers and dashboards query.
     sa.Index("ix_operations_active_state", "state", "updated_at",
              postgresql_where=_active, sqlite_where=_active),
@@ -132,6 +135,9 @@ outbox = sa.Table(
     # "lost" instead of guessing from age alone (a long backlog is not a loss).
     sa.Column("stream_seq", sa.BigInteger),
     sa.Column("last_error", sa.String(1024)),
+    # W3C traceparent of the request that wrote the row (null when tracing is off): a publish
+    # long after the request, or by another replica after a restart, still joins its trace.
+    sa.Column("traceparent", sa.String(64)),
     sa.Index("ix_outbox_unpublished", "available_at",
              postgresql_where=sa.text("status IN ('pending', 'publishing')"),
              sqlite_where=sa.text("status IN ('pending', 'publishing')")),

@@ -27,10 +27,13 @@ from tenacity import (
 
 from effectledger_core.errors import StoreUnavailable
 
-from .common import NOTIFY_FLAG
+from .common import NOTIFY_FLAG, TRANSITIONS_KEY
+from .rows import JournalRow
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Called with the journal rows that changed a state, once their transaction has committed.
+OnCommit = Callable[[list[JournalRow]], None]
 
 _NOTIFY = sa.text("SELECT pg_notify('effectledger_outbox', '')")
 
@@ -82,6 +85,7 @@ class Store:
                 pool_recycle=1800)
         else:
             raise ValueError(f"unsupported database {self.dialect!r}: use postgresql or sqlite")
+        self.on_commit: OnCommit | None = None  # set by the ledger (observe.Observer)
 
     @property
     def is_postgres(self) -> bool:
@@ -89,12 +93,20 @@ class Store:
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncConnection]:
+        changed: list[JournalRow] | None = None
         try:
             async with self.engine.begin() as conn:
                 conn.info.pop(NOTIFY_FLAG, None)  # info outlives a checkout: start clean
+                conn.info.pop(TRANSITIONS_KEY, None)
                 yield conn
                 if conn.info.pop(NOTIFY_FLAG, False):
                     await conn.execute(_NOTIFY)
+                changed = conn.info.pop(TRANSITIONS_KEY, None)
+            if changed and self.on_commit is not None:
+                try:
+                    self.on_commit(changed)
+                except Exception:  # observing must never fail a committed transaction
+                    log.exception("commit observer failed")
         except DBAPIError as exc:
             if is_retryable(exc):
                 raise StoreUnavailable(f"database unavailable: {type(exc.orig).__name__}") from exc

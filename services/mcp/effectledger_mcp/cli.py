@@ -1,0 +1,43 @@
+"""`effectledger mcp [--http HOST:PORT]`: arguments and entry point."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+from effectledger_client import AsyncClient
+
+from .server import DEFAULT_WAIT_S, serve_http, serve_stdio
+
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ledger-url", default=os.environ.get("EFFECTLEDGER_LEDGER_URL",
+                                                          "http://127.0.0.1:8600"))
+    p.add_argument("--http", metavar="HOST:PORT",
+                   help="serve streamable HTTP at http://HOST:PORT/mcp (default: stdio)")
+    p.add_argument("--wait", type=float, default=DEFAULT_WAIT_S,
+                   help="seconds a tool call waits for its operation to settle")
+
+
+def run(args: argparse.Namespace) -> int:
+    # The agent's credentials: one tenant's token (EFFECTLEDGER_TOKEN), never an operator's.
+    client = AsyncClient(args.ledger_url, timeout_s=10.0)
+    if args.http:
+        host, _, port = args.http.rpartition(":")
+        if not host or not port.isdigit():
+            print("effectledger mcp: --http needs HOST:PORT", file=sys.stderr)
+            return 2
+        token = os.environ.get("EFFECTLEDGER_MCP_TOKEN") or None
+        if token is None and host.strip("[]") not in LOOPBACK:
+            # Whoever reaches the endpoint acts as this tenant's agent: never open by default.
+            print(f"effectledger mcp: serving on {host} needs EFFECTLEDGER_MCP_TOKEN (clients "
+                  "then send it as a bearer token)", file=sys.stderr)
+            return 2
+        asyncio.run(serve_http(client, host, int(port), wait_s=args.wait, token=token))
+    else:
+        asyncio.run(serve_stdio(client, wait_s=args.wait))
+    return 0

@@ -1,0 +1,36 @@
+"""CI hook for the agent's benchmark: `effectledger bench-agent` runs small and every waiter is
+answered with its operation's final state. It asserts nothing about speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_bench_quick import _why_no_private_postgres
+
+TIME_LIMIT_S = 300
+
+
+@pytest.mark.slow
+def test_bench_agent_measures_and_answers_every_waiter(tmp_path: Path) -> None:
+    reason = _why_no_private_postgres()
+    if reason:
+        pytest.skip(reason)
+    out = tmp_path / "agentwait.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "effectledger_cli", "bench-agent", "--n", "20", "--waiters",
+         "200", "--out", str(out)],
+        capture_output=True, text=True, timeout=TIME_LIMIT_S, cwd=tmp_path)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    result = json.loads(out.read_text())
+    for figure in ("bare_provider_ms", "submit_and_wait_ms", "overhead_ms"):
+        assert isinstance(result[figure]["p50"], float), result
+    assert set(result["stage_p50_ms"]) == {"submit_to_intent_commit", "intent_to_claim",
+                                           "claim_to_outcome", "outcome_to_answer"}
+    waiters = result["waiters"]
+    assert waiters["answered_states"] == {"succeeded": 200}, waiters
+    assert waiters["still_waiting_after_window"] == 200  # nothing answered before its commit

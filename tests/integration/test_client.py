@@ -1,0 +1,119 @@
+"""effectledger_client against the real ledger app (in-process, both databases): typed answers
+that are exactly the documented views, and typed errors carrying the stable codes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from effectledger_client import (
+    AsyncClient,
+    Forbidden,
+    IdempotencyConflict,
+    InvalidRequest,
+    NotFound,
+    OperationView,
+    Unauthenticated,
+    Unavailable,
+)
+from effectledger_client.errors import error_from
+from effectledger_ledger.api import create_app
+from effectledger_ledger.auth import Authenticator
+from effectledger_ledger.service import LedgerService
+from tests.integration.test_api_auth import (  # noqa: F401 - svc is a fixture
+    AGENT_A,
+    AGENTS,
+    OPERATOR,
+    OPERATORS,
+    svc,
+)
+
+
+async def _ready() -> dict[str, bool]:
+    return {"database": True}
+
+
+@pytest.fixture
+async def transport(svc: LedgerService) -> httpx.ASGITransport:  # noqa: F811
+    return httpx.ASGITransport(app=create_app(svc, ready=_ready,
+                                              auth=Authenticator(AGENTS, OPERATORS)))
+
+
+def _client(transport: httpx.ASGITransport, token: str | None) -> AsyncClient:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return AsyncClient("http://ledger.test", http=httpx.AsyncClient(
+        transport=transport, base_url="http://ledger.test", headers=headers))
+
+
+@pytest.fixture
+async def agent(transport: httpx.ASGITransport) -> AsyncIterator[AsyncClient]:
+    async with _client(transport, AGENT_A) as c:
+        yield c
+
+
+@pytest.fixture
+async def operator(transport: httpx.ASGITransport) -> AsyncIterator[AsyncClient]:
+    async with _client(transport, OPERATOR) as c:
+        yield c
+
+
+async def test_submit_wait_and_read_back_as_typed_views(agent: AsyncClient) -> None:
+    """A gated submission answers at awaiting_approval; the same key again is the same
+    operation (created False); receipt, journal and list parse as their views."""
+    first = await agent.submit("payout", {"amount": 5}, idempotency_key="k1", wait_s=30)
+    assert first.created and isinstance(first.operation, OperationView)
+    assert first.operation.state == "awaiting_approval" and first.operation.settled
+    again = await agent.submit("payout", {"amount": 5}, idempotency_key="k1")
+    assert not again.created and again.operation.id == first.operation.id
+    receipt = await agent.receipt(first.operation.id)
+    assert receipt.state == "awaiting_approval" and receipt.open_uncertainties
+    journal = await agent.journal(first.operation.id)
+    assert journal.entries and journal.entries[0].operation_id == first.operation.id
+    page = await agent.list(state="awaiting_approval")
+    assert [o.id for o in page.items] == [first.operation.id]
+    assert (await agent.wait(first.operation.id, 30)).state == "awaiting_approval"
+
+
+async def test_operator_actions_return_the_operation(agent: AsyncClient,
+                                                     operator: AsyncClient) -> None:
+    op = (await agent.submit("payout", {"amount": 9})).operation
+    approved = await operator.approve(op.id)  # binds to the digest shown now
+    assert approved.state == "pending"
+    cancelled = await operator.cancel(op.id, reason="changed my mind")
+    assert cancelled.state == "cancelled"
+    assert (await operator.review_queue()).items == []
+    assert (await agent.tools()).tools and (await agent.stats()).operations
+
+
+async def test_errors_are_typed_with_their_stable_codes(
+        agent: AsyncClient, transport: httpx.ASGITransport) -> None:
+    with pytest.raises(NotFound) as nf:
+        await agent.get("no-such-op")
+    assert nf.value.code == "not_found" and nf.value.status == 404
+    await agent.submit("lookup", {"q": 1}, idempotency_key="same")
+    with pytest.raises(IdempotencyConflict) as conflict:
+        await agent.submit("lookup", {"q": 2}, idempotency_key="same")
+    assert conflict.value.code == "idempotency_key_conflict"
+    with pytest.raises(InvalidRequest) as unknown:
+        await agent.submit("no_such_tool", {})
+    assert unknown.value.code == "unknown_tool"
+    op = (await agent.submit("payout", {"amount": 1})).operation
+    with pytest.raises(Forbidden):
+        await agent.approve(op.id, epoch=op.epoch, arguments_digest=op.arguments_digest)
+    async with _client(transport, "wrong-token") as stranger:
+        with pytest.raises(Unauthenticated):
+            await stranger.get(op.id)
+
+
+def test_a_non_ledger_error_page_still_maps_by_status() -> None:
+    err = error_from(502, None, "<html>bad gateway</html>")
+    assert isinstance(err, Unavailable) and err.retryable and err.code == "http_502"
+
+
+async def test_an_unreachable_ledger_is_unavailable_and_retryable() -> None:
+    async with AsyncClient("http://127.0.0.1:9", timeout_s=2) as c:
+        with pytest.raises(Unavailable) as exc:
+            await c.get("x")
+    assert exc.value.retryable

@@ -1,0 +1,83 @@
+"""Trace context kept in outbox rows, on both databases: the intent's, and the follow-ups'."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import sqlalchemy as sa
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from effectledger_core.catalog import Catalog
+from effectledger_core.config import DEMO_CATALOG
+from effectledger_core.messages import ClaimAttempt, OutcomeAmbiguous, SubmitIntent
+from effectledger_core.subjects import Subjects
+from effectledger_ledger.db.schema import journal, outbox
+from effectledger_ledger.db.store import Store
+from effectledger_ledger.service import LedgerService
+from effectledger_obs import tracing
+
+SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
+CATALOG = Catalog.load(DEMO_CATALOG)
+T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    exporter = InMemorySpanExporter()
+    tracing.configure_tracing("test", exporter=exporter)
+    yield exporter
+    tracing.shutdown_tracing()
+
+
+async def traceparents(store: Store) -> dict[str, str | None]:
+    async with store.transaction() as conn:
+        rows = (await conn.execute(sa.select(outbox.c.kind, outbox.c.traceparent))).all()
+    return {r.kind: r.traceparent for r in rows}
+
+
+async def test_the_dispatch_and_reconcile_rows_keep_their_trace_context(
+        store: Store, spans: InMemorySpanExporter) -> None:
+    now = [T0]
+    svc = LedgerService(store=store, catalog=CATALOG, subjects=SUBJECTS, clock=lambda: now[0])
+    try:
+        with tracing.span("POST /v1/intents") as request:
+            assert request is not None
+            op = (await svc.submit(SubmitIntent(tool="create_ticket", arguments={}))).operation
+        await svc.claim(ClaimAttempt(operation_id=op["id"], epoch=1, attempt_id="a1",
+                                     dispatcher_id="d1"))
+        now[0] = T0 + timedelta(seconds=3)
+        with tracing.span("inbox outcome") as inbox:
+            assert inbox is not None
+            await svc.record_outcome(OutcomeAmbiguous(
+                operation_id=op["id"], epoch=1, attempt_id="a1", dispatcher_id="d1",
+                at=now[0], reason="timeout"), consumer="ledger-inbox", message_id="m1")
+    finally:
+        await svc.close()
+    kept = await traceparents(store)
+    async with store.transaction() as conn:
+        [accepted] = (await conn.execute(sa.select(journal.c.detail).where(
+            journal.c.kind == "intent_accepted"))).scalars().all()
+    ctx = request.get_span_context()
+    assert (accepted["trace_id"], accepted["span_id"]) == (
+        format(ctx.trace_id, "032x"), format(ctx.span_id, "016x"))
+    [finished] = [s for s in spans.get_finished_spans() if s.name == "POST /v1/intents"]
+    assert finished.attributes is not None
+    assert finished.attributes["effectledger.operation_id"] == op["id"]
+    for kind, span in (("dispatch", request), ("reconcile", inbox)):
+        ctx = span.get_span_context()
+        stored = kept[kind]
+        assert stored is not None, kind
+        # version-trace id-parent id-flags: the flags are the SDK's (sampled, random id)
+        assert stored.split("-")[:3] == ["00", format(ctx.trace_id, "032x"),
+                                         format(ctx.span_id, "016x")], kind
+
+
+async def test_without_tracing_no_context_is_stored(store: Store) -> None:
+    svc = LedgerService(store=store, catalog=CATALOG, subjects=SUBJECTS, clock=lambda: T0)
+    try:
+        await svc.submit(SubmitIntent(tool="create_ticket", arguments={}))
+    finally:
+        await svc.close()
+    assert await traceparents(store) == {"dispatch": None}

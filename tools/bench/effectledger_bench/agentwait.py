@@ -1,0 +1,251 @@
+"""Submit-and-wait figures (issue 13): what waiting through the ledger costs an agent.
+
+1. One operation at a time, N times: the bare provider call (the sandbox's idempotent route,
+   same headers as the dispatcher sends) and the same call through `effectledger_client`'s
+   `submit(..., wait_s=...)`: latency p50/p99 of each and the overhead (difference of the
+   percentiles). With DBOS installed (`pip install '.[bench]'`), the same figure for DBOS's
+   durable workflow around the same call (`peer_dbos --mode direct --concurrency 1`).
+2. W concurrent waiters on one ledger (over NATS, `<prefix>.rpc.v1.operation.wait`), each on
+   its own pending operation while no dispatcher runs: the ledger's memory and CPU while they
+   wait, its responsiveness meanwhile (GET /healthz and an operation read, p50/p99), and how
+   long all waits take to be answered once a dispatcher is started.
+
+    effectledger bench-agent [--n 300] [--waiters 10000] [--out FILE.json]
+    (or python -m effectledger_bench.agentwait)
+
+Runs its own PostgreSQL and nats-server (effectledger_bench/stack.py); prints one JSON
+document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from effectledger_client import AsyncClient
+
+from .measure import percentile
+from .procs import sample
+from .stack import TOOL, Stack
+
+
+def _ms(values: list[float]) -> dict[str, float | None]:
+    return {f"p{p}": (round(v, 2) if (v := percentile(values, p)) is not None else None)
+            for p in (50, 99)}
+
+
+async def bare_calls(stack: Stack, n: int) -> list[float]:
+    headers = {"Authorization": f"Bearer {stack.api_key}", "Fencing-Token": "1"}
+    lat = []
+    async with httpx.AsyncClient(timeout=10) as http:
+        for i in range(n):
+            t = time.perf_counter()
+            resp = await http.post(f"{stack.sandbox_url}/v1/idempotent/effects",
+                                   json={"title": f"bare {i}"},
+                                   headers={**headers, "Idempotency-Key": f"bare-{i}-{t}"})
+            resp.raise_for_status()
+            lat.append((time.perf_counter() - t) * 1000)
+    return lat
+
+
+async def submit_and_wait(stack: Stack, n: int, tag: str,
+                          stages: list[dict[str, float]] | None = None) -> list[float]:
+    """Latencies (ms); with `stages`, also where each operation's time went, from the
+    ledger's journal timestamps (same machine, same clock)."""
+    lat = []
+    async with AsyncClient(stack.ledger_url, token="") as client:
+        for i in range(n):
+            t, wall = time.perf_counter(), time.time()
+            done = await client.submit(TOOL, {"title": f"{tag} {i}"},
+                                       idempotency_key=f"{tag}-{i}", wait_s=10)
+            end_wall = time.time()
+            if done.operation.state != "succeeded":
+                raise RuntimeError(f"operation ended {done.operation.state}")
+            lat.append((time.perf_counter() - t) * 1000)
+            if stages is not None:
+                journal = await client.journal(done.operation.id)
+                at = {e.kind: e.at.timestamp() for e in journal.entries}
+                if {"intent_accepted", "attempt_claimed", "outcome_recorded"} <= set(at):
+                    stages.append({
+                        "submit_to_intent_commit": at["intent_accepted"] - wall,
+                        "intent_to_claim": at["attempt_claimed"] - at["intent_accepted"],
+                        "claim_to_outcome": at["outcome_recorded"] - at["attempt_claimed"],
+                        "outcome_to_answer": end_wall - at["outcome_recorded"]})
+    return lat
+
+
+def _stage_medians(stages: list[dict[str, float]]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for name in (stages[0] if stages else {}):
+        p50 = percentile([s[name] * 1000 for s in stages], 50)
+        out[name] = round(p50, 2) if p50 is not None else None
+    return out
+
+
+def dbos_figures(stack: Stack, n: int) -> dict[str, Any] | None:
+    try:
+        import dbos  # noqa: F401
+    except ImportError:
+        return None
+    assert stack.database_url is not None
+    url = stack.database_url.replace("+asyncpg", "")
+    out = subprocess.run(
+        [sys.executable, "-m", "effectledger_bench.peer_dbos", "--db-url", url,
+         "--endpoint", f"{stack.sandbox_url}/v1/idempotent/effects", "--api-key",
+         stack.api_key, "--mode", "direct", "--n", str(n), "--concurrency", "1",
+         "--prefix", f"dbos{time.time_ns()}-", "--warmup", "20"],
+        capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        return {"error": out.stderr[-500:]}
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+async def waiters(stack: Stack, count: int, wait_s: float) -> dict[str, Any]:
+    import nats
+
+    assert stack.nats_url is not None
+    prefix = stack.subject_prefix
+    nc = await nats.connect(stack.nats_url, pending_size=256 * 1024 * 1024)
+    try:
+        gate = asyncio.Semaphore(200)
+
+        async def submit(i: int) -> str:
+            async with gate:
+                body = {"tool": TOOL, "arguments": {"title": f"w{i}"}, "idempotency_key": f"w{i}"}
+                msg = await nc.request(f"{prefix}.rpc.v1.intents", json.dumps(body).encode(),
+                                       timeout=60)
+                return str(json.loads(msg.data)["operation"]["id"])
+
+        ids = await asyncio.gather(*(submit(i) for i in range(count)))
+        ledger = stack.services["ledger"].pid
+        idle_cpu = await _cpu_percent(ledger, 5.0)  # the ledger with no waiter, for reference
+        before = sample(ledger)
+        t0 = time.perf_counter()
+
+        async def wait(op_id: str) -> tuple[float, str]:
+            msg = await nc.request(f"{prefix}.rpc.v1.operation.wait",
+                                   json.dumps({"operation_id": op_id,
+                                               "wait_s": wait_s}).encode(), timeout=wait_s + 30)
+            return time.perf_counter(), str(json.loads(msg.data)["operation"]["state"])
+
+        tasks = [asyncio.create_task(wait(i)) for i in ids]
+        async with httpx.AsyncClient(base_url=stack.ledger_url, timeout=10) as http:
+            # All waits registered: the ledger's own count is not exported, so give the
+            # requests a moment to arrive, then measure a fixed window while they wait.
+            await asyncio.sleep(3.0)  # a measurement window, not synchronisation
+            holding = sample(ledger)
+            holding_cpu = await _cpu_percent(ledger, 5.0)
+            probes: list[float] = []
+            for _ in range(40):
+                t = time.perf_counter()
+                (await http.get("/healthz")).raise_for_status()
+                (await http.get(f"/v1/operations/{ids[0]}")).raise_for_status()
+                probes.append((time.perf_counter() - t) * 1000 / 2)
+                await asyncio.sleep(0.1)  # spacing the probes over the window
+        pending_after_window = sum(1 for t in tasks if not t.done())
+        started = time.perf_counter()
+        stack.start_dispatcher(1)
+        answers = await asyncio.gather(*tasks)
+        drained = max(a[0] for a in answers) - started
+        states: dict[str, int] = {}
+        for _, s in answers:
+            states[s] = states.get(s, 0) + 1
+        after = sample(ledger)
+    finally:
+        await nc.close()
+    assert before and holding and after
+    per_waiter = (holding.rss_bytes - before.rss_bytes) / count
+    return {
+        "waiters": count, "still_waiting_after_window": pending_after_window,
+        "ledger_rss_mb": {"before": round(before.rss_bytes / 2**20, 1),
+                          "holding": round(holding.rss_bytes / 2**20, 1),
+                          "after": round(after.rss_bytes / 2**20, 1)},
+        "rss_per_waiter_bytes": round(per_waiter),
+        "register_cpu_s": round(holding.cpu_s - before.cpu_s, 3),
+        "ledger_cpu_percent": {"no_waiters": idle_cpu, "holding_waiters": holding_cpu},
+        "probe_latency_ms_while_holding": _ms(probes),
+        "all_answered_after_dispatcher_start_s": round(drained, 2),
+        "answered_states": states, "setup_s": round(started - t0, 1),
+    }
+
+
+async def _cpu_percent(pid: int, window_s: float) -> float:
+    first = sample(pid)
+    t = time.perf_counter()
+    await asyncio.sleep(window_s)  # the measurement window itself
+    last = sample(pid)
+    assert first and last
+    return round(100 * (last.cpu_s - first.cpu_s) / (time.perf_counter() - t), 1)
+
+
+async def measure(stack: Stack, n: int, count: int) -> dict[str, Any]:
+    await submit_and_wait(stack, 30, "warm")
+    await bare_calls(stack, 30)
+    bare = await bare_calls(stack, n)
+    sw = await submit_and_wait(stack, n, "run")
+    stages: list[dict[str, float]] = []
+    await submit_and_wait(stack, min(n, 100), "stages", stages)
+    b, s = _ms(bare), _ms(sw)
+    result: dict[str, Any] = {
+        "n": n, "bare_provider_ms": b, "submit_and_wait_ms": s,
+        "overhead_ms": {k: round((s[k] or 0) - (b[k] or 0), 2) for k in b},
+        # Journal times are taken when each transaction is built, just before its commit.
+        "stage_p50_ms": _stage_medians(stages)}
+    peer = dbos_figures(stack, n)
+    if peer is not None and "latency_ms" in peer:
+        lat = peer["latency_ms"]
+        result["dbos_ms"] = {k: lat[k] for k in ("p50", "p99")}
+        result["dbos_overhead_ms"] = {k: round(lat[k] - (b[k] or 0), 2) for k in ("p50", "p99")}
+    else:
+        result["dbos"] = peer or "not installed (pip install '.[bench]')"
+    if count > 0:
+        stack.stop("dispatcher-1")
+        result["waiters"] = await waiters(stack, count, wait_s=600)
+    return result
+
+
+HELP = "the agent's figures: submit-and-wait overhead (vs DBOS) and W concurrent waiters"
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--n", type=int, default=300, help="sequential operations per figure")
+    ap.add_argument("--waiters", type=int, default=10000, help="concurrent waiters (0: skip)")
+    ap.add_argument("--database-url", help="use this PostgreSQL (default: a private one)")
+    ap.add_argument("--nats-url", help="use this NATS (default: a private nats-server)")
+    ap.add_argument("--out", type=Path, help="also write the JSON document here")
+
+
+def run(args: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="effectledger-agentwait-") as tmp:
+        # Waits longer than the default cap (60 s): the drain of W operations may take longer.
+        stack = Stack(Path(tmp), database_url=args.database_url, nats_url=args.nats_url,
+                      ledger_env={"EFFECTLEDGER_WAIT_MAX_S": "900"})
+        try:
+            stack.start(dispatchers=1)
+            result = asyncio.run(measure(stack, args.n, args.waiters))
+        finally:
+            stack.close()
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m effectledger_bench.agentwait", description=HELP)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
