@@ -126,6 +126,7 @@ def _name(role: str, index: int) -> str:
 def _announce(p: UpPlan, ledger_urls: list[str], streams: str,
               auth: nats_auth.AuthFiles | None) -> None:
     print(f"ledger: {', '.join(ledger_urls)}")
+    print(f"console: {ledger_urls[0]}/console")
     if p.with_sandbox:
         print(f"sandbox: http://127.0.0.1:{p.sandbox_port}")
     if auth is not None:
