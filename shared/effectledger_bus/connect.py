@@ -10,7 +10,6 @@ import logging
 import ssl
 from typing import Any
 
-import nats
 from nats.aio.client import Client as NatsClient
 
 from effectledger_core.config import Settings
@@ -75,7 +74,16 @@ async def _log_reconnect() -> None:
 
 
 async def connect(settings: Settings, name: str) -> NatsClient:
-    nc = await nats.connect(error_cb=_log_error, disconnected_cb=_log_disconnect,
-                            reconnected_cb=_log_reconnect, **connect_options(settings, name))
-    metrics.NATS_CONNECTED.set(1)
+    """A connected client. With NATS unreachable this waits until it answers (attempts are
+    unbounded); a service that must serve meanwhile uses `connect_client` in a task."""
+    nc = NatsClient()
+    await connect_client(nc, settings, name)
     return nc
+
+
+async def connect_client(nc: NatsClient, settings: Settings, name: str) -> None:
+    """Connect an existing client. Its object exists before the broker answers, so a service
+    can hand it out (readiness checks, publishers) while this runs in the background."""
+    await nc.connect(error_cb=_log_error, disconnected_cb=_log_disconnect,
+                     reconnected_cb=_log_reconnect, **connect_options(settings, name))
+    metrics.NATS_CONNECTED.set(1)

@@ -111,7 +111,8 @@ class Tool(_Strict):
     timeout_s: Annotated[float, Field(gt=0, le=300)] = 10.0
     max_attempts: Annotated[int, Field(ge=1, le=100)] = 3
     # Provider processing horizon: after it, a readback that finds nothing means "not applied".
-    horizon_s: Annotated[float, Field(ge=0, le=86400)] = 5.0
+    # More than 0: the send deadline is a fraction of it (effectledger_core/send_deadline.py).
+    horizon_s: Annotated[float, Field(gt=0, le=86400)] = 5.0
     # Automatic retries stop once this much time has passed since the intent was accepted.
     retry_deadline_s: Annotated[float, Field(gt=0, le=30 * 86400)] = 3600.0
     # The provider's answer kept for the agent (results.py): at most this many bytes (as JSON;

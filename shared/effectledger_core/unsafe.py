@@ -44,6 +44,14 @@ SKIP_WEBHOOK_VERIFICATION = UnsafeSwitch(
     disables="webhook signature and timestamp verification: anyone can forge provider "
               "evidence and move operations")
 
+NO_SEND_DEADLINE = UnsafeSwitch(
+    env=PREFIX + "NO_SEND_DEADLINE",
+    service="dispatcher",
+    disables="the send deadline: a dispatcher paused between its claim and its send still "
+              "sends after the provider's horizon, when the reconciler may have decided "
+              "not_applied and a new epoch applied the effect (duplicates on providers that "
+              "do not check the fencing token)")
+
 NATS_WITHOUT_PERMISSIONS = UnsafeSwitch(
     env=PREFIX + "NATS_WITHOUT_PERMISSIONS",
     service="up / proving ground",
@@ -52,7 +60,7 @@ NATS_WITHOUT_PERMISSIONS = UnsafeSwitch(
               "submit or read for any tenant")
 
 SWITCHES: tuple[UnsafeSwitch, ...] = (SKIP_CLAIM, SKIP_WEBHOOK_VERIFICATION,
-                                      NATS_WITHOUT_PERMISSIONS)
+                                      NATS_WITHOUT_PERMISSIONS, NO_SEND_DEADLINE)
 BY_ENV: Mapping[str, UnsafeSwitch] = {s.env: s for s in SWITCHES}
 
 

@@ -169,6 +169,10 @@ class Readiness(_View):
     ok: bool
     checks: dict[str, Any]
     auth: str
+    # The readiness split: what is down, and what the ledger can still do.
+    missing: list[str] = []
+    accepting_intents: bool = True
+    relaying: bool = True
 
 
 class ErrorBody(_View):

@@ -36,6 +36,10 @@ ASGIApp = Callable[[dict[str, Any], Callable[..., Awaitable[Any]],
 
 
 def metrics_response() -> Response:
+    if not metrics.ENABLED:
+        # An empty page would read as a process that exports nothing by mistake.
+        return Response("# metrics are off (EFFECTLEDGER_METRICS=off)\n",
+                        media_type=CONTENT_TYPE_LATEST)
     return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -12,10 +12,11 @@ registered by the ledger only, so they are not defined here.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
-from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics
 
 # `*_created` samples double the series count and no dashboard or alert here uses them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -223,3 +224,36 @@ def exported_names() -> set[str]:
 
 
 _SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+
+
+def enabled_from_env(value: str | None) -> bool:
+    """`EFFECTLEDGER_METRICS`: `on` (the default) or `off`; anything else is refused."""
+    if value is None or value.strip().lower() in ("", "on"):
+        return True
+    if value.strip().lower() == "off":
+        return False
+    raise ValueError(f"EFFECTLEDGER_METRICS must be 'on' or 'off', got {value!r}")
+
+
+class _Off:
+    """Stands in for every metric when metrics are off: each call is one attribute lookup and
+    a no-op call, and `labels()` returns the same object, so call sites need no flag."""
+
+    def labels(self, *_: Any, **__: Any) -> _Off:
+        return self
+
+    def inc(self, *_: Any, **__: Any) -> None:
+        return None
+
+    dec = set = observe = set_function = inc
+
+
+OFF = _Off()
+# Read once at import (service start-up): the benchmark compares a process with metrics
+# against one without, and switching later would leave half-built series behind.
+ENABLED = enabled_from_env(os.environ.get("EFFECTLEDGER_METRICS"))
+if not ENABLED:
+    for _name, _value in list(globals().items()):
+        if isinstance(_value, Counter | Gauge | Histogram):
+            REGISTRY.unregister(_value)
+            globals()[_name] = OFF

@@ -20,6 +20,7 @@ What happens without a usable status line is decided here:
 | connection lost after connecting               | OutcomeAmbiguous connection_lost          |
 | request cannot be built (template, env var)    | AttemptFailed invalid_argument,           |
 |                                                | code request_build_failed                 |
+| `before_write` refused (the send deadline)     | AttemptFailed transient, its code         |
 
 `code` is the provider's JSON `error.code` if given, else `http_<status>`. Messages are bounded
 and scrubbed of every value the request carried in its headers (credentials).
@@ -33,7 +34,7 @@ import email.utils
 import hashlib
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -59,8 +60,8 @@ from effectledger_obs import tracing
 
 from .adapters import Classified, ProviderAdapter, ReadbackResult, load_adapter
 
-__all__ = ["ReadbackResult", "call_provider", "make_client", "make_clients", "parse_retry_after",
-           "readback"]
+__all__ = ["ReadbackResult", "SendRefused", "call_provider", "make_client", "make_clients",
+           "parse_retry_after", "readback"]
 
 MAX_MESSAGE_CHARS = 1000
 MAX_CODE_CHARS = 128
@@ -156,10 +157,13 @@ class _Exchange:
 
 
 async def _exchange(client: httpx.AsyncClient, request: httpx.Request,
-                    timeout_s: float) -> _Exchange:
+                    timeout_s: float, before_write: Callable[[], None] | None = None
+                    ) -> _Exchange:
     """Send `request` once and read the whole answer, all within `timeout_s`."""
     request.extensions["timeout"] = httpx.Timeout(
         timeout_s, connect=timeout_s * CONNECT_SHARE, pool=timeout_s * CONNECT_SHARE).as_dict()
+    if before_write is not None:
+        request.extensions["trace"] = _tracer(before_write)
     ex = _Exchange()
     try:
         async with asyncio.timeout(timeout_s):
@@ -172,6 +176,26 @@ async def _exchange(client: httpx.AsyncClient, request: httpx.Request,
             with contextlib.suppress(Exception):
                 await ex.response.aclose()
     return ex
+
+
+class SendRefused(Exception):
+    """Raised by a `before_write` hook: do not write the request; nothing was sent."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+# httpcore's trace events right before a request's first byte is written (HTTP/1.1, HTTP/2).
+_BEFORE_WRITE_EVENTS = frozenset({"http11.send_request_headers.started",
+                                  "http2.send_request_headers.started"})
+
+
+def _tracer(before_write: Callable[[], None]) -> Callable[[str, Any], Awaitable[None]]:
+    async def trace(event: str, info: Any) -> None:
+        if event in _BEFORE_WRITE_EVENTS:
+            before_write()
+    return trace
 
 
 def _describe(exc: BaseException) -> str:
@@ -230,11 +254,16 @@ async def call_provider(
     client: httpx.AsyncClient, tool: Tool, cmd: DispatchAttempt, *, attempt_id: str,
     dispatcher_id: str, env: Mapping[str, str], clock: Clock = utcnow,
     adapter: ProviderAdapter | None = None, on_sent: Callable[[], None] | None = None,
+    before_write: Callable[[], None] | None = None,
 ) -> Outcome:
     """Make exactly one attempt of `cmd` against the provider and classify the result.
 
     `on_sent` runs right before the request is handed to httpx (the dispatcher's crash point);
-    what it raises propagates. Cancellation propagates too. Everything else becomes an outcome.
+    what it raises propagates. `before_write` runs later, immediately before the request's
+    first byte is written to the connection (after any connect and TLS handshake); if it raises
+    `SendRefused`, nothing is sent and the outcome is a transient `AttemptFailed` with its code
+    (the dispatcher's send deadline). Cancellation propagates too. Everything else becomes an
+    outcome.
     """
     started = time.monotonic()
 
@@ -257,9 +286,13 @@ async def call_provider(
     if on_sent is not None:
         on_sent()
     started = time.monotonic()
-    ex = await _exchange(client, request, tool.timeout_s)
+    ex = await _exchange(client, request, tool.timeout_s, before_write)
     if ex.response is None:
         assert ex.error is not None
+        if isinstance(ex.error, SendRefused):
+            return outcome(Classified("failed", failure_class=FailureClass.TRANSIENT,
+                                      code=ex.error.code, message=ex.error.message),
+                           secrets=secrets)
         return outcome(_send_error(ex.error), secrets=secrets)
     status = ex.response.status_code
     if ex.error is not None and 200 <= status < 300:

@@ -9,6 +9,10 @@ with its test-only switch and runs seed 1 again, with the faults that matter to 
   on non-idempotent routes;
 - `EFFECTLEDGER_UNSAFE_SKIP_WEBHOOK_VERIFICATION=1`: reconcilers accept unsigned, forged and
   expired webhooks, so the harness's lying webhooks are stored as evidence and move operations;
+- `EFFECTLEDGER_UNSAFE_NO_SEND_DEADLINE=1`: a dispatcher frozen between its claim and its send
+  (`pause_before_send`) sends on waking, long after the horizon, when the reconciler has decided
+  `not_applied` and a new epoch applied the effect: a second effect on the type-b provider,
+  which ignores the fencing token. The same run with the deadline on passes.
 - `EFFECTLEDGER_UNSAFE_NATS_WITHOUT_PERMISSIONS=1`: the broker has no users or permissions, so
   the attacker's forgeries (anonymous and with an agent's credentials) reach the services and
   take effect; the same seed with permissions counts none.
@@ -53,6 +57,31 @@ def test_without_webhook_verification_forged_webhooks_are_counted(tmp_path: Any)
     assert not report["invariants_ok"]
 
 
+PAUSE_RUN: dict[str, Any] = dict(ops=40, duration_s=10.0, tool_mix={"a": 0, "b": 1, "c": 0, "d": 0},
+                                 faults=parse_faults("pause_before_send"))
+
+
+def _paused(report: dict[str, Any]) -> bool:
+    return any(r["kind"] == "pause_before_send" and (r.get("result") or {}).get("hit")
+               for r in report["fault_log"])
+
+
+def test_without_the_send_deadline_a_dispatcher_paused_before_its_send_applies_twice(
+        tmp_path: Any) -> None:
+    report = _run(tmp_path, unsafe_no_send_deadline=True, **PAUSE_RUN)
+    assert _paused(report), report["fault_log"]
+    inv = report["invariants"]
+    assert inv["duplicate_effects"]["count"] > 0, inv
+    assert not report["invariants_ok"]
+
+
+def test_with_the_send_deadline_the_same_pause_sends_nothing(tmp_path: Any) -> None:
+    report = _run(tmp_path, **PAUSE_RUN)
+    assert _paused(report), report["fault_log"]
+    assert report["invariants_ok"], report["invariants"]
+    # The woken dispatcher reported its attempt as not sent; the ledger, already at a later
+    # epoch, journaled that outcome as stale.
+    assert report["fencing"].get("outcome_rejected:stale_epoch", 0) >= 1, report["fencing"]
 def test_without_nats_permissions_the_attackers_forgeries_are_counted(tmp_path: Any) -> None:
     """Seed 1, attacker only: with the product's NATS users and permissions no forgery takes
     effect; with the broker open the same rounds create operations in another tenant (and

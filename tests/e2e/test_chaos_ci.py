@@ -75,6 +75,16 @@ def test_every_fault_kind_was_injected(reports: dict[int, dict[str, Any]], seed:
     assert not missing, {k: injected.get(k) for k in missing}
 
 
+@pytest.mark.parametrize("seed", SEEDS)
+def test_the_ledger_acknowledged_intents_whenever_the_database_was_up(
+        reports: dict[int, dict[str, Any]], seed: int) -> None:
+    """Zero seconds with an intent waiting and none acknowledged while PostgreSQL was up, broker
+    outages and the ledger's restart inside the long one included."""
+    a = reports[seed]["metrics"]["availability"]
+    assert a["ran"] and a["unavailable_db_up_s"] == 0, json.dumps(a, indent=1)[:3000]
+    assert any(r["broker_down"] for r in a["ledger_restarts"]), a["ledger_restarts"]
+
+
 def test_the_reports_are_written(reports: dict[int, dict[str, Any]]) -> None:
     """Each report holds its replayable schedule and the fault log."""
     for report in reports.values():

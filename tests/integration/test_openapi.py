@@ -14,7 +14,7 @@ from effectledger_ledger.db.store import Store
 from effectledger_ledger.service import LedgerService
 from tests.integration.test_api_auth import CATALOG, SUBJECTS
 
-OPEN = {"/healthz", "/readyz"}  # probes: no credentials
+OPEN = {"/healthz", "/readyz", "/readyz/relay"}  # probes: no credentials
 
 
 async def _ready() -> dict[str, Any]:

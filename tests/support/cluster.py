@@ -5,8 +5,8 @@
 variables, exactly as an operator would run them. Each incarnation of a service logs to its own
 file under the test's tmp folder; `log_tails()` prints them when a test fails.
 
-Readiness is observed, never slept for: the sandbox's `/healthz`, the ledger's `/readyz`, and the
-dispatcher's "dispatcher ready" line (it has no HTTP port). Crash points are armed per process
+Readiness is observed, never slept for: the sandbox's `/healthz`, the ledger's `/readyz/relay`,
+the dispatcher's "dispatcher ready" line (it has no HTTP port). Crash points are armed per process
 with `EFFECTLEDGER_CRASH_POINTS`; an armed process SIGKILLs itself when it reaches the point.
 """
 
@@ -181,7 +181,9 @@ class Cluster:
 
     async def start_ledger(self, name: str = "ledger", *, crash_points: Iterable[str] | None
                            = None, env: dict[str, str] | None = None,
-                           timeout_s: float = 60.0) -> Proc:
+                           timeout_s: float = 60.0, ready_path: str = "/readyz/relay") -> Proc:
+        """`ready_path`: `/readyz/relay` (default) waits for the NATS side too; `/readyz` only
+        for accepting intents (the database), which holds while NATS is down."""
         for attempt in range(3):
             if any(p.service == "ledger" for p in self.history):
                 # A fresh client after a restart: pooled connections to the old one are dead.
@@ -189,7 +191,7 @@ class Cluster:
                 self.ledger = self._ledger_client()
             proc = self._spawn(name, "ledger", ["ledger"], self._env(env, crash_points))
             try:
-                await self._wait_http(proc, self.ledger, "/readyz", timeout_s)
+                await self._wait_http(proc, self.ledger, ready_path, timeout_s)
                 return proc
             except RuntimeError:
                 # Only the tests use the ledger's HTTP port, so it may move at any time.

@@ -20,18 +20,25 @@ from effectledger_bus.testing import FakeDelivery, FakeLedger, FakePublisher
 from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.config import DEMO_CATALOG
 from effectledger_core.messages import (
+    AttemptFailed,
     AttemptSucceeded,
+    ClaimAnswer,
+    ClaimAttempt,
     DeadLetter,
     DispatchAttempt,
+    FailureClass,
     Outcome,
     OutcomeAmbiguous,
     encode,
     parse,
     parse_outcome,
 )
+from effectledger_core.send_deadline import NOT_SENT_CODE, send_deadline_s
 from effectledger_core.subjects import Subjects
+from effectledger_core.unsafe import NO_SEND_DEADLINE
 from effectledger_dispatcher.decision import LOST_GRACE_S
 from effectledger_dispatcher.worker import UNSAFE_SKIP_CLAIM_ENV, Dispatcher
+from effectledger_providers.calls import SendRefused
 
 NOW = datetime(2026, 12, 1, 12, 0, tzinfo=UTC)
 SUBJECTS = Subjects(prefix="t", stream_prefix="T")
@@ -40,15 +47,41 @@ TOOL = "create_ticket"
 
 
 @dataclass
+class MonotonicClock:
+    """The dispatcher's monotonic clock, moved by the test (a pause is a jump)."""
+
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
 class FakeProvider:
-    """Answers 2xx; `hold` makes a call wait until the event is set (a slow provider)."""
+    """Answers 2xx; `hold` makes a call wait until the event is set (a slow provider).
+
+    Like `call_provider`, it runs `on_sent`, then `before_write` right before the request
+    would be written; a `SendRefused` there means nothing reaches the provider (not in
+    `calls`) and the attempt is a transient failure. `pause_s` moves `clock` forward between
+    the two: the process frozen after its claim, before its send."""
 
     calls: list[str] = field(default_factory=list)
     hold: asyncio.Event | None = None
+    clock: MonotonicClock = field(default_factory=MonotonicClock)
+    pause_s: float = 0.0
 
     async def __call__(self, tool: Tool, cmd: DispatchAttempt, *, attempt_id: str,
-                       dispatcher_id: str, on_sent: Callable[[], None]) -> Outcome:
+                       dispatcher_id: str, on_sent: Callable[[], None],
+                       before_write: Callable[[], None]) -> Outcome:
         on_sent()
+        self.clock.now += self.pause_s
+        try:
+            before_write()
+        except SendRefused as exc:
+            return AttemptFailed(operation_id=cmd.operation_id, epoch=cmd.epoch,
+                                 attempt_id=attempt_id, dispatcher_id=dispatcher_id, at=NOW,
+                                 failure_class=FailureClass.TRANSIENT, code=exc.code,
+                                 message=exc.message, idempotency="yes")
         self.calls.append(attempt_id)
         if self.hold is not None:
             await asyncio.wait_for(self.hold.wait(), 10)
@@ -86,7 +119,7 @@ def make_world(env: dict[str, str] | None = None) -> World:
     dispatcher = Dispatcher(ledger=ledger, publisher=publisher, call=provider, catalog=CATALOG,
                             subjects=SUBJECTS, dispatcher_id="d1", env=env or {},
                             clock=lambda: NOW, ids=lambda: f"a{next(ids)}",
-                            publish_within_s=0.05)
+                            publish_within_s=0.05, monotonic=provider.clock)
     return World(ledger, publisher, provider, dispatcher)
 
 
@@ -210,3 +243,52 @@ async def test_with_claim_before_call_switched_off_a_held_claim_is_called_again(
     d = FakeDelivery(command(), deliveries=2)
     await world.dispatcher.handle(d)
     assert world.provider.calls == ["other"] and d.acked
+
+
+DEADLINE_S = send_deadline_s(CATALOG.get(TOOL).horizon_s)
+
+
+async def test_a_dispatcher_paused_past_the_send_deadline_sends_nothing_and_reports_not_sent(
+        world: World) -> None:
+    world.provider.pause_s = DEADLINE_S + 0.001
+    d = FakeDelivery(command())
+    await world.dispatcher.handle(d)
+    assert world.provider.calls == []
+    [(outcome, _)] = world.outcomes()
+    assert isinstance(outcome, AttemptFailed)
+    assert (outcome.failure_class, outcome.code, outcome.attempt_id) == \
+        (FailureClass.TRANSIENT, NOT_SENT_CODE, "a1")
+    assert d.acked and world.dispatcher.stats["not_sent_deadline"] == 1
+
+
+async def test_a_pause_shorter_than_the_send_deadline_still_sends(world: World) -> None:
+    world.provider.pause_s = DEADLINE_S * 0.99
+    await world.dispatcher.handle(FakeDelivery(command()))
+    assert world.provider.calls == ["a1"]
+    [(outcome, _)] = world.outcomes()
+    assert isinstance(outcome, AttemptSucceeded)
+
+
+async def test_the_send_deadline_counts_from_before_the_claim_request() -> None:
+    """A slow claim reply uses up the window: the ledger's claimed_at is later than our start,
+    so counting from the reply would under-count what the reconciler's horizon counts."""
+    world = make_world()
+    clock, claim = world.provider.clock, world.ledger.claim
+
+    async def slow_claim(request: ClaimAttempt) -> ClaimAnswer:
+        clock.now += DEADLINE_S  # the reply takes the whole window
+        return await claim(request)
+
+    world.ledger.claim = slow_claim  # type: ignore[method-assign]
+    await world.dispatcher.handle(FakeDelivery(command()))
+    assert world.provider.calls == []
+    [(outcome, _)] = world.outcomes()
+    assert isinstance(outcome, AttemptFailed) and outcome.code == NOT_SENT_CODE
+
+
+async def test_with_the_send_deadline_switched_off_a_late_attempt_is_sent() -> None:
+    world = make_world(env={NO_SEND_DEADLINE.env: "1"})
+    world.provider.pause_s = DEADLINE_S * 10
+    await world.dispatcher.handle(FakeDelivery(command()))
+    assert world.provider.calls == ["a1"]
+    assert world.dispatcher.stats["not_sent_deadline"] == 0

@@ -46,6 +46,7 @@ from effectledger_providers.adapters import (
 )
 from effectledger_providers.calls import (
     ReadbackResult,
+    SendRefused,
     call_provider,
     make_client,
     parse_retry_after,
@@ -751,3 +752,46 @@ async def test_unloadable_adapter_fails_the_attempt_as_unbuildable_without_sendi
 def test_factory_returning_a_non_adapter_is_a_clear_catalog_error(adapter_module: str) -> None:
     with pytest.raises(CatalogError, match="lacks build_request, classify"):
         load_adapter(make_tool(adapter="builtins:object"))
+
+
+async def test_before_write_refusal_after_connecting_sends_no_byte_and_is_transient() -> None:
+    received: list[bytes] = []
+    connection_ended = asyncio.Event()
+
+    async def record_until_eof(reader: asyncio.StreamReader,
+                               writer: asyncio.StreamWriter) -> None:
+        received.append(await reader.read())  # everything the client wrote, until it closed
+        writer.close()
+        connection_ended.set()
+
+    server = await asyncio.start_server(record_until_eof, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    def refuse() -> None:
+        raise SendRefused("send_deadline_passed", "nothing was sent: too late")
+
+    try:
+        async with make_client() as client:
+            outcome = await call_provider(
+                client, make_tool(endpoint=f"http://127.0.0.1:{port}/v1/things"), make_cmd(),
+                attempt_id="a", dispatcher_id="d", env=ENV, clock=clock, before_write=refuse)
+        await asyncio.wait_for(connection_ended.wait(), 5)  # the client closed its socket
+    finally:
+        server.close()
+    assert isinstance(outcome, AttemptFailed)
+    assert (outcome.failure_class, outcome.code) == (FailureClass.TRANSIENT,
+                                                     "send_deadline_passed")
+    assert outcome.idempotency == "yes"  # known not applied: the retry policy may retry it
+    # The check ran after connecting (the server saw a connection) and before writing (it
+    # never saw a byte): nothing but the write itself lies between the check and the wire.
+    assert received == [b""]
+
+
+async def test_before_write_that_allows_sends_exactly_once() -> None:
+    calls: list[str] = []
+    async with RawServer(answer_201) as server:
+        async with make_client() as client:
+            outcome = await call_provider(client, server.tool(), make_cmd(), attempt_id="a",
+                                          dispatcher_id="d", env=ENV, clock=clock,
+                                          before_write=lambda: calls.append("check"))
+    assert isinstance(outcome, AttemptSucceeded)
+    assert calls == ["check"] and len(server.requests) == 1

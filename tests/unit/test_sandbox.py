@@ -278,6 +278,18 @@ async def test_lower_fencing_token_is_rejected_409_and_not_applied(
                                         "fencing_tokens": [5, 3, 5, 7, 6]}
 
 
+async def test_a_nofence_route_applies_a_lower_fencing_token(client: httpx.AsyncClient) -> None:
+    """A provider that never checks the token: only the dispatcher's send deadline keeps a
+    superseded attempt from applying a second effect there."""
+    url = PLAIN.replace("/plain/", "/plainnofence/")
+    assert url != PLAIN
+    for token in (5, 3):
+        r = await client.post(url, json={}, headers={"Idempotency-Key": "k",
+                                                     "Fencing-Token": str(token)})
+        assert r.status_code == 201
+    assert (await truth(client, "k"))["applied"] == 2
+
+
 async def test_fencing_is_checked_before_an_idempotent_replay(client: httpx.AsyncClient) -> None:
     await client.post(IDEM, json={}, headers={"Idempotency-Key": "k", "Fencing-Token": "2"})
     r = await client.post(IDEM, json={}, headers={"Idempotency-Key": "k", "Fencing-Token": "1"})

@@ -46,8 +46,11 @@ class LedgerClient(Protocol):
 
 class ProviderCaller(Protocol):
     async def __call__(self, tool: Tool, cmd: DispatchAttempt, *, attempt_id: str,
-                       dispatcher_id: str, on_sent: Callable[[], None]) -> Outcome:
-        """Exactly one attempt; `on_sent` runs right before the request leaves."""
+                       dispatcher_id: str, on_sent: Callable[[], None],
+                       before_write: Callable[[], None]) -> Outcome:
+        """Exactly one attempt; `on_sent` runs right before the request is handed to the
+        HTTP client, `before_write` immediately before its first byte is written (raising
+        `effectledger_providers.calls.SendRefused` there means: send nothing, report it)."""
         ...
 
 
@@ -83,10 +86,13 @@ class HttpProviderCaller:
         return self.clients[self._next]
 
     async def __call__(self, tool: Tool, cmd: DispatchAttempt, *, attempt_id: str,
-                       dispatcher_id: str, on_sent: Callable[[], None]) -> Outcome:
+                       dispatcher_id: str, on_sent: Callable[[], None],
+                       before_write: Callable[[], None] | None = None) -> Outcome:
+        # before_write is optional here for callers outside the dispatcher (the benchmark's
+        # direct peer); the dispatcher always passes its send-deadline check.
         return await call_provider(self.client(), tool, cmd, attempt_id=attempt_id,
                                    dispatcher_id=dispatcher_id, env=self.env, clock=self.clock,
-                                   on_sent=on_sent)
+                                   on_sent=on_sent, before_write=before_write)
 
     async def aclose(self) -> None:
         for client in self.clients:

@@ -2,7 +2,10 @@
 
 Order matters and is the whole point:
 1. claim the attempt in the ledger (durable) before anything reaches the provider;
-2. one provider call with Idempotency-Key = operation key and Fencing-Token = epoch;
+2. one provider call with Idempotency-Key = operation key and Fencing-Token = epoch, written
+   only while the send deadline holds (a fraction of the tool's horizon since the claim was
+   requested, `effectledger_core/send_deadline.py`); past it nothing is sent and the attempt
+   is reported as not sent, a known-not-applied failure the retry policy may retry;
 3. publish the outcome and wait for JetStream's publish-ack;
 4. only then ack the dispatch command.
 A crash anywhere leaves the command unacked; its redelivery finds the claim already taken and
@@ -13,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from effectledger_bus import msgids
@@ -42,8 +46,10 @@ from effectledger_core.messages import (
     encode,
     parse,
 )
+from effectledger_core.send_deadline import NOT_SENT_CODE, SendWindow
 from effectledger_core.subjects import Subjects
 from effectledger_obs import logs, metrics, tracing
+from effectledger_providers.calls import SendRefused
 
 from . import decision
 from .ports import LedgerClient, ProviderCaller, Publisher
@@ -77,6 +83,8 @@ class Dispatcher:
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     clock: Clock = utcnow
     ids: IdFactory = new_id
+    # The send deadline's clock (monotonic seconds); injected so tests decide elapsed time.
+    monotonic: Callable[[], float] = time.monotonic
     # Counters for logs and tests.
     stats: dict[str, int] = field(default_factory=lambda: {
         "granted": 0, "already_claimed": 0, "stale": 0, "lost_mid_attempt": 0,
@@ -90,6 +98,8 @@ class Dispatcher:
 
     def __post_init__(self) -> None:
         self.skip_claim = unsafe.check(unsafe.SKIP_CLAIM, self.env, log)
+        self.no_send_deadline = unsafe.check(unsafe.NO_SEND_DEADLINE, self.env, log)
+        self.stats["not_sent_deadline"] = 0
 
     async def handle(self, d: Delivery) -> None:
         try:
@@ -117,6 +127,9 @@ class Dispatcher:
     async def _handle(self, d: Delivery, cmd: DispatchAttempt, tool: Tool) -> None:
         key = (cmd.operation_id, cmd.epoch)
         attempt_id = self.unanswered_claims.pop(key, None) or self.ids()
+        # Before the claim request: the ledger's claimed_at is later, so this never
+        # under-counts the time that the reconciler's horizon counts.
+        window = SendWindow.for_horizon(self.monotonic(), tool.horizon_s)
         with tracing.span("claim", attributes={"effectledger.attempt_id": attempt_id}):
             reply = await self._claim(cmd, attempt_id, d)
         step = decision.decide(reply, attempt_id=attempt_id, deliveries=d.deliveries,
@@ -140,8 +153,8 @@ class Dispatcher:
                             "claim is already held (claim-before-call disabled; never use in "
                             "production)", UNSAFE_SKIP_CLAIM_ENV, cmd.operation_id, cmd.epoch)
             else:
-                crash_point("dispatcher.after_claim")
-            outcome = await self._attempt(d, cmd, tool, step.attempt_id)
+                crash_point("dispatcher.after_claim", scope=cmd.tool)
+            outcome = await self._attempt(d, cmd, tool, step.attempt_id, window)
         else:
             self.stats["lost_mid_attempt"] += 1
             outcome = OutcomeAmbiguous(
@@ -172,7 +185,21 @@ class Dispatcher:
             self.stats["stale"] += 1  # the ledger journaled the rejected claim
 
     async def _attempt(self, d: Delivery, cmd: DispatchAttempt, tool: Tool,
-                       attempt_id: str) -> Outcome:
+                       attempt_id: str, window: SendWindow) -> Outcome:
+        def before_write() -> None:
+            now = self.monotonic()
+            if window.is_open(now):
+                return
+            if self.no_send_deadline:
+                log.warning("UNSAFE: %s=1: sending %s epoch %d %.3fs after its claim request, "
+                            "past the send deadline of %.3fs", unsafe.NO_SEND_DEADLINE.env,
+                            cmd.operation_id, cmd.epoch, window.elapsed(now), window.limit_s)
+                return
+            self.stats["not_sent_deadline"] += 1
+            log.warning("not sending %s epoch %d: %s", cmd.operation_id, cmd.epoch,
+                        window.explain(now))
+            raise SendRefused(NOT_SENT_CODE, window.explain(now))
+
         # Long provider calls must not let ack_wait expire: that would redeliver the command
         # to another dispatcher, which would (safely, but needlessly) declare it ambiguous.
         async with heartbeat(d, self.ack_wait_s / 3):
@@ -181,7 +208,8 @@ class Dispatcher:
                                           "effectledger.attempt_id": attempt_id}) as sp:
                 outcome = await self.call(tool, cmd, attempt_id=attempt_id,
                                           dispatcher_id=self.dispatcher_id,
-                                          on_sent=lambda: crash_point("dispatcher.before_call"))
+                                          on_sent=lambda: crash_point("dispatcher.before_call"),
+                                          before_write=before_write)
                 if sp is not None:
                     sp.set_attribute("effectledger.outcome", outcome.type)
         _observe_call(tool, outcome, attempt_id)

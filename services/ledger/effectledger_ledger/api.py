@@ -139,6 +139,11 @@ def _json(v: Any) -> Any:
     return v.isoformat() if hasattr(v, "isoformat") else v
 
 
+# Readiness split (liveness is /healthz: the process answers HTTP at all).
+INTENTS_NEED = ("database",)
+RELAY_NEEDS = ("database", "nats", "relay")
+
+
 def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str, Any]]],
                auth: Authenticator | None = None,
                max_wait_s: float = DEFAULT_MAX_WAIT_S,
@@ -335,13 +340,27 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
     async def healthz() -> dict[str, bool]:
         return {"ok": True}
 
-    @app.get("/readyz", responses={200: {"model": Readiness}, 503: {"model": Readiness}})
-    async def readyz() -> JSONResponse:
+    async def readiness(need: tuple[str, ...]) -> JSONResponse:
         checks = await ready()
-        ok = all(v for v in checks.values() if isinstance(v, bool))
-        return JSONResponse({"ok": ok, "checks": checks,
+        missing = [name for name, v in checks.items() if isinstance(v, bool) and not v]
+        ok = not any(name in missing for name in need)
+        return JSONResponse({"ok": ok, "checks": checks, "missing": missing,
+                             "accepting_intents": not any(n in missing for n in INTENTS_NEED),
+                             "relaying": not any(n in missing for n in RELAY_NEEDS),
                              "auth": "enabled" if authenticator.enabled else "disabled"},
                             status_code=200 if ok else 503)
+
+    @app.get("/readyz", responses={200: {"model": Readiness}, 503: {"model": Readiness}})
+    async def readyz() -> JSONResponse:
+        """Ready to accept intents, approvals and reads: the database answers. A missing
+        broker is named in `missing` but does not make the ledger unready: commands wait in
+        the outbox and the relay publishes them once NATS is back."""
+        return await readiness(INTENTS_NEED)
+
+    @app.get("/readyz/relay", responses={200: {"model": Readiness}, 503: {"model": Readiness}})
+    async def readyz_relay() -> JSONResponse:
+        """Ready to move commands and outcomes: database, NATS and the relay all running."""
+        return await readiness(RELAY_NEEDS)
 
     # The operator console at /console, and /docs from its vendored Swagger UI (no CDN).
     console.mount(app, service, authenticator)

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Awaitable, Callable
 
 import uvicorn
+from nats.aio.client import Client as NatsClient
 from nats.js import JetStreamContext
 
-from effectledger_bus.connect import connect
+from effectledger_bus.connect import connect_client
 from effectledger_bus.httpedge import server_config
+from effectledger_bus.pull import PullConsumer
+from effectledger_bus.rpc import RequestServer
 from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
@@ -45,32 +49,16 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
                                 max_awaiting_approval=settings.tenant_max_awaiting_approval),
                             wait_recheck_s=settings.wait_recheck_s)
 
-    nc = await connect(settings, "effectledger-ledger-relay")
-    js = nc.jetstream()
-    await ensure_streams(js, settings)
-    if settings.direct_publish_lease_s > 0:
-        service.publisher = DirectPublisher(js, service.writes, store, service.outbox_wake)
-        service.direct_lease_s = settings.direct_publish_lease_s
-    inbox = build_inbox(nc, settings, service)
-    await inbox.start()
-    requests = await serve_requests(nc, settings, service)
-
-    relay = Relay(store, js, service.outbox_wake, batch_size=settings.relay_batch_size,
-                  lease_s=settings.relay_lease_s, poll_interval_s=settings.relay_poll_interval_s)
-    sweeper = Sweeper(store, service.outbox_wake, older_than_s=settings.sweep_after_s,
-                      interval_s=settings.sweep_interval_s,
-                      reconcile_after_s=settings.reconcile_sweep_after_s,
-                      positions=lambda: _positions(js, settings),
-                      repair_lost_outcomes=lambda: service.repair_lost_outcomes(
-                          settings.lost_outcome_after_s))
-    tasks = [asyncio.create_task(relay.run(), name="relay"),
-             asyncio.create_task(sweeper.run(), name="sweeper"),
-             asyncio.create_task(_janitor(store, settings), name="janitor"),
-             asyncio.create_task(listen_notify(store, service.outbox_wake), name="listen")]
+    # The database is the ledger's only hard dependency: it listens and accepts intents,
+    # approvals and reads while NATS is down or not yet reachable. The outbox keeps every
+    # command; the NATS side connects in the background and catches up.
+    plane = NatsPlane(settings, service, store)
+    plane_task = asyncio.create_task(plane.run(), name="nats-plane")
+    janitor = asyncio.create_task(_janitor(store, settings), name="janitor")
 
     async def ready() -> dict[str, bool]:
-        return {"database": await store.ping(), "nats": nc.is_connected,
-                "relay": not any(t.done() for t in tasks[:3])}
+        return {"database": await store.ping(), "nats": plane.nc.is_connected,
+                "relay": plane.relay_running()}
 
     gauges = DbGauges(store, reconcile_deadline_s=settings.reconcile_deadline_s)
     app = create_app(service, ready=ready,
@@ -81,30 +69,115 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         access_log=False, lifespan="off", header_timeout_s=settings.http_header_timeout_s,
         body_timeout_s=settings.http_body_timeout_s,
         log_config=None))  # our log handlers and format, not uvicorn's
-    watcher = asyncio.create_task(_announce(server, settings, started))
+    watcher = asyncio.create_task(_announce(server, settings, plane_task, started))
     try:
         await server.serve()
     finally:
         watcher.cancel()
-        for t in tasks:
+        for t in (plane_task, janitor):
             t.cancel()
-        for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        await requests.close()
-        await inbox.stop()
-        with contextlib.suppress(Exception):
-            await nc.drain()
+        await plane.close()
         await service.close()
         await store.close()
 
 
-async def _announce(server: uvicorn.Server, settings: Settings,
+class NatsPlane:
+    """Everything of the ledger that needs NATS: request-reply, the inbox, the relay, the
+    sweeper and direct publishing. Started once the broker answers, however long that takes;
+    until then intents go to the outbox only, and the relay publishes them on connection."""
+
+    def __init__(self, settings: Settings, service: LedgerService, store: Store) -> None:
+        self.settings, self.service, self.store = settings, service, store
+        self.nc = NatsClient()
+        self.tasks: list[asyncio.Task[None]] = []
+        self.inbox: PullConsumer | None = None
+        self.requests: RequestServer | None = None
+
+    def relay_running(self) -> bool:
+        """The relay and the sweeper started and neither ended (the NOTIFY listener ends at
+        once on SQLite, which has no NOTIFY, so it is not counted)."""
+        return bool(self.tasks) and not any(t.done() for t in self.tasks[:2])
+
+    async def run(self) -> None:
+        try:
+            await self._start()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # The HTTP side keeps serving; /readyz/relay reports the relay as not running.
+            log.exception("ledger NATS side failed to start")
+            raise
+
+    async def _start(self) -> None:
+        settings, service, store = self.settings, self.service, self.store
+        await connect_client(self.nc, settings, "effectledger-ledger-relay")
+        js = self.nc.jetstream()
+        await _until_done("stream setup", lambda: ensure_streams(js, settings))
+        self.inbox = build_inbox(self.nc, settings, service)
+        await _until_done("inbox start", self.inbox.start)
+        self.requests = await serve_requests(self.nc, settings, service)
+        if settings.direct_publish_lease_s > 0:
+            service.direct_lease_s = settings.direct_publish_lease_s
+            service.publisher = DirectPublisher(js, service.writes, store, service.outbox_wake)
+        relay = Relay(store, js, service.outbox_wake, batch_size=settings.relay_batch_size,
+                      lease_s=settings.relay_lease_s,
+                      poll_interval_s=settings.relay_poll_interval_s)
+        sweeper = Sweeper(store, service.outbox_wake, older_than_s=settings.sweep_after_s,
+                          interval_s=settings.sweep_interval_s,
+                          reconcile_after_s=settings.reconcile_sweep_after_s,
+                          positions=lambda: _positions(js, settings),
+                          repair_lost_outcomes=lambda: service.repair_lost_outcomes(
+                              settings.lost_outcome_after_s))
+        self.tasks = [asyncio.create_task(relay.run(), name="relay"),
+                      asyncio.create_task(sweeper.run(), name="sweeper"),
+                      asyncio.create_task(listen_notify(store, service.outbox_wake),
+                                          name="listen")]
+        service.outbox_wake.set()  # what was accepted while NATS was away goes out now
+        log.info("ledger connected to NATS: relay, inbox and request-reply running")
+
+    async def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        for t in self.tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        if self.requests is not None:
+            await self.requests.close()
+        if self.inbox is not None:
+            await self.inbox.stop()
+        with contextlib.suppress(Exception):
+            if self.nc.is_connected:
+                await self.nc.drain()
+            else:
+                await self.nc.close()
+
+
+async def _until_done(what: str, step: Callable[[], Awaitable[object]]) -> None:
+    """Retry a start-up step the broker can refuse (it may go away right after connecting)."""
+    delay = 0.5
+    while True:
+        try:
+            await step()
+            return
+        except Exception as exc:  # timeouts, a broker that went away again
+            log.warning("ledger NATS %s failed (%s); retrying in %.1fs", what, exc, delay)
+        await asyncio.sleep(delay)  # a backoff between tries, not synchronisation
+        delay = min(delay * 2, 10.0)
+
+
+async def _announce(server: uvicorn.Server, settings: Settings, plane: asyncio.Task[None],
                     started: asyncio.Event | None) -> None:
+    """"ledger listening" once HTTP serves (intents accepted from then on); "ledger ready"
+    once the NATS side runs too."""
     while not server.started:  # noqa: ASYNC110 - uvicorn exposes a flag, not an event
         await asyncio.sleep(0.02)  # polling uvicorn's flag; it offers no event to wait on
-    log.info("ledger listening on http://%s:%d", settings.ledger_host, settings.ledger_port)
-    announce(f"ledger ready: http://{settings.ledger_host}:{settings.ledger_port}")
+    url = f"http://{settings.ledger_host}:{settings.ledger_port}"
+    log.info("ledger listening on %s", url)
+    announce(f"ledger listening: {url}")
+    await plane
+    announce(f"ledger ready: {url}")
     if started is not None:
         started.set()
 

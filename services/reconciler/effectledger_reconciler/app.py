@@ -13,7 +13,7 @@ from nats.aio.client import Client as NatsClient
 from nats.js.api import AckPolicy, ConsumerConfig
 from starlette.applications import Starlette
 
-from effectledger_bus.connect import connect
+from effectledger_bus.connect import connect_client
 from effectledger_bus.httpedge import server_config
 from effectledger_bus.publish import JetStreamPublisher
 from effectledger_bus.pull import PullConsumer
@@ -74,8 +74,9 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     if not verifier.providers and not native.providers and not skip:
         log.warning("no webhook secrets configured (EFFECTLEDGER_WEBHOOK_SECRETS): every "
                     "webhook will be refused")
-    nc = await connect(settings, f"effectledger-reconciler-{settings.reconciler_id}")
-    await ensure_streams(nc.jetstream(), settings)
+    # The client exists before the broker answers: the webhook endpoint listens from the
+    # start and answers 503 + Retry-After until NATS is connected (see webhooks.py).
+    nc = NatsClient()
     publisher = JetStreamPublisher(nc.jetstream())
     http = make_client(max_connections=CONCURRENCY * 2)
     reconciler = Reconciler(
@@ -94,18 +95,50 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
                      max_body_bytes=settings.webhook_max_body_bytes, ready=ready,
                      native=native)
     app.state.reconciler = reconciler
+    listening = asyncio.Event()
+    nats_side = asyncio.create_task(_start_nats(nc, settings, consumer), name="nats")
+    announcer = asyncio.create_task(_announce(settings, listening, nats_side, started))
     try:
-        await consumer.start()
-        await _serve_http(app, settings, started)
+        await _serve_http(app, settings, listening)
     finally:
+        for t in (announcer, nats_side):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
         await consumer.stop()
         await http.aclose()
         with contextlib.suppress(Exception):
             await nc.drain()
 
 
-async def _serve_http(app: Starlette, settings: Settings,
-                      started: asyncio.Event | None) -> None:
+async def _start_nats(nc: NatsClient, settings: Settings, consumer: PullConsumer) -> None:
+    """Connect (waiting as long as the broker is away), then consume reconcile commands."""
+    await connect_client(nc, settings, f"effectledger-reconciler-{settings.reconciler_id}")
+    delay = 0.5
+    while True:
+        try:
+            await ensure_streams(nc.jetstream(), settings)
+            await consumer.start()
+            break
+        except Exception as exc:  # the broker went away again right after connecting
+            log.warning("reconciler NATS start failed (%s); retrying in %.1fs", exc, delay)
+        await asyncio.sleep(delay)  # a backoff between tries, not synchronisation
+        delay = min(delay * 2, 10.0)
+    log.info("reconciler %s connected to NATS", settings.reconciler_id)
+
+
+async def _announce(settings: Settings, listening: asyncio.Event,
+                    nats_side: asyncio.Task[None], started: asyncio.Event | None) -> None:
+    """"reconciler ready" once the webhook endpoint listens and NATS is connected."""
+    await listening.wait()
+    await nats_side
+    url = f"http://{settings.reconciler_host}:{settings.reconciler_port}"
+    announce(f"reconciler ready: {url} ({settings.reconciler_id})")
+    if started is not None:
+        started.set()
+
+
+async def _serve_http(app: Starlette, settings: Settings, listening: asyncio.Event) -> None:
     """Run uvicorn until it stops (SIGINT/SIGTERM, handled by uvicorn) or is cancelled."""
     server = uvicorn.Server(server_config(
         app, host=settings.reconciler_host, port=settings.reconciler_port, log_level="warning",
@@ -121,9 +154,8 @@ async def _serve_http(app: Starlette, settings: Settings,
             await asyncio.sleep(0.02)
         url = f"http://{settings.reconciler_host}:{settings.reconciler_port}"
         log.info("reconciler %s listening on %s", settings.reconciler_id, url)
-        announce(f"reconciler ready: {url} ({settings.reconciler_id})")
-        if started is not None:
-            started.set()
+        announce(f"reconciler listening: {url} ({settings.reconciler_id})")
+        listening.set()
         await asyncio.shield(task)
     except asyncio.CancelledError:
         server.should_exit = True

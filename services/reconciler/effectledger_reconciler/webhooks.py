@@ -129,6 +129,10 @@ def to_message(provider: str, verified: Verified, body: bytes,
         raise WebhookRejected(422, "invalid_event", f"out of bounds: {fields}") from exc
 
 
+# What a 503 asks the provider to wait before delivering again.
+RETRY_AFTER_S = "5"
+
+
 class _Ingest:
     def __init__(self, verifier: WebhookVerifier, publisher: Publisher, subjects: Subjects,
                  clock: Clock, max_body_bytes: int, ready: Ready | None,
@@ -176,6 +180,12 @@ class _Ingest:
             log.info("webhook from %r rejected: %s (%s)", provider[:64], exc.code, exc.message)
             return error(exc.status, exc.code, exc.message)
         msg_id = msgids.webhook(provider, message.webhook_id)
+        if not await self._ready():
+            # The broker is away: say so now rather than wait out a publish timeout, so the
+            # provider's retry schedule, not our socket, holds the event (never hangs).
+            self.stats["unavailable"] += 1
+            return error(503, "broker_unavailable", "the webhook cannot be stored now; retry",
+                         {"Retry-After": RETRY_AFTER_S})
         try:
             duplicate = await self.publisher.publish(self.subjects.webhook, encode(message),
                                                      msg_id=msg_id)
@@ -185,10 +195,13 @@ class _Ingest:
             log.warning("webhook %r from %r not stored: %s", message.webhook_id, provider,
                         exc.message)
             return error(503, "broker_unavailable", "the webhook could not be stored; retry",
-                         {"Retry-After": "5"})
+                         {"Retry-After": RETRY_AFTER_S})
         self.stats["duplicates" if duplicate else "accepted"] += 1
         return JSONResponse({"ok": True, "webhook_id": message.webhook_id,
                              "duplicate": duplicate})
+
+    async def _ready(self) -> bool:
+        return self.ready_check is None or all((await self.ready_check()).values())
 
     async def healthz(self, request: Request) -> Response:
         return JSONResponse({"ok": True})

@@ -3,8 +3,10 @@
 `POST /v1/{route}/effects` is the side effect (`POST|PATCH /v1/{route}/objects/{id}` the same,
 on the object the path names; `GET /v1/{route}/effects?key=K` lists a key's effects). Routes
 named `idempotent*` deduplicate by the `Idempotency-Key` header (or the body's
-`client_reference`); routes named `plain*` apply every POST. The `/_...` endpoints (truth,
-request log, faults, config, reset) are the test harness's back door and need no credentials.
+`client_reference`); routes named `plain*` apply every POST. Routes named `*nofence` ignore
+the `Fencing-Token` (a provider that never checks it); all others refuse a token lower than one
+already seen for the key. The `/_...` endpoints (truth, request log, faults, config, reset) are
+the test harness's back door and need no credentials.
 
 A POST goes through fixed steps, and each step is where one class of faults acts:
 arrival (counted in the truth; `status_before_apply`, `rate_limit`) -> fencing check ->
@@ -164,7 +166,8 @@ class _Api:
         rejection: tuple[int, str, str] | None = None
         claim, replayed = Claim.NEW, None
         idempotent = key is not None and state.is_idempotent(route)
-        if token is not None and key is not None and not state.check_fencing(route, key, token):
+        if token is not None and key is not None and state.checks_fencing(route) \
+                and not state.check_fencing(route, key, token):
             rejection = (409, "stale_fencing_token", "a higher fencing token was seen")
         elif idempotent:
             assert key is not None

@@ -108,6 +108,12 @@ class SandboxState:
             return configured
         return not route.startswith("plain")
 
+    @staticmethod
+    def checks_fencing(route: str) -> bool:
+        """Routes named `*nofence` ignore the Fencing-Token header, like the many providers
+        that never look at it: what protects them is the dispatcher's send deadline."""
+        return not route.endswith("nofence")
+
     def configure_route(self, route: str, *, idempotent: bool) -> None:
         self.route_idempotent[route] = idempotent
 

@@ -57,6 +57,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="process counts tried for the no-durability ceiling (1,2,4)")
     p.add_argument("--peer-concurrency", type=_ints,
                    help="concurrencies tried for DBOS and Temporal (8,16,64)")
+    p.add_argument("--observability", action="store_true",
+                   help="run the cost-of-observability scenario even with --quick")
+    p.add_argument("--no-observability", action="store_true",
+                   help="skip the cost-of-observability scenario")
+    p.add_argument("--observability-only", action="store_true",
+                   help="after the warm-up, run only the cost-of-observability scenario")
+    p.add_argument("--observability-rounds", type=int,
+                   help="rounds of the cost-of-observability scenario (2)")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
     p.add_argument("--profile", action="store_true",
                    help="run the py-spy profile even with --quick")
@@ -86,6 +94,7 @@ def build_config(args: argparse.Namespace) -> object:
         "time_budget_s": args.time_budget * 60 if args.time_budget else None,
         "large_backlog": args.large_backlog, "direct_processes": args.direct_processes,
         "peer_concurrencies": args.peer_concurrency, "half_rate": args.half_rate,
+        "observability_rounds": args.observability_rounds,
     }
     for name, value in overrides.items():
         if value is not None:
@@ -99,6 +108,12 @@ def build_config(args: argparse.Namespace) -> object:
         if not sep or not name.startswith("EFFECTLEDGER_"):
             raise SystemExit(f"--service-env {item!r}: expected EFFECTLEDGER_<NAME>=<value>")
         cfg.service_env[name] = value
+    if args.observability or args.observability_only:
+        cfg.observability = True
+    if args.no_observability:
+        cfg.observability = False
+    if args.observability_only:
+        cfg.observability_only = True
     if args.no_profile:
         cfg.profile = False
     elif args.profile:

@@ -349,6 +349,9 @@ def render(results: dict[str, Any], out_dir: Path) -> str:
               "bytes per operation (pg_waldump / pg_current_wal_lsn); `xact_commit` from "
               "pg_stat_database (flushed lazily, indicative).", ""]
     parts += [multi_table(phases, ("max", "half", "failure_mix"), COST), ""]
+    from .obscost import section as observability_section
+
+    parts += observability_section(phases)
     curves = [
         ("backlog", "backlog", "operations queued first",
          [("system CPU ms/op", "system_cpu_ms_per_op"), ("ops/s", "ops_per_s"),

@@ -65,6 +65,11 @@ class Config:
     pgbench_s: float = 10.0
     pgbench_clients: list[int] = field(default_factory=lambda: [8, 16, 32])
     faults: bool = True
+    # The cost of metrics and tracing: the saturated phase per setting (obscost.SETTINGS),
+    # alternated `observability_rounds` times; `observability_only` skips everything else.
+    observability: bool = True
+    observability_rounds: int = 2
+    observability_only: bool = False
     profile: bool = True
     profile_s: float = 15.0
     reconciler: bool = False
@@ -83,7 +88,7 @@ class Config:
         return cls(out_dir=out_dir, quick=True, reps=1, duration_s=5.0, window=32,
                    backlogs=[0, 300], replicas=[1, 2], latencies_ms=[0, 10], peer_n=300,
                    direct_processes=[1, 2], peer_concurrencies=[16], pgbench_s=4.0,
-                   pgbench_clients=[16], profile=False)
+                   pgbench_clients=[16], profile=False, observability=False)
 
 
 def log(msg: str) -> None:
@@ -511,7 +516,7 @@ class Runner:
                 cfg.window = await self.probe_window(lg)
             backlog_reps = cfg.backlog_reps if cfg.backlog_reps is not None else cfg.reps
             last_half, last_max = 25.0, 50.0
-            for rep in range(cfg.reps):
+            for rep in range(0 if cfg.observability_only else cfg.reps):
                 log(f"=== repetition {rep + 1}/{cfg.reps}")
                 st.scale_dispatchers(cfg.dispatchers)
                 await self.set_latency(0)
@@ -540,9 +545,12 @@ class Runner:
                     await self.open(lg, "failure_mix", {"transient": 0.01, "timeouts": 0.01},
                                     half, rep)
                     await self.set_latency(0)
-            if cfg.profile:
+            if cfg.observability or cfg.observability_only:
+                await self.run_observability(lg)
+            if cfg.profile and not cfg.observability_only:
                 await self.run_profile(lg)
-            for size in (b for b in cfg.backlogs if b > cfg.large_backlog):
+            for size in (b for b in cfg.backlogs
+                         if b > cfg.large_backlog and not cfg.observability_only):
                 # queueing at ~2.5x and draining at ~1x the max rate, plus the offered load
                 estimate = size / (2.5 * last_max) + size / last_max + 2 * cfg.duration_s
                 left = cfg.time_budget_s - (time.monotonic() - t_start)
@@ -558,6 +566,35 @@ class Runner:
         self.results["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         self.save()
         return self.results
+
+    async def run_observability(self, lg: LoadGenerator) -> None:
+        """The saturated closed loop once per setting, settings alternated in each round so
+        drift on a shared machine spreads over all of them; the ledger and the dispatchers
+        restart with each setting (metrics are switched at start-up)."""
+        from . import obscost
+
+        st, cfg = self.stack, self.cfg
+        base_ledger, base_disp = dict(st.ledger_env), dict(st.dispatcher_env)
+        await self.set_latency(0)
+        try:
+            for rnd in range(cfg.observability_rounds):
+                for name, _ in obscost.SETTINGS:
+                    env = obscost.setting_env(name, cfg.out_dir)
+                    st.ledger_env = {**base_ledger, **env}
+                    st.dispatcher_env = {**base_disp, **env}
+                    self._restart_pipeline()
+                    await self.closed(lg, obscost.SCENARIO,
+                                      {"setting": name, "dispatchers": cfg.dispatchers}, rnd)
+        finally:
+            st.ledger_env, st.dispatcher_env = base_ledger, base_disp
+            self._restart_pipeline()
+
+    def _restart_pipeline(self) -> None:
+        st = self.stack
+        st.scale_dispatchers(0)
+        st.stop("ledger")
+        st.start_ledger()
+        st.scale_dispatchers(self.cfg.dispatchers)
 
     def start_reconciler(self) -> None:
         from effectledger_cli.embedded import free_port

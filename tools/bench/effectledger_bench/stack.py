@@ -3,7 +3,7 @@
 Each service runs as `python -m effectledger_cli <service>` configured only through
 `EFFECTLEDGER_*` variables, as an operator would run it, with a subject and stream prefix of its
 own so that a given (shared) NATS is never disturbed. Readiness is observed: the sandbox's
-`/healthz`, the ledger's `/readyz`, the dispatcher's "dispatcher ready" line.
+`/healthz`, the ledger's `/readyz/relay`, the dispatcher's "dispatcher ready" line.
 """
 
 from __future__ import annotations
@@ -174,7 +174,9 @@ class Stack:
 
     def start_ledger(self) -> None:
         svc = self._spawn("ledger", "ledger", ["ledger"], self.env(self.ledger_env))
-        self._wait_http(svc, f"{self.ledger_url}/readyz", timeout=90)
+        # /readyz/relay: the bench submits over NATS request-reply, which the ledger serves
+        # only once its NATS side runs (plain /readyz holds as soon as the database answers).
+        self._wait_http(svc, f"{self.ledger_url}/readyz/relay", timeout=90)
 
     def start_dispatcher(self, index: int) -> None:
         name = f"dispatcher-{index}"

@@ -3,7 +3,7 @@
 | type | tool           | sandbox route | provider dedups by key | oracle          |
 |------|----------------|---------------|------------------------|-----------------|
 | a    | idem_readback  | idem          | yes                    | readback        |
-| b    | plain_readback | plainrb       | no                     | readback        |
+| b    | plain_readback | plainrbnofence| no (nor fencing token) | readback        |
 | c    | plain_webhook  | plainhook     | no                     | signed webhooks |
 | d    | plain_blind    | plainblind    | no                     | none            |
 | e    | path_update    | plainpath     | no                     | search readback |
@@ -56,10 +56,10 @@ def render(provider_url: str, timing: Timing) -> str:
     parts.append(f'readback = {{ url = "{provider_url}/v1/idem/effects/by-key/'
                  '{operation_key}" }\n')
     parts.append(_TOOL.format(
-        tool="plain_readback", route="plainrb", effect_class="non_idempotent",
-        description="(b) non-idempotent, with readback", **common,
-        capabilities="readback = true, fencing_token = true"))
-    parts.append(f'readback = {{ url = "{provider_url}/v1/plainrb/effects/by-key/'
+        tool="plain_readback", route="plainrbnofence", effect_class="non_idempotent",
+        description="(b) non-idempotent, with readback, ignores the fencing token", **common,
+        capabilities="readback = true"))
+    parts.append(f'readback = {{ url = "{provider_url}/v1/plainrbnofence/effects/by-key/'
                  '{operation_key}" }\n')
     parts.append(_TOOL.format(
         tool="plain_webhook", route="plainhook", effect_class="non_idempotent",

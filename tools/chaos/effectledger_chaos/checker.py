@@ -36,6 +36,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from . import metrics
+from .availability import availability
 from .config import TOOL_TYPE_OF, ChaosConfig
 from .procs import Service
 from .schedule import Schedule
@@ -170,6 +171,7 @@ def check(*, cfg: ChaosConfig, schedule: Schedule, history: list[dict[str, Any]]
 
     measured = metrics.metrics(cfg, schedule, ops, journal, first_invoke, acked, by_key,
                                fault_records, phase_start_wall)
+    measured["availability"] = availability(history, fault_records, phase_start_wall)
     return {
         "invariants": {name: inv[name] for name in INVARIANTS},
         "ok": all(inv[name]["count"] == 0 for name in INVARIANTS),

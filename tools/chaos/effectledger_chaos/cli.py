@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="TEST ONLY: dispatchers call the provider even when already claimed")
     p.add_argument("--unsafe-skip-webhook-verification", action="store_true",
                    help="TEST ONLY: reconcilers accept unsigned and forged webhooks")
+    p.add_argument("--unsafe-no-send-deadline", action="store_true",
+                   help="TEST ONLY: dispatchers send however long ago their claim was asked")
     p.add_argument("--unsafe-nats-without-permissions", action="store_true",
                    help="TEST ONLY: the broker runs without users or permissions, so the "
                         "attacker's forgeries reach the services")
@@ -82,6 +84,7 @@ def config_from_args(args: argparse.Namespace, seed: int) -> ChaosConfig:
         long_outage_s=args.long_outage, quiet_max_s=args.quiet_max,
         unsafe_skip_claim=args.unsafe_skip_claim,
         unsafe_skip_webhook_verification=args.unsafe_skip_webhook_verification,
+        unsafe_no_send_deadline=args.unsafe_no_send_deadline,
         unsafe_nats_without_permissions=args.unsafe_nats_without_permissions,
         progress=args.progress, keep_workdir=args.keep,
         workdir=(str(Path(args.workdir) / f"seed-{seed}") if args.workdir else None))

@@ -16,7 +16,9 @@ from typing import Any
 # in the catalog.
 TOOL_TYPES: dict[str, dict[str, str]] = {
     "a": {"tool": "idem_readback", "route": "idem"},
-    "b": {"tool": "plain_readback", "route": "plainrb"},
+    # Type b's provider ignores the fencing token (the sandbox's `*nofence` routes), so that
+    # a superseded attempt sent late would apply a second effect: the send deadline's test.
+    "b": {"tool": "plain_readback", "route": "plainrbnofence"},
     "c": {"tool": "plain_webhook", "route": "plainhook"},
     "d": {"tool": "plain_blind", "route": "plainblind"},
     "e": {"tool": "path_update", "route": "plainpath"},
@@ -28,7 +30,7 @@ DEFAULT_TOOL_MIX_TEXT = ",".join(f"{k}={v}" for k, v in DEFAULT_TOOL_MIX.items()
 
 # Fault kinds, grouped. A group name in --faults selects all its kinds.
 FAULT_GROUPS: dict[str, tuple[str, ...]] = {
-    "process": ("kill", "pause", "crash_point"),
+    "process": ("kill", "pause", "crash_point", "pause_before_send"),
     "broker": ("nats_restart", "nats_long_outage", "stream_delete"),
     "database": ("pg_restart",),
     "network": ("net_blackhole", "net_reset", "net_latency"),
@@ -126,6 +128,17 @@ class Timing:
     max_readback_lag_s: float = 1.0
     max_latency_ms: float = 150.0
 
+    @property
+    def pause_before_send_s(self) -> float:
+        """How long `pause_before_send` freezes a claimed dispatcher: past every step that
+        leads to a new epoch applying the effect (the command's redelivery after ack_wait,
+        another dispatcher's patience with the claim, the readback after the horizon, the
+        retry's own call), so that a send on waking would be a second effect."""
+        from effectledger_dispatcher.decision import LOST_GRACE_S
+
+        return round(self.ack_wait_s + self.provider_timeout_s + LOST_GRACE_S
+                     + self.horizon_s + 10.0, 2)
+
     def env(self) -> dict[str, str]:
         return {
             "EFFECTLEDGER_ACK_WAIT_S": str(self.ack_wait_s),
@@ -163,6 +176,7 @@ class ChaosConfig:
     quiet_max_s: float = 150.0
     unsafe_skip_claim: bool = False
     unsafe_skip_webhook_verification: bool = False
+    unsafe_no_send_deadline: bool = False
     unsafe_nats_without_permissions: bool = False
     timing: Timing = field(default_factory=Timing)
     progress: bool = True

@@ -24,7 +24,7 @@ from sqlalchemy.pool import NullPool
 
 from .collect import connect_quiet
 from .config import SYNTHETIC_AFTER_SEND
-from .procs import Service
+from .procs import Service, process_stopped
 from .schedule import Schedule, TimedFault
 from .stack import Stack
 
@@ -122,10 +122,23 @@ class FaultRunner:
                 await asyncio.sleep(f.params["down_s"])
                 if not s.alive:
                     s.start()
+                    await self._note_listening(s, rec)
             finally:
                 s.held_down = False
         self.log(f"fault: SIGKILL {f.target}, down {f.params['down_s']}s")
         return {"killed": killed}
+
+    async def _note_listening(self, s: Service, rec: dict[str, Any]) -> None:
+        """For the ledger: when the new process listened again (the availability figures
+        count the time until then as the restart's, everything after it as the ledger's)."""
+        if s.kind != "ledger":
+            return
+        rec["restarted_at"] = self.now()
+        try:
+            await s.wait_ready(120)
+            rec["listening_at"] = self.now()
+        except (RuntimeError, TimeoutError) as exc:
+            rec["listening_error"] = str(exc)[:300]
 
     async def _pause(self, f: TimedFault, rec: dict[str, Any]) -> dict[str, Any]:
         s = self._svc(f.target)
@@ -161,10 +174,57 @@ class FaultRunner:
                 code = s.incarnations[-1].popen.returncode
                 await asyncio.sleep(f.params["restart_after_s"])
                 s.start()
+                await self._note_listening(s, rec)
             finally:
                 s.held_down = False
         self.log(f"fault: crash point {armed} on {f.target}: {'hit' if hit else 'not reached'}")
         return {"armed": armed, "hit": hit, "exit_code": code}
+
+    async def _pause_before_send(self, f: TimedFault, rec: dict[str, Any]) -> dict[str, Any]:
+        """Freeze a dispatcher exactly between its claim and its send (the crash point stops
+        the process instead of killing it), for longer than the horizon, then let it go on."""
+        s = self._svc(f.target)
+        armed = f"{f.params['point']}#{f.params['tool']}@{f.params['nth']}:stop"
+        async with self.stack.locks[f.target]:
+            rec["started_at"] = self.now()
+            s.held_down = True
+            try:
+                s.signal(signal.SIGKILL, "fault:pause_before_send_arm")
+                await self._wait_dead(s)
+                s.start(crash_points=armed)
+                hit = await self._wait_stopped(s)
+                if hit:
+                    s.paused = True  # so restore() and the memory sampler know
+                    rec["stopped_at"] = self.now()
+                    await asyncio.sleep(f.params["seconds"])  # the planned length of the pause
+                    s.signal(signal.SIGCONT, "fault:pause_before_send")
+                else:
+                    # Not reached in time: an armed process must not linger into the quiet
+                    # period, so it is replaced by an unarmed one.
+                    s.signal(signal.SIGKILL, "fault:pause_before_send_disarm")
+                    await self._wait_dead(s)
+                    s.start()
+            finally:
+                s.held_down = False
+        self.log(f"fault: {armed} on {f.target}: "
+                 f"{'stopped ' + str(f.params['seconds']) + 's' if hit else 'not reached'}")
+        return {"armed": armed, "hit": hit}
+
+    async def _wait_stopped(self, s: Service) -> bool:
+        """Wait for an armed process to stop itself (SIGSTOP at its crash point)."""
+        left, cap = ARMED_TIMEOUT_S * 3, time.monotonic() + ARMED_CAP_S
+        while time.monotonic() < cap:
+            pid = s.pid
+            if pid is None:
+                return False
+            if process_stopped(pid):
+                return True
+            await asyncio.sleep(0.05)  # polling /proc: a stopped process signals nothing
+            if s.ready() and not self.dependencies_down():
+                left -= 0.05
+                if left <= 0:
+                    return False
+        return False
 
     async def _after_send(self, f: TimedFault, rec: dict[str, Any]) -> dict[str, Any]:
         """Kill the dispatcher whose request the provider is holding (sent, no response)."""

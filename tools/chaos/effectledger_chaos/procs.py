@@ -254,3 +254,13 @@ def database_choice() -> str:
 def private_postgres(root: Path) -> PrivatePostgres:
     """The run's throwaway cluster in `root` (not started; see `PrivatePostgres`)."""
     return PrivatePostgres(root, PG_SETTINGS)
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T in /proc: it sent itself SIGSTOP)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # The state follows the command name, which is in parentheses and may contain spaces.
+    return stat.rpartition(")")[2].split()[0] in ("T", "t")

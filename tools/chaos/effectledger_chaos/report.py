@@ -40,6 +40,7 @@ def summary_rows(result: dict[str, Any]) -> dict[str, Any]:
             "metrics": {k: result["metrics"][k] for k in (
                 "operations_planned", "operations_acknowledged", "operations_in_ledger",
                 "final_states", "throughput_ops_per_s", "time_to_rest_s")},
+            "availability": _availability_summary(result["metrics"].get("availability", {})),
             "faults_injected": {k: v["injected"] for k, v in result["faults_injected"].items()},
             "bad_input_ok": result["bad_input"].get("ok"),
             "unexpected_exits": len(result["process_exits"]["unexpected"])}
@@ -70,6 +71,15 @@ def table(reports: list[dict[str, Any]]) -> str:
     lines.append(row("time to rest p50 (s)", [x["time_to_rest_s"]["p50"] for x in m]))
     lines.append(row("time to rest p99 (s)", [x["time_to_rest_s"]["p99"] for x in m]))
     lines.append(row("run time (s)", [r.get("timing", {}).get("total_s") for r in reports]))
+    a = [_availability_summary(x.get("availability", {})) for x in m]
+    lines.append(row("intake unavailable, database up (s)",
+                     [x.get("unavailable_db_up_s") for x in a]))
+    lines.append(row("intake stalled, any cause (s)", [x.get("stalled_s") for x in a]))
+    lines.append(row("intents refused, database up", [x.get("refused_db_up") for x in a]))
+    lines.append(row("ack p50/p99 in broker outages (s)",
+                     [f"{x.get('outage_ack_p50')}/{x.get('outage_ack_p99')}" for x in a]))
+    lines.append(row("ledger restart to listening (s)",
+                     [x.get("ledger_restart_to_listening") for x in a]))
     lines.append("-" * (width + col * len(reports)))
     kinds = sorted({k for r in reports for k in r["faults_injected"]})
     lines.append(row("faults injected (review rate)", ["" for _ in reports]))
@@ -84,6 +94,19 @@ def table(reports: list[dict[str, Any]]) -> str:
     lines.append(row("  no fault (review rate)",
                      [f"{b.get('operations', 0)} ({_pct(b.get('rate'))})" for b in base]))
     return "\n".join(lines)
+
+
+def _availability_summary(a: dict[str, Any]) -> dict[str, Any]:
+    if not a.get("ran"):
+        return {}
+    outage = a["ack_latency_during_broker_outage_s"]
+    restarts = [r["restarted_to_listening_s"] for r in a["ledger_restarts"]
+                if r["restarted_to_listening_s"] is not None]
+    return {"unavailable_db_up_s": a["unavailable_db_up_s"], "stalled_s": a["stalled_s"],
+            "refused_db_up": a["refused_db_up"],
+            "outage_ack_p50": outage["p50"], "outage_ack_p99": outage["p99"],
+            "outage_acks": outage["n"],
+            "ledger_restart_to_listening": max(restarts) if restarts else None}
 
 
 def _pct(rate: float | None) -> str:

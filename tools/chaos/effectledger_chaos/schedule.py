@@ -254,8 +254,21 @@ def _timed(cfg: ChaosConfig, enabled: set[str], rng: random.Random) -> list[Time
     if "nats_restart" in enabled:
         for _ in range(repeats):
             out.append((at(), "nats_restart", "nats", {"down_s": round(rng.uniform(1, 4), 2)}))
+    if "pause_before_send" in enabled and cfg.tool_mix.get("b", 0) > 0:
+        # A dispatcher frozen exactly between its claim and its send, on the tool whose
+        # provider ignores the fencing token: only the send deadline stops a second effect.
+        for _ in range(repeats):
+            out.append((at(0.05, 0.6), "pause_before_send", rng.choice(names["dispatcher"]),
+                        {"point": "dispatcher.after_claim", "tool": TOOL_TYPES["b"]["tool"],
+                         "nth": rng.randint(1, 3),
+                         "seconds": cfg.timing.pause_before_send_s}))
     if "nats_long_outage" in enabled:
-        out.append((at(0.25, 0.35), "nats_long_outage", "nats", {"down_s": cfg.outage_s}))
+        outage_at = at(0.25, 0.35)
+        out.append((outage_at, "nats_long_outage", "nats", {"down_s": cfg.outage_s}))
+        # The ledger restarts during the outage: it must serve intents again at once, with
+        # the broker still away (availability is measured in every report).
+        out.append((round(outage_at + min(5.0, cfg.outage_s / 3), 2), "kill", "ledger",
+                    {"down_s": 0.5, "during": "nats_long_outage"}))
     if "stream_delete" in enabled:
         for target in ("dispatch", "reconcile", "outcome", "verdict"):
             out.append((at(0.1, 0.8), "stream_delete", target, {}))

@@ -204,7 +204,8 @@ class Stack:
         await self._configure_sandbox()
         ledger = python_service("ledger", "ledger", ["-m", "effectledger_cli", "ledger"],
                                 {**base, **self.nats_env("ledger")}, self.logs, self.workdir,
-                                b"ledger ready:")
+                                # It accepts intents from then on, with or without NATS.
+                                b"ledger listening:")
         self.services["ledger"] = ledger
         ledger.start()
         await ledger.wait_ready(90)
@@ -215,6 +216,8 @@ class Stack:
                    catalog.API_KEY_ENV: self.api_key}
             if self.cfg.unsafe_skip_claim:
                 env[unsafe.SKIP_CLAIM.env] = "1"
+            if self.cfg.unsafe_no_send_deadline:
+                env[unsafe.NO_SEND_DEADLINE.env] = "1"
             self.services[name] = python_service(
                 name, "dispatcher", ["-m", "effectledger_cli", "dispatcher"], env, self.logs,
                 self.workdir, f"dispatcher ready: {name}".encode())

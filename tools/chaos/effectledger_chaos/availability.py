@@ -1,0 +1,164 @@
+"""Availability of the ledger's intake, from the callers' history and the fault log. Pure.
+
+The rule under test: the ledger accepts intents whenever its database is up, whatever the
+broker does. From the history (every submission attempt, with wall times) and the executed
+faults (phase-relative times) a run reports:
+
+- `stalled_s`: seconds during which some submission attempt had been in flight for at least
+  `GRACE_S` and no intent at all was acknowledged in the last `GRACE_S` (sampled every
+  `STEP_S`). A caller's backoff between attempts is its own, not counted;
+- `refused_db_up`: attempts answered with an error or refused while the database was healthy
+  and the ledger was not being restarted;
+- `unavailable_db_up_s`: the stalled seconds while PostgreSQL was up and its link healthy (no
+  `pg_restart`, and no black hole, reset or added latency on the database link: a slowed
+  database slows intake, which is not what this measures; nor the `DB_RECOVERY_S` after such
+  a fault) and the ledger process was not itself being faulted (killed, paused, restarted at
+  a crash point, until it listened again). The goal is zero: nothing else may stop the
+  ledger from acknowledging intents;
+- `ledger_restarts`: for every fault that restarted the ledger, the seconds until the new
+  process listened, and whether the broker was down then (the restart inside the long NATS
+  outage is part of every schedule that has the outage);
+- `ack_latency_during_broker_outage_s`: p50/p99/max of the attempts that were sent while the
+  broker was down (`nats_restart`, `nats_long_outage`), from the attempt to its 2xx.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .metrics import percentile
+
+GRACE_S = 1.0
+DB_RECOVERY_S = 1.0
+STEP_S = 0.05
+_LEDGER_FAULTS = ("kill", "pause", "crash_point")
+_BROKER_DOWN = ("nats_restart", "nats_long_outage")
+
+
+Interval = tuple[float, float]
+
+
+def _inside(t: float, intervals: list[Interval]) -> bool:
+    return any(lo <= t < hi for lo, hi in intervals)
+
+
+def _merge(intervals: list[Interval]) -> list[Interval]:
+    out: list[Interval] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _windows(records: list[dict[str, Any]], pred: Any, *, end_key: str = "ended_at"
+             ) -> list[Interval]:
+    out = []
+    for r in records:
+        if "started_at" in r and pred(r):
+            out.append((float(r["started_at"]), float(r.get(end_key) or r.get("ended_at")
+                                                        or r["started_at"])))
+    return out
+
+
+def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
+                 phase_start_wall: float) -> dict[str, Any]:
+    # Each submission attempt from its send to its answer: the ledger holds it meanwhile. The
+    # caller's own backoff between attempts is not the ledger's doing and is not counted.
+    in_flight: list[Interval] = []
+    acks: list[float] = []
+    refused: list[float] = []  # attempts answered with a refusal or an error
+    attempts: dict[tuple[str, int], float] = {}  # (caller process, op) -> invoke time
+    latencies: list[tuple[float, float]] = []  # (invoke time, seconds to its 2xx)
+    for h in history:
+        if h.get("f") != "submit":
+            continue
+        t = h["wall"] - phase_start_wall
+        key = (h["process"], h["op"])
+        if h["type"] == "invoke":
+            attempts[key] = t
+            continue
+        sent = attempts.pop(key, None)
+        if sent is None:
+            continue
+        in_flight.append((sent, t))
+        if h["type"] == "ok":
+            acks.append(t)
+            latencies.append((sent, t - sent))
+        else:
+            refused.append(t)
+    for sent in attempts.values():  # never answered (the run ended first)
+        in_flight.append((sent, sent))
+    if not in_flight:
+        return {"ran": False}
+
+    # Any fault on the database or its link: down, unreachable, reset, or slowed (38 ms per
+    # chunk on the link makes each of a transaction's round trips slow, and intake with it).
+    # Plus DB_RECOVERY_S after each: the transactions the fault held commit then, and the
+    # first answers leave a few tens of milliseconds after the link heals.
+    db_down = [(lo, hi + DB_RECOVERY_S) for lo, hi in _windows(
+        records, lambda r: r["kind"] == "pg_restart" or r["target"] == "pg")]
+    ledger_faulted = _windows(records, lambda r: r["kind"] in _LEDGER_FAULTS
+                              and r["target"] == "ledger", end_key="listening_at")
+    broker_down = _windows(records, lambda r: r["kind"] in _BROKER_DOWN)
+
+    acks.sort()
+    start = min(s for s, _ in in_flight)
+    end = max(e for _, e in in_flight)
+    # Moments when some attempt has been in flight for GRACE_S or more, as merged intervals.
+    long_waits = _merge([(s + GRACE_S, e) for s, e in in_flight if e > s + GRACE_S])
+    wi = 0
+    stalled = unavailable = 0.0
+    examples: list[dict[str, float]] = []
+    run_start: float | None = None
+    ai = 0
+    t = start
+    while t <= end:
+        while ai < len(acks) and acks[ai] <= t:
+            ai += 1
+        recent_ack = ai > 0 and t - acks[ai - 1] < GRACE_S
+        while wi < len(long_waits) and long_waits[wi][1] <= t:
+            wi += 1
+        long_wait = wi < len(long_waits) and long_waits[wi][0] <= t
+        stall = long_wait and not recent_ack
+        counted = stall and not _inside(t, db_down) and not _inside(t, ledger_faulted)
+        if stall:
+            stalled += STEP_S
+        if counted:
+            unavailable += STEP_S
+            run_start = t if run_start is None else run_start
+        elif run_start is not None:
+            examples.append({"from_s": round(run_start, 2), "to_s": round(t, 2)})
+            run_start = None
+        t += STEP_S
+    if run_start is not None:
+        examples.append({"from_s": round(run_start, 2), "to_s": round(end, 2)})
+
+    during = [d for s, d in latencies if _inside(s, broker_down)]
+    restarts = []
+    for r in records:
+        if r["kind"] in _LEDGER_FAULTS and r["target"] == "ledger" and "listening_at" in r:
+            restarts.append({
+                "fault": r["kind"], "at_s": r["started_at"],
+                "restarted_to_listening_s": round(r["listening_at"] - r["restarted_at"], 3)
+                if r.get("restarted_at") is not None else None,
+                "broker_down": _inside(float(r["started_at"]), broker_down)})
+    return {
+        "ran": True,
+        "grace_s": GRACE_S,
+        "stalled_s": round(stalled, 2),
+        "unavailable_db_up_s": round(unavailable, 2),
+        "unavailable_periods": examples[:8],
+        # Refusals and errors answered while the database was healthy and the ledger was not
+        # being restarted (a refused intent is as unavailable as an unanswered one).
+        "refused_db_up": sum(1 for t in refused if not _inside(t, db_down)
+                             and not _inside(t, ledger_faulted)),
+        "ledger_restarts": restarts,
+        "ack_latency_during_broker_outage_s": {
+            "n": len(during), "p50": percentile(during, 0.5), "p99": percentile(during, 0.99),
+            "max": round(max(during), 3) if during else None},
+        "ack_latency_s": {
+            "n": len(latencies), "p50": percentile([d for _, d in latencies], 0.5),
+            "p99": percentile([d for _, d in latencies], 0.99)},
+    }
