@@ -14,7 +14,8 @@ refuses what a role may not say:
 - an agent reaches only the request subjects of its own tenant
   (`<prefix>.rpc.v1.tenant.<tenant>.>`: intents, operation reads): the ledger takes the tenant
   from that subject, never from the payload;
-- operator tools submit and read for any tenant and inspect (never change) streams;
+- operator tools submit, read and wait (`<prefix>.rpc.v1.operation.wait`) for any tenant and
+  inspect (never change) streams;
 - `streams` is the apply step that creates and updates streams and consumers.
 
 Every user receives replies on its own inbox prefix (`_INBOX_<user>.`), which the services set
@@ -168,7 +169,10 @@ def agent(s: Subjects, tenant: str) -> Principal:
 def operator(s: Subjects) -> Principal:
     user = "operator"
     return Principal(Role.OPERATOR, user, Permissions(
-        publish=(s.rpc_intents, s.rpc_operation, s.tenant_requests("*"), f"{JS_API}.INFO",
+        # the trusted wait (any tenant's operation) is for operator tools only: an agent
+        # waits on its own tenant's subject, under tenant_requests
+        publish=(s.rpc_intents, s.rpc_operation, s.rpc_operation_wait, s.tenant_requests("*"),
+                 f"{JS_API}.INFO",
                  f"{JS_API}.STREAM.NAMES", f"{JS_API}.STREAM.INFO.*", f"{JS_API}.CONSUMER.INFO.*.*",
                  f"{JS_API}.CONSUMER.NAMES.*", f"{JS_API}.CONSUMER.LIST.*"),
         subscribe=(f"{inbox_prefix(user)}.>",)))

@@ -27,7 +27,6 @@ import pytest
 from effectledger_bus.permissions import inbox_prefix
 from effectledger_cli import children
 from effectledger_cli.embedded import free_port, nats_server_binary
-from effectledger_core.config import Settings
 from tests.support.k8s import NO_KUBECTL, container_env, find, pod_spec, render
 from tests.support.servers import postgres_database
 from tests.support.upproc import free_ports_in_a_row
@@ -198,8 +197,6 @@ def _demo(urls: list[str], ledger_env: dict[str, str], started: list[children.Ch
 
 def _check_probes(role: str, container: dict[str, Any], moves: Moves) -> None:
     """Every replica answers its container's liveness and readiness probes with 200."""
-    if role == "dispatcher" and "dispatcher_health_port" not in Settings.model_fields:
-        return  # no health port in this tree yet
     named = {p["name"]: p["containerPort"] for p in container["ports"]}
     for probe in ("livenessProbe", "readinessProbe"):
         get = container[probe]["httpGet"]

@@ -3,15 +3,23 @@ processes: streams get three replicas, the demo completes, and SIGTERM leaves no
 
 from __future__ import annotations
 
+import asyncio
+import json
 import signal
+import stat
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import nats
 import psutil
 import pytest
 
+from effectledger_bus.permissions import inbox_prefix
+from effectledger_core.config import Settings
+from tests.support.cluster import wait_until
 from tests.support.servers import postgres_database
 from tests.support.upproc import (
     free_ports_in_a_row,
@@ -55,15 +63,45 @@ def test_a_three_node_nats_cluster_runs_the_demo_on_three_replica_streams(
     assert sum("nats-server" in n for n in names) == 3
     assert sum(" dispatcher " in n for n in names) == 2
     assert sum(" reconciler " in n for n in names) == 2
-    # every NATS user has a password, and no password is on any command line or in a file
-    nats_env = [k.environ() for k in kids if "nats-server" in " ".join(k.cmdline())]
-    passwords = {v for env in nats_env for n, v in env.items() if n.startswith("EL_NATS_")}
-    assert len(passwords) == 4
-    written = "".join(p.read_text() for p in (tmp_path / "data").glob("*.conf"))
-    assert not [p for p in passwords if any(p in n for n in names) or p in written]
+    # every node holds the least-privilege users of one node, in files only its owner reads,
+    # and no password is on any command line
+    confs = sorted((tmp_path / "data").glob("nats*.conf"))
+    assert len(confs) == 3
+    assert all(stat.S_IMODE(c.stat().st_mode) == 0o600 for c in confs)
+    creds = json.loads(Path(_printed(lines, "agent credentials (tenant default, NATS)"))
+                       .read_text())
+    assert all('"agent-default"' in c.read_text() for c in confs)
+    assert not [n for n in names if creds["password"] in n]
+    verdict = Settings().subjects.verdict
+    assert asyncio.run(_publish_refused(creds, verdict)), "an agent published a verdict"
     all_ports = [ports["ledger"], ports["sandbox"], ports["reconciler"], ports["reconciler"] + 1,
                  *(ports["nats"] + i for i in range(3))]
     stop_and_check(proc, signal.SIGTERM, all_ports)
+
+
+def _printed(lines: list[str], label: str) -> str:
+    return next(line.split(": ", 1)[1] for line in lines if line.startswith(label + ":"))
+
+
+async def _publish_refused(creds: dict[str, Any], subject: str) -> bool:
+    """Whether NATS answers a publish on `subject` with these credentials by a permissions
+    violation (it drops the message and tells the sender, who stays connected)."""
+    errors: list[Exception] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(e)
+
+    nc = await nats.connect(creds["servers"], user=creds["user"], password=creds["password"],
+                            inbox_prefix=inbox_prefix(creds["user"]).encode(),
+                            error_cb=on_error, allow_reconnect=False)
+    try:
+        await nc.publish(subject, b'{"operation_id": "forged", "applied": true}')
+        await nc.flush()
+        await wait_until(lambda: bool(errors), 10, interval=0.05,
+                         what="the server's permissions violation")
+    finally:
+        await nc.close()
+    return any("permissions violation" in str(e).lower() for e in errors)
 
 
 def test_two_ledgers_share_one_postgresql(tmp_path: Path,

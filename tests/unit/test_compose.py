@@ -22,8 +22,8 @@ from tests.support.compose import INFRA, load_compose
 
 SANDBOX_ENV = {sandbox_server.API_KEY_ENV, sandbox_server.WEBHOOK_URL_ENV,
                sandbox_server.WEBHOOK_SECRET_ENV, sandbox_server.WEBHOOK_ROUTES_ENV}
-# Read by the dispatcher's health endpoint (observability); not a Settings field in this tree.
-EXTRA_ENV = {"EFFECTLEDGER_DISPATCHER_HEALTH_PORT"}
+# Every variable the services read is a Settings field (the dispatcher's health port too).
+EXTRA_ENV: set[str] = set()
 NATS_ROLES = {"ledger", "dispatcher", "reconciler", "streams"}
 PROVIDER_KEY = sandbox_server.API_KEY_ENV
 @pytest.fixture(params=[("compose.yaml",), ("compose.yaml", "compose.cluster.yaml")],

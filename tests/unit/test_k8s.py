@@ -25,10 +25,8 @@ from tests.support.k8s import K8S, NO_KUBECTL, find, pod_spec, render
 
 COMPOSE_CATALOG = K8S.parent / "catalog.compose.toml"
 SERVICES = ("ledger", "dispatcher", "reconciler")
-# The dispatcher's health port settings come with the observability work (Settings fields
-# there); the sandbox reads its own variables.
-EXTRA_ENV = {"EFFECTLEDGER_DISPATCHER_HEALTH_PORT", "EFFECTLEDGER_DISPATCHER_HEALTH_HOST",
-             "EFFECTLEDGER_SANDBOX_API_KEY",
+# The sandbox reads its own variables (the dispatcher's health port is a Settings field).
+EXTRA_ENV = {"EFFECTLEDGER_SANDBOX_API_KEY",
              "EFFECTLEDGER_SANDBOX_WEBHOOK_SECRET", "EFFECTLEDGER_SANDBOX_WEBHOOK_URL",
              "EFFECTLEDGER_SANDBOX_WEBHOOK_ROUTES"}
 

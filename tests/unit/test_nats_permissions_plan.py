@@ -65,6 +65,11 @@ def test_an_agent_reaches_only_its_own_tenants_request_subjects() -> None:
     assert may_subscribe("agent-acme", "_INBOX_agent-acme.x")
 
 
+def test_only_operator_tools_use_the_trusted_wait_agents_wait_on_their_tenant() -> None:
+    assert publishers(S.rpc_operation_wait) == {"operator"}
+    assert publishers(S.rpc_operation_wait_for("acme")) == {"agent-acme", "operator"}
+
+
 def test_only_the_ledger_and_the_apply_step_change_streams() -> None:
     for verb in ("CREATE", "UPDATE", "DELETE", "PURGE"):
         assert publishers(f"$JS.API.STREAM.{verb}.{S.dispatch_stream}") == {"ledger", "streams"}

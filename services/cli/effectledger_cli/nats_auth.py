@@ -45,6 +45,10 @@ class AuthFiles:
     def credential_file(self, user: str) -> Path:
         return self.folder / f"{user}.json"
 
+    def authorization(self) -> str:
+        """The `authorization` block of every user with its password and permissions."""
+        return permissions.render(self.plane, {u: c.password for u, c in self.credentials.items()})
+
     def child_env(self, user: str) -> dict[str, str]:
         """What one child process needs to connect as `user`, and nothing else."""
         cred = self.credentials[user]
@@ -54,7 +58,10 @@ class AuthFiles:
 
 def _credential_doc(p: Principal, cred: Credential, url: str, subjects: Subjects) -> str:
     doc: dict[str, object] = {
-        "url": url, "user": cred.user, "password": cred.password, "role": p.role.value,
+        # `url` as EFFECTLEDGER_NATS_URL takes it (a cluster's nodes joined by commas);
+        # `servers` as nats-py's connect takes it
+        "url": url, "servers": url.split(","), "user": cred.user,
+        "password": cred.password, "role": p.role.value,
         "inbox_prefix": inbox_prefix(cred.user)}
     if p.scope is not None:
         doc["scope"] = p.scope
@@ -65,8 +72,11 @@ def _credential_doc(p: Principal, cred: Credential, url: str, subjects: Subjects
 
 
 def write(folder: Path, plane: Plane, subjects: Subjects, *, host: str, port: int,
-          store_dir: Path) -> AuthFiles:
-    """The configuration and every user's credential file under `folder` (created 0700)."""
+          store_dir: Path, url: str | None = None, server: bool = True) -> AuthFiles:
+    """The configuration and every user's credential file under `folder` (created 0700).
+    `url`: what clients connect to, when not `host:port` (a cluster's node list).
+    `server=False` writes no single-node configuration (a cluster's nodes render their own
+    from `authorization()`)."""
     folder.mkdir(parents=True, exist_ok=True)
     os.chmod(folder, 0o700)
     known: dict[str, str] = {}
@@ -80,10 +90,11 @@ def write(folder: Path, plane: Plane, subjects: Subjects, *, host: str, port: in
     creds = {u: Credential(u, known[u]) if u in known else Credential.generate(u)
              for u in plane.users}
     write_private(store, json.dumps({u: c.password for u, c in creds.items()}, indent=2))
-    url = f"nats://{host}:{port}"
+    url = url or f"nats://{host}:{port}"
     config = folder / "nats.conf"
-    write_private(config, server_config(plane, {u: c.password for u, c in creds.items()},
-                                        host=host, port=port, store_dir=str(store_dir)))
+    if server:
+        write_private(config, server_config(plane, {u: c.password for u, c in creds.items()},
+                                            host=host, port=port, store_dir=str(store_dir)))
     for p in plane.principals:
         write_private(folder / f"{p.user}.json",
                       _credential_doc(p, creds[p.user], url, subjects))
@@ -102,9 +113,12 @@ def start(files: AuthFiles, port: int, *, log_file: Path | None = None,
 
 
 def for_up(data: Path, subjects: Subjects, *, port: int, dispatchers: list[str],
-           reconcilers: list[str], tenants: list[str]) -> AuthFiles:
-    """`effectledger up`'s users under `<data>/nats-auth`, JetStream under `<data>/jetstream`."""
+           reconcilers: list[str], tenants: list[str], cluster_url: str | None = None
+           ) -> AuthFiles:
+    """`effectledger up`'s users under `<data>/nats-auth`, JetStream under `<data>/jetstream`.
+    `cluster_url`: the nodes of a cluster, whose configurations (up_nats) carry the same
+    users and permissions as one node's."""
     plane = permissions.plane(subjects, dispatchers=dispatchers, reconcilers=reconcilers,
                               tenants=tenants)
     return write(data / "nats-auth", plane, subjects, host="127.0.0.1", port=port,
-                 store_dir=data / "jetstream")
+                 store_dir=data / "jetstream", url=cluster_url, server=cluster_url is None)

@@ -77,16 +77,18 @@ def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
         return procs[name]
 
     auth = _nats_auth(p, args)
-    up_nats.start(p.nats, p.data, start, config=auth.config if auth else None)
+    up_nats.start(p.nats, p.data, start,
+                  config=auth.config if auth and not p.nats.clustered else None,
+                  authorization=auth.authorization() if auth else "")
 
     def nats_env(role: Role, index: int = 0) -> dict[str, str]:
-        """A child's NATS settings: on one node its own least-privilege user
-        (effectledger_bus.permissions), on a cluster its role's user."""
+        """A child's NATS settings: its own least-privilege user
+        (effectledger_bus.permissions), on one node as on a cluster."""
         if auth is None:
-            return p.nats.client_env(role.value)
+            return p.nats.client_env()
         user = {Role.LEDGER: "ledger", Role.STREAMS: "streams"}.get(role) or user_name(
             role, f"{role.value}-{index + 1}")
-        return {**auth.child_env(user), "EFFECTLEDGER_STREAM_REPLICAS": "1"}
+        return {**auth.child_env(user), "EFFECTLEDGER_STREAM_REPLICAS": str(p.nats.replicas)}
 
     streams = _apply_streams(p, env, nats_env(Role.STREAMS))
     if p.with_sandbox:
@@ -134,8 +136,6 @@ def _announce(p: UpPlan, ledger_urls: list[str], streams: str,
         print(f"agent credentials (tenant {TENANT}, NATS): "
               f"{auth.credential_file(f'agent-{TENANT}')}")
         print(f"operator credentials (NATS): {auth.credential_file('operator')}")
-    elif p.nats.clustered:
-        print(f"nats: {p.nats.url} (users: ledger, dispatcher, reconciler, streams)")
     else:
         print(f"nats: {p.nats.url} (UNSAFE: no users or permissions)")
     print(f"streams: {streams}")
@@ -147,9 +147,9 @@ def _announce(p: UpPlan, ledger_urls: list[str], streams: str,
 
 
 def _nats_auth(p: UpPlan, args: argparse.Namespace) -> nats_auth.AuthFiles | None:
-    """One node: a user per process with least-privilege permissions, unless the unsafe
-    switch turns them off. (A cluster's nodes get one user per role: up_nats.)"""
-    if p.nats.clustered or check(NATS_WITHOUT_PERMISSIONS, os.environ,
+    """A user per process with least-privilege permissions, on one node or every node of a
+    cluster, unless the unsafe switch turns them off."""
+    if check(NATS_WITHOUT_PERMISSIONS, os.environ,
                                  logging.getLogger("effectledger.up")):
         return None
     from effectledger_core.config import Settings
@@ -159,7 +159,7 @@ def _nats_auth(p: UpPlan, args: argparse.Namespace) -> nats_auth.AuthFiles | Non
         p.data, subjects, port=p.nats.client_ports[0],
         dispatchers=[f"dispatcher-{i + 1}" for i in range(p.dispatchers)],
         reconcilers=[f"reconciler-{i + 1}" for i in range(len(p.reconciler_ports))],
-        tenants=[TENANT])
+        tenants=[TENANT], cluster_url=p.nats.url if p.nats.clustered else None)
 
 
 def _apply_streams(p: UpPlan, env: dict[str, str], client: dict[str, str]) -> str:

