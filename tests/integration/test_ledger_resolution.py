@@ -552,7 +552,11 @@ async def test_readback_with_two_matches_records_duplicate_detected(store: Store
     from effectledger_ledger.db import duplicates
 
     seen: list[tuple[str, int]] = []
-    duplicates.observers.append(lambda tool, n: seen.append((tool, n)))
+
+    def observe(tool: str, n: int) -> None:
+        seen.append((tool, n))
+
+    duplicates.observers.append(observe)
     try:
         ledger = Ledger(store)
         op_id = await ledger.submit("charge")
@@ -564,7 +568,8 @@ async def test_readback_with_two_matches_records_duplicate_detected(store: Store
                 matches=2, detail="readback found 2 effects for one key")),
             consumer="ledger", message_id=ledger.mid())
     finally:
-        duplicates.observers.clear()
+        # Only our own observer: the ledger's metrics observer stays registered.
+        duplicates.observers.remove(observe)
     assert result.to_state == "needs_review"
     [entry] = await ledger.entries(op_id, "duplicate_detected")
     assert entry["detail"]["matches"] == 2 and entry["detail"]["provider_ref"] == "cus_1"
