@@ -372,18 +372,8 @@ def render(template: Any, *, operation_key: str, operation_id: str, epoch: int,
         return template
 
     def value(name: str) -> Any:
-        if name == "operation_key":
-            return operation_key
-        if name == "operation_id":
-            return operation_id
-        if name == "epoch":
-            return epoch
-        cur: Any = arguments
-        for part in name.split(".")[1:]:
-            if not isinstance(cur, dict) or part not in cur:
-                raise TemplateError(f"argument {name[5:]!r} is missing")
-            cur = cur[part]
-        return cur
+        return urltemplate.lookup(name, operation_key=operation_key, operation_id=operation_id,
+                                  epoch=epoch, arguments=arguments)
 
     whole = PLACEHOLDER.fullmatch(template)
     if whole:

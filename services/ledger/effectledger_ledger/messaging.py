@@ -102,17 +102,22 @@ class Requests:
         return encode(IntentReply(created=submitted.created,
                                   operation=_summary(submitted.operation, with_ref=False)))
 
+    async def _tenants_operation(self, subject: str, operation_id: str) -> dict[str, Any]:
+        """The operation if it belongs to the subject's tenant; otherwise exactly as missing."""
+        tenant = self.service.subjects.tenant_of(subject)
+        try:
+            op = await self.service.operation(operation_id)
+        except NotFound:
+            op = None
+        if op is None or tenant is None or op.get("tenant") != tenant:
+            raise NotFound(f"operation {operation_id!r} not found")
+        return op
+
     async def operation_for(self, subject: str, raw: bytes) -> bytes:
         """An agent's read: another tenant's operation reads exactly like a missing one."""
         try:
-            tenant = self.service.subjects.tenant_of(subject)
             query = parse(OperationQuery, raw)
-            try:
-                op = await self.service.operation(query.operation_id)
-            except NotFound:
-                op = None
-            if op is None or tenant is None or op.get("tenant") != tenant:
-                raise NotFound(f"operation {query.operation_id!r} not found")
+            op = await self._tenants_operation(subject, query.operation_id)
         except EffectLedgerError as exc:
             return _error_reply(exc)
         return encode(OperationReply(operation=_summary(op, with_ref=False)))
@@ -120,14 +125,8 @@ class Requests:
     async def operation_wait_for(self, subject: str, raw: bytes) -> bytes:
         """An agent's wait on its own tenant's operation; another tenant's reads as missing."""
         try:
-            tenant = self.service.subjects.tenant_of(subject)
             query = parse(OperationWait, raw)
-            try:
-                op = await self.service.operation(query.operation_id)
-            except NotFound:
-                op = None
-            if op is None or tenant is None or op.get("tenant") != tenant:
-                raise NotFound(f"operation {query.operation_id!r} not found")
+            op = await self._tenants_operation(subject, query.operation_id)
             if query.wait_s > 0:
                 op = await self.service.wait_operation(query.operation_id,
                                                        min(query.wait_s, self.max_wait_s))
