@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 
 import pytest
 import sqlalchemy as sa
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import Span
 
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import DEMO_CATALOG
@@ -81,3 +83,73 @@ async def test_without_tracing_no_context_is_stored(store: Store) -> None:
     finally:
         await svc.close()
     assert await traceparents(store) == {"dispatch": None}
+
+
+async def journal_details(store: Store, operation_id: str) -> dict[str, dict[str, object]]:
+    async with store.transaction() as conn:
+        rows = (await conn.execute(sa.select(journal.c.kind, journal.c.detail).where(
+            journal.c.operation_id == operation_id).order_by(journal.c.id))).all()
+    return {r.kind: r.detail for r in rows}
+
+
+async def test_claim_and_outcome_entries_carry_their_messages_trace_ids(
+        store: Store, spans: InMemorySpanExporter) -> None:
+    now = [T0]
+    svc = LedgerService(store=store, catalog=CATALOG, subjects=SUBJECTS, clock=lambda: now[0])
+    seen: dict[str, tuple[str, str]] = {}
+
+    async def claim_in_span(op_id: str) -> None:
+        with tracing.span("consume claim") as s:
+            assert s is not None
+            seen["claim"] = ids(s)
+            await svc.claim(ClaimAttempt(operation_id=op_id, epoch=1, attempt_id="a1",
+                                         dispatcher_id="d1"))
+
+    try:
+        op = (await svc.submit(SubmitIntent(tool="create_ticket", arguments={}))).operation
+        other = (await svc.submit(SubmitIntent(tool="create_ticket", arguments={}))).operation
+        # Submitted together, so group commit may decide both in one set-based batch: each
+        # entry must carry its own call's context (the second has none), not a neighbour's.
+        await asyncio.gather(claim_in_span(op["id"]), svc.claim(ClaimAttempt(
+            operation_id=other["id"], epoch=1, attempt_id="b1", dispatcher_id="d1")))
+        with tracing.span("consume stale claim") as stale:
+            assert stale is not None
+            await svc.claim(ClaimAttempt(operation_id=op["id"], epoch=7, attempt_id="a2",
+                                         dispatcher_id="d2"))
+        now[0] = T0 + timedelta(seconds=3)
+        with tracing.span("consume outcome") as outcome:
+            assert outcome is not None
+            await svc.record_outcome(OutcomeAmbiguous(
+                operation_id=op["id"], epoch=1, attempt_id="a1", dispatcher_id="d1",
+                at=now[0], reason="timeout"), consumer="ledger-inbox", message_id="m1")
+    finally:
+        await svc.close()
+    entries = await journal_details(store, op["id"])
+    assert _ids(entries["attempt_claimed"]) == seen["claim"]
+    assert _ids(entries["claim_rejected"]) == ids(stale)
+    assert _ids(entries["outcome_recorded"]) == ids(outcome)
+    # Neither the intent (submitted outside any span) nor the untraced claim has trace keys.
+    assert "trace_id" not in entries["intent_accepted"]
+    assert (await journal_details(store, other["id"]))["attempt_claimed"] == {
+        "attempt_id": "b1"}
+
+
+def ids(span: Span) -> tuple[str, str]:
+    ctx = span.get_span_context()
+    return format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")
+
+
+def _ids(detail: dict[str, object]) -> tuple[object, object]:
+    return detail.get("trace_id"), detail.get("span_id")
+
+
+async def test_a_claim_without_trace_context_journals_no_ids(store: Store) -> None:
+    svc = LedgerService(store=store, catalog=CATALOG, subjects=SUBJECTS, clock=lambda: T0)
+    try:
+        op = (await svc.submit(SubmitIntent(tool="create_ticket", arguments={}))).operation
+        await svc.claim(ClaimAttempt(operation_id=op["id"], epoch=1, attempt_id="a1",
+                                     dispatcher_id="d1"))
+    finally:
+        await svc.close()
+    claimed = (await journal_details(store, op["id"]))["attempt_claimed"]
+    assert claimed == {"attempt_id": "a1"}

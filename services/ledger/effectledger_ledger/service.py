@@ -187,9 +187,13 @@ class LedgerService:
                            what="awaiting approval", retry_after_s=60.0)
 
     async def claim(self, claim: ClaimAttempt) -> ClaimReply:
+        # The message's trace context, taken here: the group-committed transaction runs in
+        # another task, which does not carry it (None, at no cost, when not traced).
+        traceparent = tracing.current_traceparent()
         for _ in range(3):
             try:
-                reply = await self.writes.call(ClaimCall(claim, now=self.clock()))
+                reply = await self.writes.call(ClaimCall(claim, now=self.clock(),
+                                                         traceparent=traceparent))
                 metrics.child(metrics.CLAIMS, reply.status.value).inc()
                 if reply.status is ClaimStatus.GRANTED:
                     self.waiters.changed(claim.operation_id, State.IN_FLIGHT)
@@ -201,10 +205,11 @@ class LedgerService:
     async def record_outcome(self, outcome: Outcome, *, consumer: str,
                              message_id: str) -> Recorded:
         follow_up = self.ids()  # the reconcile or retry command's outbox row, if one is due
+        traceparent = tracing.current_traceparent()
         result = await self.writes.call(OutcomeCall(
             outcome, consumer=consumer, message_id=message_id, subjects=self.subjects,
             now=self.clock(), ambiguous_outbox_id=follow_up, decide_retry=self.decide_retry,
-            webhook_binding=self.catalog.webhook_speaks_for))
+            webhook_binding=self.catalog.webhook_speaks_for, traceparent=traceparent))
         crash_point("ledger.inbox.after_commit")
         metrics.child(metrics.OUTCOMES, outcome.type, result.status).inc()
         if result.status == "duplicate":
@@ -215,7 +220,7 @@ class LedgerService:
         self.waiters.changed(outcome.operation_id,
                              result.to_state if result.status == "applied" else None)
         if result.to_state in _NEW_COMMAND:
-            await self._keep_trace(follow_up)
+            await self._keep_trace(follow_up, traceparent)
             self.outbox_wake.set()
         if result.status == "rejected":
             log.info("outcome rejected: op=%s reason=%s", outcome.operation_id, result.reason)
@@ -224,17 +229,18 @@ class LedgerService:
     async def record_verdict(self, verdict: VerdictReached, *, consumer: str,
                              message_id: str) -> Recorded:
         follow_up = self.ids()
+        traceparent = tracing.current_traceparent()
         result = await self.store.run(
             record_verdict_txn, verdict, consumer=consumer, message_id=message_id,
             subjects=self.subjects, now=self.clock(), outbox_id=follow_up,
-            decide_retry=self.decide_retry)
+            decide_retry=self.decide_retry, traceparent=traceparent)
         metrics.child(metrics.VERDICTS, verdict.verdict, result.status).inc()
         if result.status == "duplicate":
             metrics.child(metrics.INBOX_DUPLICATES, "verdict").inc()
         self.waiters.changed(verdict.operation_id,
                              result.to_state if result.status == "applied" else None)
         if result.to_state == State.PENDING:
-            await self._keep_trace(follow_up)
+            await self._keep_trace(follow_up, traceparent)
             self.outbox_wake.set()
         evidence = verdict.evidence
         if result.status == "applied" and evidence is not None and (evidence.matches or 0) > 1:
@@ -244,24 +250,24 @@ class LedgerService:
 
     async def record_webhook(self, hook: WebhookReceived) -> Recorded:
         follow_up = self.ids()
+        traceparent = tracing.current_traceparent()
         result = await self.store.run(
             record_webhook_txn, hook, now=self.clock(), subjects=self.subjects,
             outbox_id=follow_up, decide_retry=self.decide_retry,
-            tools=self.catalog.webhook_tools(hook.provider))
+            tools=self.catalog.webhook_tools(hook.provider), traceparent=traceparent)
         metrics.child(metrics.WEBHOOKS_RECORDED, result.status).inc()
         if result.status == "duplicate":
             metrics.child(metrics.INBOX_DUPLICATES, "webhook").inc()
         if result.to_state == State.PENDING:
-            await self._keep_trace(follow_up)
+            await self._keep_trace(follow_up, traceparent)
             self.outbox_wake.set()
         return result
 
-    async def _keep_trace(self, outbox_id: str) -> None:
+    async def _keep_trace(self, outbox_id: str, traceparent: str | None) -> None:
         """Keep the current trace context in a follow-up command's outbox row, so that the
         reconciler's or the retry's work joins the operation's trace. Written after the
         commit, not in it: the group-committed transaction runs in another task, which does
         not carry this message's context. Best effort: the relay may publish first."""
-        traceparent = tracing.current_traceparent()
         if traceparent is None:
             return
         try:
@@ -342,7 +348,8 @@ class LedgerService:
                       operator: str) -> dict[str, Any]:
         op = await self.store.run(rec.approve_txn, operation_id, epoch=epoch,
                                   arguments_digest=arguments_digest, operator=operator,
-                                  subjects=self.subjects, outbox_id=self.ids(), now=self.clock())
+                                  subjects=self.subjects, outbox_id=self.ids(), now=self.clock(),
+                                  traceparent=tracing.current_traceparent())
         self.waiters.changed(operation_id)
         self.outbox_wake.set()
         return op
@@ -350,13 +357,15 @@ class LedgerService:
     async def reject(self, operation_id: str, *, epoch: int, operator: str,
                      reason: str) -> dict[str, Any]:
         op = await self.store.run(rec.reject_txn, operation_id, epoch=epoch, operator=operator,
-                                  reason=reason, subjects=self.subjects, now=self.clock())
+                                  reason=reason, subjects=self.subjects, now=self.clock(),
+                                  traceparent=tracing.current_traceparent())
         self.waiters.changed(operation_id)
         return op
 
     async def cancel(self, operation_id: str, *, operator: str, reason: str) -> dict[str, Any]:
         op = await self.store.run(rec.cancel_txn, operation_id, operator=operator,
-                                  reason=reason, subjects=self.subjects, now=self.clock())
+                                  reason=reason, subjects=self.subjects, now=self.clock(),
+                                  traceparent=tracing.current_traceparent())
         self.waiters.changed(operation_id)
         return op
 
@@ -383,7 +392,8 @@ class LedgerService:
     async def use_plan(self, plan_id: str) -> rec.Admission:
         admission = await self.store.run(rec.consume_plan_txn, plan_id, catalog=self.catalog,
                                          subjects=self.subjects, outbox_id=self.ids(),
-                                         now=self.clock())
+                                         now=self.clock(),
+                                         traceparent=tracing.current_traceparent())
         if admission.admitted:
             self.waiters.changed((admission.operation or {}).get("id"))
             self.outbox_wake.set()
@@ -396,7 +406,7 @@ class LedgerService:
 
         op = await self.store.run(record_review_txn, operation_id, review=review,
                                   review_id=self.ids(), subjects=self.subjects,
-                                  now=self.clock())
+                                  now=self.clock(), traceparent=tracing.current_traceparent())
         self.waiters.changed(operation_id)
         return op
 

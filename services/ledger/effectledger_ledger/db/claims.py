@@ -73,7 +73,7 @@ async def _claims(conn: AsyncConnection, items: Sequence[ClaimCall]) -> list[Cla
             # neither reach a provider nor declare the real attempt lost. Kept as evidence.
             batch.note(journal_row(
                 operation_id=claim.operation_id, at=now, kind=JournalKind.CLAIM_REJECTED,
-                actor=claim.dispatcher_id, epoch=claim.epoch,
+                actor=claim.dispatcher_id, epoch=claim.epoch, traceparent=item.traceparent,
                 detail={"attempt_id": claim.attempt_id, "reason": "command_mismatch",
                         "detail": wrong, "state": state}))
             replies.append(ClaimReply(status=ClaimStatus.COMMAND_MISMATCH, reason=wrong,
@@ -82,12 +82,12 @@ async def _claims(conn: AsyncConnection, items: Sequence[ClaimCall]) -> list[Cla
             continue
         h = claims_held.get((claim.operation_id, claim.epoch))
         if h is not None:
-            replies.append(await _held_reply(conn, h, claim, op, now, batch))
+            replies.append(await _held_reply(conn, h, item, op, batch))
             continue
         if epoch != claim.epoch or state not in _CLAIMABLE:
             batch.note(journal_row(
                 operation_id=claim.operation_id, at=now, kind=JournalKind.CLAIM_REJECTED,
-                actor=claim.dispatcher_id, epoch=claim.epoch,
+                actor=claim.dispatcher_id, epoch=claim.epoch, traceparent=item.traceparent,
                 detail={"attempt_id": claim.attempt_id, "current_epoch": epoch, "state": state}))
             status = ClaimStatus.NOT_CLAIMABLE if epoch == claim.epoch else ClaimStatus.STALE_EPOCH
             replies.append(ClaimReply(status=status, current_epoch=epoch, state=state,
@@ -98,7 +98,7 @@ async def _claims(conn: AsyncConnection, items: Sequence[ClaimCall]) -> list[Cla
         step = batch.add(Change(
             operation_id=claim.operation_id, epoch=claim.epoch, from_state=State(state),
             event=Event.CLAIM, at=now, actor=claim.dispatcher_id,
-            detail={"attempt_id": claim.attempt_id}))
+            detail={"attempt_id": claim.attempt_id}, traceparent=item.traceparent))
         grants.append(row)
         claims_held[(claim.operation_id, claim.epoch)] = _Held(claim.attempt_id, _CLAIMED, now,
                                                                row)
@@ -131,8 +131,9 @@ async def _command_mismatch(conn: AsyncConnection, claim: ClaimAttempt,
     return None if arguments_digest(stored) == claim.arguments_digest else wrong
 
 
-async def _held_reply(conn: AsyncConnection, held: _Held, claim: ClaimAttempt, op: _OpState,
-                      now: datetime, batch: Batch) -> ClaimReply:
+async def _held_reply(conn: AsyncConnection, held: _Held, item: ClaimCall, op: _OpState,
+                      batch: Batch) -> ClaimReply:
+    claim, now = item.claim, item.now
     state, epoch = op.state, op.epoch
     base: dict[str, Any] = dict(operation_id=claim.operation_id, epoch=claim.epoch,
                                 current_epoch=epoch, state=state, attempt_id=held.attempt_id)
@@ -158,7 +159,7 @@ async def _held_reply(conn: AsyncConnection, held: _Held, claim: ClaimAttempt, o
         # re-granting it would start a provider call for an epoch already being reconciled.
         batch.note(journal_row(
             operation_id=claim.operation_id, at=now, kind=JournalKind.CLAIM_REJECTED,
-            actor=claim.dispatcher_id, epoch=claim.epoch,
+            actor=claim.dispatcher_id, epoch=claim.epoch, traceparent=item.traceparent,
             detail={"attempt_id": claim.attempt_id, "reason": "attempt_closed",
                     "attempt_status": held.status, "state": state}))
         status = ClaimStatus.NOT_CLAIMABLE if epoch == claim.epoch else ClaimStatus.STALE_EPOCH
@@ -178,6 +179,7 @@ class ClaimCall(BatchCall[ClaimReply]):
 
     claim: ClaimAttempt
     now: datetime
+    traceparent: str | None = None  # the claim message's trace context, for the journal
 
     @classmethod
     async def many(cls, conn: AsyncConnection, calls: Sequence[ClaimCall]

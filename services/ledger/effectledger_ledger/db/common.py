@@ -25,10 +25,21 @@ async def insert_ignore(conn: AsyncConnection, table: sa.Table, values: dict[str
     return bool(result.rowcount == 1)
 
 
+def trace_ids(traceparent: str) -> dict[str, str]:
+    """The trace and span ids of a W3C `traceparent`, as a journal entry's detail keys."""
+    parts = traceparent.split("-")
+    return {"trace_id": parts[1], "span_id": parts[2]} if len(parts) == 4 else {}
+
+
 def journal_row(*, operation_id: str | None, at: datetime, kind: JournalKind | str, actor: str,
                 epoch: int | None = None, from_state: State | str | None = None,
-                to_state: State | str | None = None, detail: dict[str, Any] | None = None
-                ) -> JournalRow:
+                to_state: State | str | None = None, detail: dict[str, Any] | None = None,
+                traceparent: str | None = None) -> JournalRow:
+    """A journal entry. `traceparent`: the context of the request or message that caused it
+    (its ids join the detail, so an entry can be found from a trace and a trace from an
+    entry); None when not traced, which costs nothing."""
+    if traceparent is not None:
+        detail = {**(detail or {}), **trace_ids(traceparent)}
     # Stored as plain strings: drivers and JSON see names, never enum members.
     return JournalRow(operation_id=operation_id, at=at, kind=_PLAIN.get(kind, kind),
                       actor=actor[:1024], epoch=epoch,
@@ -56,9 +67,11 @@ async def append_journal(conn: AsyncConnection, *, operation_id: str | None, at:
                          kind: JournalKind | str, actor: str, epoch: int | None = None,
                          from_state: State | str | None = None,
                          to_state: State | str | None = None,
-                         detail: dict[str, Any] | None = None) -> None:
+                         detail: dict[str, Any] | None = None,
+                         traceparent: str | None = None) -> None:
     row = journal_row(operation_id=operation_id, at=at, kind=kind, actor=actor, epoch=epoch,
-                      from_state=from_state, to_state=to_state, detail=detail)
+                      from_state=from_state, to_state=to_state, detail=detail,
+                      traceparent=traceparent)
     await conn.execute(journal.insert().values(**row))
     note_transitions(conn, [row])
 

@@ -47,14 +47,6 @@ def dispatch_row(op: OperationRow, *, subjects: Subjects, outbox_id: str,
                 status=OUTBOX_PENDING, created_at=now, available_at=now, publish_count=0)
 
 
-def _trace_ids(traceparent: str | None) -> dict[str, str]:
-    """The request's trace and span ids for the journal entry (nothing when not traced)."""
-    if traceparent is None:
-        return {}
-    parts = traceparent.split("-")
-    return {"trace_id": parts[1], "span_id": parts[2]} if len(parts) == 4 else {}
-
-
 # Built once (see common._LOCK_WITH_ATTEMPTS).
 _BY_KEYS = sa.select(operations).where(
     operations.c.operation_key.in_(sa.bindparam("keys", expanding=True)))
@@ -125,7 +117,7 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
             epoch=1, to_state=state.value,
             detail={"arguments_digest": args_digest, "tool_digest": op.tool_digest,
                     "contract_revision": tool.contract_revision, "tenant": intent.tenant,
-                    "task_id": intent.task_id, **_trace_ids(kw.traceparent)}))
+                    "task_id": intent.task_id}, traceparent=kw.traceparent))
         command = None
         if state is State.PENDING:
             row = dispatch_row(op, subjects=kw.subjects, outbox_id=kw.outbox_id, now=now)

@@ -66,6 +66,7 @@ class OutcomeCall(BatchCall[Recorded]):
     ambiguous_outbox_id: str  # the id of the command it may cause (reconcile, or a retry)
     decide_retry: RetryDecider | None = None
     webhook_binding: WebhookBinding | None = None  # which stored webhooks may settle it
+    traceparent: str | None = None  # the outcome message's trace context, for the journal
 
     @classmethod
     async def many(cls, conn: AsyncConnection, calls: Sequence[OutcomeCall]
@@ -184,7 +185,7 @@ class _Decider:
         change = Change(operation_id=outcome.operation_id, epoch=outcome.epoch,
                         from_state=State(op.state), event=event, at=now,
                         actor=outcome.dispatcher_id, detail=detail, values=values,
-                        row=self.rows.get(outcome.operation_id))
+                        row=self.rows.get(outcome.operation_id), traceparent=it.traceparent)
         finish = dict(b_id=outcome.attempt_id, b_status=outcome.type, b_now=now,
                       b_http=outcome.http_status, b_ref=outcome.provider_ref,
                       b_digest=getattr(outcome, "response_digest", None), b_detail=detail)
@@ -212,7 +213,7 @@ class _Decider:
             async def settle(conn: AsyncConnection, row: OperationRow) -> Recorded | None:
                 return await settle_from_stored_webhooks(
                     conn, row, now=now, subjects=it.subjects, outbox_id=it.ambiguous_outbox_id,
-                    decide_retry=decide, binding=binding)
+                    decide_retry=decide, binding=binding, traceparent=it.traceparent)
 
             accepted = change.event is Event.OUTCOME_ACCEPTED
             change = _with(change, reconcile=Reconcile(
@@ -241,7 +242,7 @@ class _Decider:
     def _reject(self, it: OutcomeCall, reason: str, detail: dict[str, Any]) -> None:
         self.batch.note(journal_row(
             operation_id=it.outcome.operation_id, at=it.now, kind=JournalKind.OUTCOME_REJECTED,
-            actor=it.outcome.dispatcher_id, epoch=it.outcome.epoch,
+            actor=it.outcome.dispatcher_id, epoch=it.outcome.epoch, traceparent=it.traceparent,
             detail={"reason": reason, "outcome": detail, "message_id": it.message_id}))
 
 
@@ -256,12 +257,12 @@ def _retry_entry(change: Change, decision: RetryDecision) -> JournalRow:
     if not decision.retry:
         return journal_row(operation_id=change.operation_id, at=change.at,
                            kind=JournalKind.RETRY_DECLINED, actor="ledger.retry_policy",
-                           epoch=change.epoch, detail=detail)
+                           epoch=change.epoch, detail=detail, traceparent=change.traceparent)
     assert change.row is not None and change.dispatch is not None
     due = change.dispatch.available_at or change.at
     return journal_row(operation_id=change.operation_id, at=change.at,
                        kind=JournalKind.RETRY_SCHEDULED, actor="ledger.retry_policy",
-                       epoch=change.epoch + 1,
+                       epoch=change.epoch + 1, traceparent=change.traceparent,
                        detail={**detail, "due_at": due.isoformat(),
                                "operation_key": change.row.operation_key})
 

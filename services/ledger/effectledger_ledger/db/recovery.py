@@ -51,8 +51,8 @@ def facts(op: OperationRow) -> OperationFacts:
 
 async def move(conn: AsyncConnection, op: OperationRow, event: Event, *, now: datetime,
                actor: str, detail: dict[str, Any], subjects: Subjects,
-               outbox_id: str | None = None, extra: dict[str, Any] | None = None
-               ) -> OperationRow:
+               outbox_id: str | None = None, extra: dict[str, Any] | None = None,
+               traceparent: str | None = None) -> OperationRow:
     """An operator's transition, through the applier; refused when the operation moved on."""
     if op.state not in sources(event):
         raise ActionRejected(f"{event.value} is not allowed in state {op.state.value}",
@@ -60,7 +60,8 @@ async def move(conn: AsyncConnection, op: OperationRow, event: Event, *, now: da
     applied = await apply(conn, Change(
         operation_id=op.id, epoch=op.epoch, from_state=op.state, event=event, at=now,
         actor=actor, detail=detail, values=extra or {}, row=op,
-        dispatch=None if outbox_id is None else Dispatch(outbox_id, subjects)))
+        dispatch=None if outbox_id is None else Dispatch(outbox_id, subjects),
+        traceparent=traceparent))
     if applied is None:
         raise ActionRejected("the operation changed concurrently; read it again")
     assert applied.row is not None
@@ -69,7 +70,8 @@ async def move(conn: AsyncConnection, op: OperationRow, event: Event, *, now: da
 
 async def approve_txn(conn: AsyncConnection, operation_id: str, *, epoch: int,
                       arguments_digest: str, operator: str, subjects: Subjects,
-                      outbox_id: str, now: datetime) -> dict[str, Any]:
+                      outbox_id: str, now: datetime,
+                      traceparent: str | None = None) -> dict[str, Any]:
     op = await load_op(conn, operation_id)
     if op.state is not State.AWAITING_APPROVAL:
         raise ActionRejected(f"operation is {op.state.value}, not awaiting approval")
@@ -80,27 +82,31 @@ async def approve_txn(conn: AsyncConnection, operation_id: str, *, epoch: int,
         raise ActionRejected("approval is for different arguments than the operation's",
                              reason="arguments_changed")
     return (await move(conn, op, Event.APPROVE, now=now, actor=f"operator:{operator}",
-                       subjects=subjects, outbox_id=outbox_id,
+                       subjects=subjects, outbox_id=outbox_id, traceparent=traceparent,
                        detail={"arguments_digest": arguments_digest, "operator": operator})
             ).as_dict()
 
 
 async def reject_txn(conn: AsyncConnection, operation_id: str, *, epoch: int, operator: str,
-                     reason: str, subjects: Subjects, now: datetime) -> dict[str, Any]:
+                     reason: str, subjects: Subjects, now: datetime,
+                     traceparent: str | None = None) -> dict[str, Any]:
     op = await load_op(conn, operation_id)
     if epoch != op.epoch:
         raise ActionRejected(f"rejection is for epoch {epoch}; the operation is at "
                              f"{op.epoch}", reason="stale_epoch")
     return (await move(conn, op, Event.REJECT, now=now, actor=f"operator:{operator}",
-                       subjects=subjects, detail={"operator": operator, "reason": reason})
+                       subjects=subjects, detail={"operator": operator, "reason": reason},
+                       traceparent=traceparent)
             ).as_dict()
 
 
 async def cancel_txn(conn: AsyncConnection, operation_id: str, *, operator: str, reason: str,
-                     subjects: Subjects, now: datetime) -> dict[str, Any]:
+                     subjects: Subjects, now: datetime,
+                     traceparent: str | None = None) -> dict[str, Any]:
     op = await load_op(conn, operation_id)
     return (await move(conn, op, Event.CANCEL, now=now, actor=f"operator:{operator}",
-                       subjects=subjects, detail={"operator": operator, "reason": reason})
+                       subjects=subjects, detail={"operator": operator, "reason": reason},
+                       traceparent=traceparent)
             ).as_dict()
 
 
@@ -129,7 +135,8 @@ class Admission:
 
 
 async def consume_plan_txn(conn: AsyncConnection, plan_id: str, *, catalog: Catalog,
-                           subjects: Subjects, outbox_id: str, now: datetime) -> Admission:
+                           subjects: Subjects, outbox_id: str, now: datetime,
+                           traceparent: str | None = None) -> Admission:
     """Consume the plan (once, ever) and run admission. A refusal still consumes it."""
     taken = await conn.execute(
         retry_plans.update().where(retry_plans.c.id == plan_id,
@@ -148,13 +155,13 @@ async def consume_plan_txn(conn: AsyncConnection, plan_id: str, *, catalog: Cata
         await conn.execute(retry_plans.update().where(retry_plans.c.id == plan_id)
                            .values(admission=f"refused:{reason}"))
         await append_journal(conn, operation_id=op.id, at=now, kind=JournalKind.RETRY_REFUSED,
-                             actor="ledger.admission", epoch=op.epoch,
+                             actor="ledger.admission", epoch=op.epoch, traceparent=traceparent,
                              detail={"plan_id": plan_id, "reason": reason})
         return Admission(False, reason)
     tool = catalog.get(op.tool)
     new = await move(conn, op, Event.PLAN_ADMITTED, now=now,
                      actor=f"operator:{plan['requested_by']}",
-                     subjects=subjects, outbox_id=outbox_id,
+                     subjects=subjects, outbox_id=outbox_id, traceparent=traceparent,
                      detail={"plan_id": plan_id, "review": plan["review"],
                              "operation_key": op.operation_key})
     if tool.commit_policy == "approval":
@@ -162,7 +169,7 @@ async def consume_plan_txn(conn: AsyncConnection, plan_id: str, *, catalog: Cata
         await conn.execute(outbox.update().where(outbox.c.id == outbox_id)
                            .values(status=OUTBOX_OBSOLETE))
         new = await move(conn, new, Event.REQUIRE_APPROVAL, now=now, actor="ledger.admission",
-                         subjects=subjects, detail={})
+                         subjects=subjects, detail={}, traceparent=traceparent)
     await conn.execute(retry_plans.update().where(retry_plans.c.id == plan_id)
                        .values(admission="admitted"))
     return Admission(True, "admitted", new.as_dict())

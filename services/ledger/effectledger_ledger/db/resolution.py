@@ -44,9 +44,11 @@ async def apply_verdict(conn: AsyncConnection, *, op: OperationRow, epoch: int, 
                         evidence: dict[str, Any], actor: str, now: datetime,
                         subjects: Subjects, outbox_id: str,
                         decide_retry: RetryDecider | None,
-                        result: dict[str, Any] | None = None) -> Recorded:
+                        result: dict[str, Any] | None = None,
+                        traceparent: str | None = None) -> Recorded:
     """Apply applied / not_applied / undecidable for `epoch` of `op` (already row-locked).
-    `result`: the provider's answer the evidence brought (a readback's), kept with `applied`."""
+    `result`: the provider's answer the evidence brought (a readback's), kept with `applied`.
+    `traceparent`: the context of the message that brought the verdict, for the journal."""
     if op.epoch != epoch:
         return Recorded("rejected", reason="stale_epoch")
     if op.state not in UNRESOLVED:
@@ -76,11 +78,11 @@ async def apply_verdict(conn: AsyncConnection, *, op: OperationRow, epoch: int, 
     applied = await apply(conn, Change(
         operation_id=op.id, epoch=epoch, from_state=op.state, event=event, at=now, actor=actor,
         detail={"verdict": verdict, "evidence": evidence}, values=values, row=op,
-        dispatch=Dispatch(outbox_id, subjects, available_at=due)))
+        dispatch=Dispatch(outbox_id, subjects, available_at=due), traceparent=traceparent))
     if applied is None:
         return Recorded("rejected", reason="concurrent_change")
     if decision is not None:
-        await _journal_retry(conn, op, decision, now=now, due=due)
+        await _journal_retry(conn, op, decision, now=now, due=due, traceparent=traceparent)
         if decision.retry:
             # A retry on "not found" evidence is where a provider that breaks its horizon
             # makes a duplicate: look again once it could have shown (duplicates.py).
@@ -90,17 +92,18 @@ async def apply_verdict(conn: AsyncConnection, *, op: OperationRow, epoch: int, 
 
 
 async def _journal_retry(conn: AsyncConnection, op: OperationRow, decision: RetryDecision, *,
-                         now: datetime, due: datetime) -> None:
+                         now: datetime, due: datetime, traceparent: str | None) -> None:
     """Journal the retry policy's decision (a retry's delayed command came with the change)."""
     detail = {"reason": decision.reason, "delay_s": round(decision.delay_s, 3),
               "policy_digest": policy_digest()}
     if not decision.retry:
         await append_journal(conn, operation_id=op.id, at=now, kind=JournalKind.RETRY_DECLINED,
-                             actor="ledger.retry_policy", epoch=op.epoch, detail=detail)
+                             actor="ledger.retry_policy", epoch=op.epoch, detail=detail,
+                             traceparent=traceparent)
         return
     await append_journal(conn, operation_id=op.id, at=now, kind=JournalKind.RETRY_SCHEDULED,
                          actor="ledger.retry_policy", epoch=op.epoch + 1,
-                         detail={**detail, "due_at": due.isoformat(),
+                         traceparent=traceparent, detail={**detail, "due_at": due.isoformat(),
                                  "operation_key": op.operation_key})
 
 
@@ -112,7 +115,8 @@ async def lock_op(conn: AsyncConnection, operation_id: str) -> OperationRow | No
 
 async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consumer: str,
                              message_id: str, subjects: Subjects, now: datetime,
-                             outbox_id: str, decide_retry: RetryDecider | None) -> Recorded:
+                             outbox_id: str, decide_retry: RetryDecider | None,
+                             traceparent: str | None = None) -> Recorded:
     if not await insert_ignore(conn, inbox, dict(consumer=consumer, message_id=message_id,
                                                  received_at=now)):
         return Recorded("duplicate")
@@ -133,7 +137,7 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
               await apply_verdict(conn, op=op, epoch=v.epoch, verdict=verdict,
                                   evidence=evidence, actor=f"reconciler:{v.reconciler_id}",
                                   now=now, subjects=subjects, outbox_id=outbox_id,
-                                  decide_retry=decide_retry,
+                                  decide_retry=decide_retry, traceparent=traceparent,
                                   result=v.result.model_dump(mode="json") if v.result else None))
     if result.status == "applied" and op is not None and is_duplicate(evidence):
         await note_duplicate_txn(conn, op=op, epoch=v.epoch, evidence=evidence,
@@ -143,6 +147,7 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
         await append_journal(conn, operation_id=v.operation_id, at=now,
                              kind=JournalKind.VERDICT_REJECTED,
                              actor=f"reconciler:{v.reconciler_id}", epoch=v.epoch,
+                             traceparent=traceparent,
                              detail={"reason": result.reason, "verdict": v.verdict,
                                      "message_id": message_id})
     return result
@@ -159,7 +164,8 @@ def _webhook_verdict(hook: dict[str, Any]) -> str | None:
 async def record_webhook_txn(conn: AsyncConnection, hook: WebhookReceived, *, now: datetime,
                              subjects: Subjects, outbox_id: str,
                              decide_retry: RetryDecider | None,
-                             tools: Collection[str] | None = None) -> Recorded:
+                             tools: Collection[str] | None = None,
+                             traceparent: str | None = None) -> Recorded:
     """Store a verified webhook (dedup by provider + webhook id) and apply it if it can be.
 
     `tools`: the tools this provider may speak for (`Catalog.webhook_tools`); a webhook naming
@@ -201,12 +207,13 @@ async def record_webhook_txn(conn: AsyncConnection, hook: WebhookReceived, *, no
     locked = await lock_op(conn, op.id)
     assert locked is not None
     return await _use_webhook(conn, locked, row, now=now, subjects=subjects, outbox_id=outbox_id,
-                              decide_retry=decide_retry)
+                              decide_retry=decide_retry, traceparent=traceparent)
 
 
 async def _use_webhook(conn: AsyncConnection, op: OperationRow, hook: dict[str, Any], *,
                        now: datetime, subjects: Subjects, outbox_id: str,
-                       decide_retry: RetryDecider | None) -> Recorded:
+                       decide_retry: RetryDecider | None,
+                       traceparent: str | None = None) -> Recorded:
     verdict = _webhook_verdict(hook)
     where = sa.and_(webhook_events.c.provider == hook["provider"],
                     webhook_events.c.webhook_id == hook["webhook_id"])
@@ -250,7 +257,8 @@ async def _use_webhook(conn: AsyncConnection, op: OperationRow, hook: dict[str, 
                 "webhook_id": hook["webhook_id"], "event_type": hook["event_type"]}
     result = await apply_verdict(conn, op=op, epoch=op.epoch, verdict=verdict,
                                  evidence=evidence, actor=actor, now=now, subjects=subjects,
-                                 outbox_id=outbox_id, decide_retry=decide_retry)
+                                 outbox_id=outbox_id, decide_retry=decide_retry,
+                                 traceparent=traceparent)
     await conn.execute(webhook_events.update().where(where).values(
         applied="applied" if result.status == "applied" else f"rejected:{result.reason}"))
     return result
@@ -279,7 +287,8 @@ async def _names_attempt(conn: AsyncConnection, op: OperationRow,
 async def settle_from_stored_webhooks(conn: AsyncConnection, op: OperationRow, *,
                                      now: datetime, subjects: Subjects, outbox_id: str,
                                      decide_retry: RetryDecider | None,
-                                     binding: WebhookBinding | None = None) -> Recorded | None:
+                                     binding: WebhookBinding | None = None,
+                                     traceparent: str | None = None) -> Recorded | None:
     """When an operation becomes unresolved, evidence that arrived early decides it at once.
 
     Only evidence from a provider bound to the operation's tool counts: operation keys are
@@ -299,7 +308,8 @@ async def settle_from_stored_webhooks(conn: AsyncConnection, op: OperationRow, *
         if binding is not None and not binding(hook["provider"], op.tool):
             continue
         result = await _use_webhook(conn, op, dict(hook), now=now, subjects=subjects,
-                                    outbox_id=outbox_id, decide_retry=decide_retry)
+                                    outbox_id=outbox_id, decide_retry=decide_retry,
+                                    traceparent=traceparent)
         if result.status == "applied":
             return result
     return None

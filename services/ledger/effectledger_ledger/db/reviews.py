@@ -27,10 +27,12 @@ from .schema import inbox, journal, operations, reviews, webhook_events
 
 
 async def record_review_txn(conn: AsyncConnection, operation_id: str, *, review: Review,
-                            review_id: str, subjects: Subjects, now: datetime) -> dict[str, Any]:
+                            review_id: str, subjects: Subjects, now: datetime,
+                            traceparent: str | None = None) -> dict[str, Any]:
     op = await load_op(conn, operation_id)
     if op.state is State.SUCCEEDED and open_duplicate(op.evidence):
-        return await _review_duplicate(conn, op, review=review, review_id=review_id, now=now)
+        return await _review_duplicate(conn, op, review=review, review_id=review_id, now=now,
+                                       traceparent=traceparent)
     if review.epoch != op.epoch:
         raise ActionRejected(f"the review is for epoch {review.epoch}; the operation is at "
                              f"{op.epoch}", reason="stale_epoch")
@@ -47,20 +49,23 @@ async def record_review_txn(conn: AsyncConnection, operation_id: str, *, review:
         # The evidence names its epoch, like a verdict's: the view shows the current epoch's.
         evidence = {"source": "operator", "at": now.isoformat(), "epoch": op.epoch, **detail}
         return (await move(conn, op, Event.REVIEW_COMPLETED, now=now, actor=actor,
-                           detail=detail, subjects=subjects, extra={"evidence": evidence})
+                           detail=detail, subjects=subjects, extra={"evidence": evidence},
+                           traceparent=traceparent)
                 ).as_dict()
     if review.conclusion is Conclusion.UNCERTAIN:
         return (await move(conn, op, Event.REVIEW_UNCERTAIN, now=now, actor=actor,
-                           detail=detail, subjects=subjects)).as_dict()
+                           detail=detail, subjects=subjects, traceparent=traceparent)).as_dict()
     # not_executed changes no state: it is recorded so that a retry plan may build on it.
     await append_journal(conn, operation_id=operation_id, at=now,
                          kind=JournalKind.REVIEW_RECORDED, actor=actor, epoch=op.epoch,
-                         from_state=op.state, to_state=op.state, detail=detail)
+                         from_state=op.state, to_state=op.state, detail=detail,
+                         traceparent=traceparent)
     return op.as_dict()
 
 
 async def _review_duplicate(conn: AsyncConnection, op: OperationRow, *, review: Review,
-                            review_id: str, now: datetime) -> dict[str, Any]:
+                            review_id: str, now: datetime,
+                            traceparent: str | None) -> dict[str, Any]:
     """A succeeded operation the provider applied twice: `completed` records that the extra
     effect was dealt with (the evidence reference says how); the state stays succeeded."""
     if review.conclusion is not Conclusion.COMPLETED:
@@ -74,7 +79,7 @@ async def _review_duplicate(conn: AsyncConnection, op: OperationRow, *, review: 
                                evidence_ref=review.evidence_ref, now=now)
     await append_journal(conn, operation_id=op.id, at=now, kind=JournalKind.REVIEW_RECORDED,
                          actor=f"operator:{review.operator}", epoch=op.epoch,
-                         from_state=op.state, to_state=op.state,
+                         from_state=op.state, to_state=op.state, traceparent=traceparent,
                          detail={"review_id": review_id, "operator": review.operator,
                                  "evidence_ref": review.evidence_ref, "duplicate": True,
                                  "conclusion": review.conclusion.value})

@@ -151,6 +151,9 @@ class Change(NamedTuple):
     # Overrides the table's journal kind where one event has a more exact name at one site
     # (the sweeper's "outcome presumed lost" is an OUTCOME_AMBIGUOUS nobody reported).
     kind: JournalKind | None = None
+    # The W3C context of the request or message that caused the change: its trace and span
+    # ids go into the journal entry (common.journal_row).
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +234,8 @@ def _entry(change: Change, step: Step, causes: Causes) -> JournalRow:
     epoch = change.epoch + 1 if step.new_epoch and causes.journal_new_epoch else change.epoch
     return journal_row(operation_id=change.operation_id, at=change.at,
                        kind=change.kind or causes.kind, actor=change.actor, epoch=epoch,
-                       from_state=change.from_state, to_state=step.to, detail=change.detail)
+                       from_state=change.from_state, to_state=step.to, detail=change.detail,
+                       traceparent=change.traceparent)
 
 
 def _after(change: Change, step: Step) -> OperationRow | None:
