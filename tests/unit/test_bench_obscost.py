@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from effectledger_bench.obscost import SCENARIO, section, setting_env
+from effectledger_bench.obscost import SCENARIO, SETTINGS, round_order, section, setting_env
 
 
 def _phase(setting: str, cpu: float, ops: float) -> dict[str, Any]:
@@ -61,3 +61,14 @@ def test_settings_switch_metrics_and_write_traces_inside_the_run_folder(tmp_path
     traced = setting_env("metrics+tracing-0.01", tmp_path)
     assert traced["OTEL_TRACES_SAMPLER_ARG"] == "0.01"
     assert Path(traced["EFFECTLEDGER_TRACES_FILE"]).parent == tmp_path
+
+
+def test_every_round_runs_every_setting_and_odd_rounds_run_them_in_reverse() -> None:
+    names = [name for name, _ in SETTINGS]
+    assert round_order(0) == names
+    assert round_order(1) == names[::-1]
+    assert round_order(2) == names
+    # Over a pair of rounds each setting's mean position is the same: no setting always
+    # runs first (coldest) or last (after the most rows were written).
+    positions = {n: round_order(0).index(n) + round_order(1).index(n) for n in names}
+    assert len(set(positions.values())) == 1

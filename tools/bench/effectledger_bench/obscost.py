@@ -19,6 +19,14 @@ SETTINGS: list[tuple[str, str]] = [
 ]
 
 
+def round_order(rnd: int) -> list[str]:
+    """The settings in the order round `rnd` runs them: reversed every other round, so a load
+    that rises or falls steadily over the run (other work on a shared machine, a table that
+    grows) favours no setting over a pair of rounds."""
+    names = [name for name, _ in SETTINGS]
+    return names if rnd % 2 == 0 else names[::-1]
+
+
 def setting_env(name: str, out_dir: Path) -> dict[str, str]:
     """The service environment of one setting. Traces go to a JSON-lines file in the run's
     folder, so nothing leaves the machine and export is part of the cost."""

@@ -568,8 +568,9 @@ class Runner:
         return self.results
 
     async def run_observability(self, lg: LoadGenerator) -> None:
-        """The saturated closed loop once per setting, settings alternated in each round so
-        drift on a shared machine spreads over all of them; the ledger and the dispatchers
+        """The saturated closed loop once per setting, settings alternated in each round (in
+        reverse order every other round) so drift on a shared machine spreads over all of
+        them; the ledger and the dispatchers
         restart with each setting (metrics are switched at start-up)."""
         from . import obscost
 
@@ -578,7 +579,7 @@ class Runner:
         await self.set_latency(0)
         try:
             for rnd in range(cfg.observability_rounds):
-                for name, _ in obscost.SETTINGS:
+                for name in obscost.round_order(rnd):
                     env = obscost.setting_env(name, cfg.out_dir)
                     st.ledger_env = {**base_ledger, **env}
                     st.dispatcher_env = {**base_disp, **env}
