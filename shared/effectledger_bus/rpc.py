@@ -15,6 +15,10 @@ would wait for its timeout and retry blind.
 Replies are the typed models of `effectledger_core.messages` (`IntentReply`, `ClaimReply`,
 `OperationReply`, `ErrorReply`): the ledger encodes them, and `request` parses the answer into
 the union the caller expects, so a malformed reply is a `PoisonMessage`, never a KeyError.
+
+When tracing is on, a request carries the asker's W3C context in its headers and is served in
+a span that continues it, so what the ledger journals for a claim names the claim's trace.
+A request without a context (tracing off on either side) is served with no span at all.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from effectledger_core.errors import EffectLedgerError
 from effectledger_core.messages import ErrorDetail, ErrorReply, Message, encode, parse_answer
+from effectledger_obs import tracing
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +65,9 @@ async def request(nc: NatsClient, subject: str, payload: bytes, answer: type[R],
     reply is neither.
     """
     try:
-        msg = await nc.request(subject, payload, timeout=timeout_s)
+        headers = tracing.inject(None)  # None when tracing is off
+        msg = await nc.request(subject, payload, timeout=timeout_s,
+                               headers=None if headers is None else dict(headers))
     except (TimeoutError, NatsTimeout, NoRespondersError, ConnectionClosedError) as exc:
         raise NoReply(f"{subject}: {type(exc).__name__}") from exc
     return parse_answer(answer, msg.data)
@@ -89,9 +96,16 @@ class RequestServer:
                      queue: str, concurrency: int) -> Subscription:
         slots = asyncio.Semaphore(concurrency)
 
+        span_name = f"serve {subject}"  # the subscribed pattern: no ids in span names
+
         async def answer(msg: Msg) -> None:
             try:
-                reply = await handler(msg)
+                parent = tracing.extract(msg.headers)
+                if parent is None:
+                    reply = await handler(msg)
+                else:
+                    with tracing.span(span_name, kind=tracing.SpanKind.SERVER, context=parent):
+                        reply = await handler(msg)
             except Exception:
                 log.exception("request on %s failed", subject)
                 reply = INTERNAL_ERROR

@@ -6,7 +6,9 @@ the intent's commit (before it publishes), so the dispatch command is published 
 of the next ledger process, from the trace context kept in the outbox row. The relay's
 publish, the dispatcher's consumption, claim and provider call, and the ledger inbox's
 handling of the outcome must all be in the test's trace, in that order, and the provider must
-have received the trace context with the request.
+have received the trace context with the request. The operation's journal entries (intent,
+claim, outcome, and for an ambiguous operation the reconciler's verdict) carry the trace id,
+and the span id of the ledger span that handled what caused them.
 """
 
 from __future__ import annotations
@@ -29,6 +31,16 @@ def spans(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def journal_traces(entries: list[dict[str, Any]]) -> dict[str, tuple[str | None, str | None]]:
+    """(trace id, span id) of each kind of entry (the last entry of a kind)."""
+    return {e["kind"]: (e["detail"].get("trace_id"), e["detail"].get("span_id"))
+            for e in entries}
+
+
+def span_id(span: dict[str, Any]) -> str:
+    return str(span["context"]["span_id"]).removeprefix("0x")
 
 
 def in_trace(found: list[dict[str, Any]], trace_id: str) -> list[dict[str, Any]]:
@@ -60,8 +72,11 @@ async def test_one_operation_is_one_trace_across_a_ledger_restart(
     await wait_until(succeeded, 60, interval=0.2, what="the operation to succeed")
     ledger = in_trace(spans(files["ledger2"]), trace_id)
     dispatcher = in_trace(spans(files["dispatcher"]), trace_id)
-    assert [s["name"] for s in ledger] == ["publish dispatch", "consume ledger.inbox"], ledger
-    publish, inbox = ledger
+    names = [s["name"] for s in ledger]
+    assert [n.split(" ")[0] for n in names] == ["publish", "serve", "consume"], names
+    publish, serve_claim, inbox = ledger
+    assert (publish["name"], inbox["name"]) == ("publish dispatch", "consume ledger.inbox")
+    assert ".claim" in serve_claim["name"], names  # the claim request, served in the trace
     assert publish["parent_id"] is not None  # the request's span, from the outbox row
     assert publish["resource"]["attributes"]["service.name"] == "effectledger-ledger"
     names = [s["name"] for s in dispatcher]
@@ -69,6 +84,7 @@ async def test_one_operation_is_one_trace_across_a_ledger_restart(
     consume, claim, call = dispatcher
     assert consume["parent_id"] == publish["context"]["span_id"]
     assert claim["parent_id"] == call["parent_id"] == consume["context"]["span_id"]
+    assert serve_claim["parent_id"] == claim["context"]["span_id"]
     assert call["attributes"]["effectledger.tool"] == "create_ticket"
     assert call["attributes"]["effectledger.outcome"] == "attempt_succeeded"
     # In order: the relay's publish, the claim, the provider call, the outcome in the inbox.
@@ -77,6 +93,13 @@ async def test_one_operation_is_one_trace_across_a_ledger_restart(
     # The provider received the trace context with the request.
     [request] = (await c.sandbox.get("/_requests")).json()["requests"]
     assert request["traceparent"].split("-")[1] == trace_id, request
+    # The journal names the same trace: the intent (the first ledger's request span, which
+    # died with it), the claim and the outcome (the spans that handled them).
+    [op] = await c.list_all("succeeded")
+    entries = journal_traces(await c.journal(op["id"]))
+    assert entries["intent_accepted"][0] == trace_id, entries
+    assert entries["attempt_claimed"] == (trace_id, span_id(serve_claim)), entries
+    assert entries["outcome_recorded"] == (trace_id, span_id(inbox)), entries
 
 
 async def test_an_ambiguous_operations_trace_includes_the_reconcilers_readback(
@@ -113,5 +136,13 @@ async def test_an_ambiguous_operations_trace_includes_the_reconcilers_readback(
     assert "consume reconciler" in names and "readback" in names, names
     dispatcher = [s["name"] for s in in_trace(spans(files["dispatcher"]), trace_id)]
     assert "provider call" in dispatcher, dispatcher
-    ledger = [s["name"] for s in in_trace(spans(files["ledger"]), trace_id)]
+    ledger_spans = in_trace(spans(files["ledger"]), trace_id)
+    ledger = [s["name"] for s in ledger_spans]
     assert ledger[0] == "POST /v1/intents" and "publish reconcile" in ledger, ledger
+    # Intent, claim, the ambiguous outcome and the reconciler's verdict: all journaled with
+    # the operation's trace id, each with the span id of a ledger span of that trace.
+    entries = journal_traces(await c.journal(resp.json()["id"]))
+    ledger_span_ids = {span_id(s) for s in ledger_spans}
+    for kind in ("intent_accepted", "attempt_claimed", "outcome_recorded", "verdict_applied"):
+        assert entries[kind][0] == trace_id, (kind, entries)
+        assert entries[kind][1] in ledger_span_ids, (kind, entries, ledger)
