@@ -7,13 +7,17 @@ and a provider whose effect appears at a chosen time of a fake clock.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from effectledger_bus.testing import FakeDelivery, FakeLedger, FakePublisher
 from effectledger_core.catalog import Catalog, Tool
@@ -25,6 +29,7 @@ from effectledger_core.messages import (
     parse,
 )
 from effectledger_core.subjects import Subjects
+from effectledger_obs import logs, tracing
 from effectledger_reconciler.ledger_client import LedgerUnavailable, parse_operation_reply
 from effectledger_reconciler.strategy import OperationView, ReadbackAnswer, Timing
 from effectledger_reconciler.worker import Reconciler, http_readback
@@ -311,3 +316,52 @@ def test_operation_reply_parsing() -> None:
                 b'{"ok": false, "error": {"code": "store_unavailable"}}', b'{"ok": false}'):
         with pytest.raises(LedgerUnavailable):
             parse_operation_reply(bad)
+
+
+@pytest.fixture
+def json_logs() -> Iterator[io.StringIO]:
+    """The services' JSON log lines at INFO, as a deployment writes them; tracing on."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    out = io.StringIO()
+    logs.configure_logging("INFO", "json", stream=out)
+    tracing.configure_tracing("test", exporter=InMemorySpanExporter())
+    yield out
+    tracing.shutdown_tracing()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in handlers:
+        root.addHandler(h)
+    root.setLevel(level)
+
+
+async def test_a_wait_is_logged_once_when_it_starts_and_once_when_it_is_decided(
+        world: World, json_logs: io.StringIO) -> None:
+    world.provider.applies_at = 8.0  # not found for a few redeliveries, then found
+    deliveries = 0
+    trace_ids = set()
+    while not world.verdicts():
+        deliveries += 1
+        d = delivery(encode(command()), deliveries=deliveries)
+        with tracing.span("consume reconcile") as span:  # as the bus's consumer does
+            assert span is not None
+            trace_ids.add(format(span.get_span_context().trace_id, "032x"))
+            await world.reconciler.handle(d)
+        for delay in d.naks:
+            world.clock.advance(delay)
+        assert deliveries < 50
+    assert deliveries > 2  # several redeliveries, yet only two lines
+    lines = [json.loads(line) for line in json_logs.getvalue().splitlines()]
+    mine = [line for line in lines if line["logger"] == "effectledger_reconciler.worker"]
+    assert [line["message"].split(":")[1].strip().split(" ")[0] for line in mine] == [
+        "waiting", "verdict"]
+    start, decided = mine
+    assert start["message"].startswith("reconcile: waiting")
+    assert decided["message"].startswith("reconcile: verdict applied")
+    assert f"after {deliveries - 1} wait(s)" in decided["message"]
+    for line in mine:
+        assert (line["operation_id"], line["epoch"], line["attempt_id"], line["tool"]) == (
+            "op1", 1, "a1", "rb")
+        assert line["level"] == "INFO" and line["trace_id"] in trace_ids
+    # Decided: a later command for the same epoch starts a new wait line, not a stale count.
+    assert world.reconciler._waiting == {}

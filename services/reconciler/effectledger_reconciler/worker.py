@@ -9,6 +9,10 @@ Order, for each delivery:
 Several replicas share the durable consumer. Two of them deciding the same epoch (a paused
 replica whose ack_wait expired) is harmless: equal verdicts collapse on the message id, and the
 ledger applies only the first verdict for an epoch, rejecting and journaling the rest.
+
+Logs: a wait is one INFO line when it starts and one when the reconciler decides (with how
+many redeliveries and how long it waited), not a line per redelivery; every line about a
+command carries its operation_id, epoch, attempt_id, tool and, when traced, trace_id.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import httpx
 
@@ -38,8 +43,17 @@ log = logging.getLogger(__name__)
 CONSUMER = "reconciler"
 ACK_WAIT_S = 30.0
 PUBLISH_ATTEMPTS = 3
+# Waits remembered for their closing log line; beyond this (commands abandoned mid-wait, e.g.
+# taken over by another replica) the oldest are forgotten, and only their end line is lost.
+MAX_WAITING = 10_000
 
 ReadbackFn = Callable[[Tool, ReconcileOperation], Awaitable[ReadbackAnswer]]
+
+
+@dataclass
+class _Waiting:
+    since: datetime
+    waits: int = 1
 
 
 def http_readback(client: httpx.AsyncClient, env: Mapping[str, str]) -> ReadbackFn:
@@ -71,6 +85,8 @@ class Reconciler:
     stats: dict[str, int] = field(default_factory=lambda: {
         "applied": 0, "not_applied": 0, "undecidable": 0, "waits": 0, "done": 0,
         "readbacks": 0, "dead_lettered": 0, "ledger_unavailable": 0, "publish_failed": 0})
+    # (operation id, epoch) of the commands this replica is waiting on (see the module doc).
+    _waiting: dict[tuple[str, int], _Waiting] = field(default_factory=dict)
 
     async def handle(self, d: Delivery) -> None:
         try:
@@ -86,12 +102,17 @@ class Reconciler:
         except (PoisonMessage, PayloadTooLarge) as exc:
             await self._reject(d, exc.message)
             return
+        with logs.bind(operation_id=cmd.operation_id, epoch=cmd.epoch, tool=cmd.tool,
+                       attempt_id=cmd.attempt_id):
+            await self._reconcile(d, cmd)
+
+    async def _reconcile(self, d: Delivery, cmd: ReconcileOperation) -> None:
         try:
             op = await self.ledger.operation(cmd.operation_id)
         except LedgerUnavailable as exc:
             self.stats["ledger_unavailable"] += 1
-            log.warning("reconcile %s: %s", cmd.operation_id, exc.message)
-            await self._wait(d, strategy.ledger_unavailable(d.deliveries, self.timing))
+            log.warning("reconcile: ledger unavailable: %s", exc.message)
+            await self._wait(d, cmd, strategy.ledger_unavailable(d.deliveries, self.timing))
             return
         try:
             tool: Tool | None = self.catalog.get(cmd.tool)
@@ -101,16 +122,15 @@ class Reconciler:
                                    timing=self.timing)
         if isinstance(decision, strategy.NeedReadback):
             assert tool is not None
-            with logs.bind(operation_id=cmd.operation_id, epoch=cmd.epoch, tool=cmd.tool,
-                           attempt_id=cmd.attempt_id):
-                decision = await self._readback(d, cmd, tool)
+            decision = await self._readback(d, cmd, tool)
         if isinstance(decision, strategy.Done):
             self.stats["done"] += 1
-            log.debug("reconcile %s: %s", cmd.operation_id, decision.reason)
+            log.info("reconcile: no verdict to give: %s%s", decision.reason, self._waited(cmd))
             await d.ack()
         elif isinstance(decision, strategy.Wait):
-            await self._wait(d, decision)
+            await self._wait(d, cmd, decision)
         elif isinstance(decision, strategy.Reject):
+            self._waited(cmd)
             await self._reject(d, decision.reason)
         else:
             await self._verdict(d, cmd, decision)
@@ -132,15 +152,34 @@ class Reconciler:
             log.warning("readback failed: %s (http=%s)", (answer.error or "no answer")[:300],
                         answer.http_status)
         else:
-            log.info("readback: %s (http=%s)", result, answer.http_status)
+            # The wait and the verdict lines say what it led to; one line per poll is noise.
+            log.debug("readback: %s (http=%s)", result, answer.http_status)
         return strategy.after_readback(cmd, tool, answer, sent_at=sent_at,
                                        answered_at=self.clock(), deliveries=d.deliveries,
                                        timing=self.timing)
 
-    async def _wait(self, d: Delivery, wait: strategy.Wait) -> None:
+    async def _wait(self, d: Delivery, cmd: ReconcileOperation, wait: strategy.Wait) -> None:
         self.stats["waits"] += 1
-        log.debug("reconcile: waiting %.2fs: %s", wait.delay_s, wait.reason)
+        key = (cmd.operation_id, cmd.epoch)
+        waiting = self._waiting.get(key)
+        if waiting is None:
+            self._waiting[key] = _Waiting(self.clock())
+            while len(self._waiting) > MAX_WAITING:
+                del self._waiting[next(iter(self._waiting))]
+            log.info("reconcile: waiting %.2fs: %s", wait.delay_s, wait.reason)
+        else:
+            waiting.waits += 1
+            log.debug("reconcile: still waiting %.2fs (wait %d): %s", wait.delay_s,
+                      waiting.waits, wait.reason)
         await d.nak(delay=wait.delay_s)
+
+    def _waited(self, cmd: ReconcileOperation) -> str:
+        """Forget a command's wait once decided; how long it was, for the decision's line."""
+        waiting = self._waiting.pop((cmd.operation_id, cmd.epoch), None)
+        if waiting is None:
+            return ""
+        seconds = (self.clock() - waiting.since).total_seconds()
+        return f" (after {waiting.waits} wait(s) over {seconds:.1f}s)"
 
     async def _verdict(self, d: Delivery, cmd: ReconcileOperation,
                        decision: strategy.Decide) -> None:
@@ -154,14 +193,14 @@ class Reconciler:
                                     msgids.verdict(verdict))
         except BrokerUnavailable as exc:
             self.stats["publish_failed"] += 1
-            log.error("reconcile %s: verdict not stored: %s", cmd.operation_id, exc.message)
+            log.error("reconcile: verdict not stored: %s", exc.message)
             await d.nak(delay=strategy.backoff(d.deliveries, self.timing))
             return
         self.stats[decision.verdict] += 1
         source = decision.evidence.source if decision.evidence is not None else "none"
         metrics.inc(metrics.VERDICTS_PUBLISHED, decision.verdict, source)
-        log.info("reconcile %s epoch %d: %s (%s)", cmd.operation_id, cmd.epoch,
-                 decision.verdict, decision.reason)
+        log.info("reconcile: verdict %s: %s%s", decision.verdict, decision.reason,
+                 self._waited(cmd))
         await d.ack()
 
     async def _reject(self, d: Delivery, error: str) -> None:
