@@ -127,6 +127,7 @@ async def test_metrics_match_the_ledger_rows_after_a_mixed_workload(make_cluster
     # Logs: JSON lines, one INFO line per transition, no secret, no argument.
     canaries = [c.api_key, c.webhook_secret, CANARY_ARGUMENT]
     transition_lines = 0
+    reconciler_lines: list[dict[str, Any]] = []
     for proc in c.history:
         text = proc.log.read_text()
         for canary in canaries:
@@ -139,4 +140,13 @@ async def test_metrics_match_the_ledger_rows_after_a_mixed_workload(make_cluster
                     "effectledger.ledger.transitions":
                 assert record["operation_id"] and record["epoch"] is not None
                 transition_lines += 1
+            if record.get("logger") == "effectledger_reconciler.worker":
+                reconciler_lines.append(record)
     assert transition_lines == sum(journal.values())
+    # Each of the reconciler's decisions (the readback's applied, the oracle-less tool's
+    # undecidable) is one INFO line naming the operation, epoch, attempt and tool.
+    verdicts = [r for r in reconciler_lines if r["message"].startswith("reconcile: verdict")]
+    assert sorted(r["message"].split(":")[1].strip() for r in verdicts) == [
+        "verdict applied", "verdict undecidable"], reconciler_lines
+    assert all(r["level"] == "INFO" and all(r.get(k) is not None for k in (
+        "operation_id", "epoch", "attempt_id", "tool")) for r in verdicts), verdicts
