@@ -189,12 +189,9 @@ def current_traceparent() -> str | None:
     """The current span's W3C `traceparent`, to keep in a row and resume later."""
     if not ENABLED:
         return None
-    # Formatted here rather than by the propagator (which also builds tracestate, not kept):
-    # the ledger takes this for every claim and outcome it journals.
-    ctx = trace.get_current_span().get_span_context()
-    if not ctx.is_valid:
-        return None
-    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier)
+    return carrier.get("traceparent")
 
 
 def context_from_traceparent(traceparent: str | None) -> Context | None:
