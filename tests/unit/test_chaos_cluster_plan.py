@@ -3,6 +3,7 @@ targets and timing, replay, and what the report makes of several ledger replicas
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -88,7 +89,7 @@ def test_node_faults_are_spread_one_at_a_time() -> None:
     assert len(node) == 6
     starts = [t.at for t in node]
     # Each in its own slot of the phase, further apart than any one lasts.
-    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
     assert min(gaps) > 10.0, starts
 
 

@@ -126,7 +126,9 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
     # first answers leave a few tens of milliseconds after the link heals.
     db_down = [(lo, hi + DB_RECOVERY_S) for lo, hi in _windows(
         records, lambda r: r["kind"] == "pg_restart" or r["target"] == "pg")]
-    replicas = len({r["target"] for r in records if _is_ledger(r["target"])}) > 1
+    # Several replicas when the callers sent to several (each attempt names its ledger).
+    replicas = len({h.get("ledger") for h in history
+                    if h.get("f") == "submit" and h.get("ledger")}) > 1
     # With one ledger its own faults are excused; with replicas a fault on one is excused
     # only while it overlaps one on another (every replica down at once).
     ledger_faulted = _windows(records, lambda r: r["kind"] in _LEDGER_FAULTS

@@ -476,34 +476,43 @@ class FaultRunner:
                                    ) -> dict[str, Any]:
         """SIGKILL a ledger replica while it holds outbox leases: rows it leased to publish
         (the dispatch command of an intent it committed) and had not marked published. The
-        other replica's relay must publish them once the lease runs out, exactly once."""
+        other replica's relay must publish them once the lease runs out, exactly once.
+
+        A direct publish holds its lease for milliseconds, so a lease seen in the database
+        may be gone before a kill lands. The replica is frozen (SIGSTOP) the moment one is
+        seen; if the row is still leased while it is frozen, it is killed holding it; if not,
+        it is let go on and the watch goes on. Past the watch it is killed all the same, and
+        the record says it held no lease (`hit` false)."""
         s = self._svc(f.target)
-        tries: list[dict[str, Any]] = []
-        hit = False
+        frozen = 0
+        held: list[str] = []
         async with self.stack.locks[f.target]:
             rec["started_at"] = self.now()
-            for _ in range(3):  # a lease seen may be released before the signal lands
-                held = await self._leases_of(f.target, f.params["wait_for_lease_s"])
-                s.held_down = True
-                try:
-                    s.signal(signal.SIGKILL, "fault:ledger_replica_kill")
-                    await self._wait_dead(s)
-                    # Which of the leases it saw are still held now that it is dead.
-                    still = await self._still_leased(held)
-                    tries.append({"leases_seen": len(held), "held_at_kill": len(still),
-                                  "outbox_ids": still[:5]})
-                    hit = bool(still)
-                    await asyncio.sleep(f.params["down_s"])
-                    s.start()
-                    await self._note_listening(s, rec)
-                finally:
-                    s.held_down = False
-                if hit or not held:
-                    break
-        how = f"holding {tries[-1]['held_at_kill']} outbox leases" if hit \
-            else "without a lease caught"
-        self.log(f"fault: ledger replica {f.target} killed {how}")
-        return {"hit": hit, "tries": tries}
+            s.held_down = True
+            try:
+                deadline = time.monotonic() + f.params["wait_for_lease_s"]
+                while time.monotonic() < deadline and not held:
+                    seen = await self._leases_of(f.target, deadline - time.monotonic())
+                    if not seen or not s.alive:
+                        break
+                    s.signal(signal.SIGSTOP, "fault:ledger_replica_kill")
+                    frozen += 1
+                    held = await self._still_leased(seen)
+                    if not held:
+                        s.signal(signal.SIGCONT, "fault:ledger_replica_kill")
+                rec["killed_at"] = self.now()
+                s.signal(signal.SIGKILL, "fault:ledger_replica_kill")
+                s.signal(signal.SIGCONT, "fault:ledger_replica_kill")
+                await self._wait_dead(s)
+                await asyncio.sleep(f.params["down_s"])
+                s.start()
+                await self._note_listening(s, rec)
+            finally:
+                s.held_down = False
+        how = f"holding {len(held)} outbox leases" if held else "without a lease caught"
+        self.log(f"fault: ledger replica {f.target} killed {how} ({frozen} freezes)")
+        return {"hit": bool(held), "leases_held": len(held), "outbox_ids": held[:5],
+                "freezes": frozen}
 
     async def _leases_of(self, ledger: str, timeout_s: float) -> list[str]:
         """Outbox rows under a live lease whose operation `ledger` acknowledged."""
@@ -516,6 +525,7 @@ class FaultRunner:
                         rows = (await conn.execute(sa.text(
                             "SELECT id, operation_id FROM outbox WHERE status = 'publishing' "
                             "AND lease_until > CURRENT_TIMESTAMP"))).all()
+                        await conn.rollback()  # a fresh snapshot for the next look
                     except Exception:  # the database may be the one being faulted
                         return []
                     mine = [str(r[0]) for r in rows if self.acked_by.get(str(r[1])) == ledger]
