@@ -158,3 +158,16 @@ def test_a_replica_down_excuses_nothing_while_another_serves() -> None:
         + steady(30.0, first=1000, since=11.0)
     b = availability(stuck, kill, T0)
     assert b["unavailable_db_up_s"] > 4.0
+
+
+def test_a_frozen_replica_is_excused_as_its_callers_wait_for_their_timeout() -> None:
+    pause = [{"kind": "pause", "target": "ledger-2", "started_at": 5.0, "ended_at": 9.0}]
+    # Every caller stuck on the frozen replica from 5 s until it resumes at 9 s (answering at
+    # 9.5 s), nobody acknowledged meanwhile: excused, the pause and the grace after it.
+    history = steady(5.0, ledger="ledger") + submit(700, 5.0, 9.5, ledger="ledger-2") \
+        + steady(30.0, ledger="ledger", first=1000, since=9.5)
+    a = availability(history, pause, T0)
+    assert a["stalled_s"] > 3.0 and a["unavailable_db_up_s"] == 0
+    # The same stall with a kill instead is counted: a dead replica refuses at once.
+    kill = [{**pause[0], "kind": "kill"}]
+    assert availability(history, kill, T0)["unavailable_db_up_s"] > 3.0

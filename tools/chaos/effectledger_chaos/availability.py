@@ -33,7 +33,8 @@ DB_RECOVERY_S = 1.0
 STEP_S = 0.05
 _LEDGER_FAULTS = ("kill", "pause", "crash_point")
 # A replica killed while others serve is not excused: the callers move to another replica, so
-# intake must not stall (the restart is still listed in `ledger_restarts`).
+# intake must not stall (the restart is still listed in `ledger_restarts`). Paused replicas
+# are (see availability()).
 _REPLICA_FAULTS = ("ledger_replica_kill",)
 _BROKER_DOWN = ("nats_restart", "nats_long_outage")
 
@@ -69,16 +70,16 @@ def _windows(records: list[dict[str, Any]], pred: Any, *, end_key: str = "ended_
     return out
 
 
-def _all_down(records: list[dict[str, Any]]) -> list[Interval]:
+def _all_down(records: list[dict[str, Any]], replicas: set[str]) -> list[Interval]:
     """Moments when every ledger replica was being faulted at once."""
-    per: dict[str, list[Interval]] = {}
+    per: dict[str, list[Interval]] = {name: [] for name in replicas}
     for r in records:
         if r["kind"] in (*_LEDGER_FAULTS, *_REPLICA_FAULTS) and _is_ledger(r["target"]) \
                 and "started_at" in r:
             end = r.get("listening_at") or r.get("ended_at") or r["started_at"]
             per.setdefault(r["target"], []).append((float(r["started_at"]), float(end)))
-    if not per:
-        return []
+    if not per or not all(per.values()):
+        return []  # a replica never faulted was always there
     merged = [_merge(v) for v in per.values()]
     out = merged[0]
     for other in merged[1:]:
@@ -127,15 +128,21 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
     db_down = [(lo, hi + DB_RECOVERY_S) for lo, hi in _windows(
         records, lambda r: r["kind"] == "pg_restart" or r["target"] == "pg")]
     # Several replicas when the callers sent to several (each attempt names its ledger).
-    replicas = len({h.get("ledger") for h in history
-                    if h.get("f") == "submit" and h.get("ledger")}) > 1
+    names = {str(h["ledger"]) for h in history if h.get("f") == "submit" and h.get("ledger")}
+    replicas = len(names) > 1
     # With one ledger its own faults are excused; with replicas a fault on one is excused
     # only while it overlaps one on another (every replica down at once).
     ledger_faulted = _windows(records, lambda r: r["kind"] in _LEDGER_FAULTS
                               and _is_ledger(r["target"]), end_key="listening_at")
     own_fault: dict[str, list[Interval]] = {}
     if replicas:
-        ledger_faulted = _all_down(records)
+        # A frozen replica holds its callers until their own timeout (only a balancer's
+        # health check could take them away, and the harness's callers have none): its pause,
+        # and the grace after it while it answers what it held, stays excused. A dead one
+        # refuses at once and its callers move on, so a kill is not.
+        ledger_faulted = _merge(_all_down(records, names) + [
+            (lo, hi + GRACE_S) for lo, hi in _windows(
+                records, lambda r: r["kind"] == "pause" and _is_ledger(r["target"]))])
         for r in records:
             if r["kind"] in (*_LEDGER_FAULTS, *_REPLICA_FAULTS) and _is_ledger(r["target"]) \
                     and "started_at" in r:
