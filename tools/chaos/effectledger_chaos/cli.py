@@ -1,6 +1,7 @@
 """`effectledger chaos`: the proving ground from the command line.
 
     effectledger chaos --ops 200 --seed 1 --seeds 3 --ci --report chaos.json
+    effectledger chaos --nats-cluster 3 --ledgers 2 --ops 600 --seeds 2   # on a cluster
 
 Several seeds run one after another (`--seeds N` runs seeds S, S+1, ...); the exit status is 0
 only if every invariant of every seed is zero (and the bad-input batch passed, and no service

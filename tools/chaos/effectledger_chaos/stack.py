@@ -8,10 +8,13 @@ disp/rec ──▶│ provider ─▶ sandbox                 │
 sandbox  ──▶│ webhook ─▶ reconciler-1, -2 (failover)
             └─────────────────────────────────────┘
 ```
-The harness itself talks to everything directly (ledger HTTP, database, NATS, the sandbox's
-back door), so a network fault never blinds the checker. Services are configured only through
-`EFFECTLEDGER_*` variables, as an operator would run them; secrets go in the environment of the
-processes that need them, never on a command line.
+On a cluster (`--nats-cluster N`) every node's client port has its own route (`nats`,
+`nats-2`, ...) and every route between two nodes runs through its own link (`route-i-j`), so
+a node can be cut off from its peers; `--ledgers M` runs M ledger replicas (`ledger`,
+`ledger-2`, ...) on one database. The harness itself talks to everything directly (ledger
+HTTP, database, NATS, the sandbox's back door), so a network fault never blinds the checker.
+Services are configured only through `EFFECTLEDGER_*` variables, as an operator would run them;
+secrets go in the environment of the processes that need them, never on a command line.
 """
 
 from __future__ import annotations
