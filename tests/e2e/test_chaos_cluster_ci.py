@@ -71,6 +71,17 @@ def test_killed_nodes_rejoin_and_catch_up(report: dict[str, Any]) -> None:
         assert r["result"]["caught_up_s"] is not None, r
 
 
+def test_the_majority_saw_the_partitioned_node_fall_behind(report: dict[str, Any]) -> None:
+    """Near the end of the cut, the other nodes report the cut node's replica of some stream
+    as not current: the partition cut JetStream's traffic, not only some sockets."""
+    partitions = [r for r in report["fault_log"] if r["kind"] == "nats_partition"]
+    assert partitions
+    for r in partitions:
+        view = r["result"]["majority_view"]
+        assert any(isinstance(v, dict) and v.get("current") is False
+                   for v in view.values()), r
+
+
 def test_the_intake_never_stalled_while_the_database_was_up(report: dict[str, Any]) -> None:
     a = report["metrics"]["availability"]
     assert a["ran"] and a["unavailable_db_up_s"] == 0, json.dumps(a, indent=1)[:3000]

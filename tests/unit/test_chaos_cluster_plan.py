@@ -75,8 +75,12 @@ def test_a_cluster_plan_has_every_kind_with_valid_targets() -> None:
             assert t.target in ledgers and t.params["wait_for_lease_s"] > 0
         if t.kind in CLUSTER:
             assert 0 <= t.at <= cfg.fault_phase_s
-    # The existing process faults reach the second replica too.
+    # The existing process faults reach the second replica too; a ledger crash point picks
+    # one replica.
     assert any(t.kind == "kill" and t.target == "ledger-2" for t in s.timed)
+    points = [t for t in s.timed if t.kind == "crash_point"
+              and t.params["point"].startswith("ledger")]
+    assert points and all(t.target in ledgers and t.params["nth"] == 1 for t in points)
     assert [t.id for t in s.timed] == list(range(len(s.timed)))
     assert [t.at for t in s.timed] == sorted(t.at for t in s.timed)
 

@@ -257,11 +257,16 @@ def _timed(cfg: ChaosConfig, enabled: set[str], rng: random.Random) -> list[Time
                 out.append((at(), "pause", s, {"seconds": round(rng.uniform(1.0, hi), 2)}))
     if "crash_point" in enabled:
         for point in [*sorted(CRASH_POINTS), SYNTHETIC_AFTER_SEND]:
-            target = (rng.choice(names["dispatcher"]) if point.startswith("dispatcher")
-                      else "ledger")
-            # The ledger is one process: its crash points queue behind each other, so each
-            # is armed for the first hit; dispatchers share the load, the n-th hit varies.
-            nth = 1 if target == "ledger" else rng.randint(1, 3)
+            if point.startswith("dispatcher"):
+                target = rng.choice(names["dispatcher"])
+            else:
+                # One replica of several, drawn only then: a single ledger's plan stays the
+                # one it always was for its seed.
+                ledgers = names["ledger"]
+                target = rng.choice(ledgers) if len(ledgers) > 1 else ledgers[0]
+            # A ledger's crash points queue behind each other, so each is armed for the first
+            # hit; dispatchers share the load, the n-th hit varies.
+            nth = 1 if target in names["ledger"] else rng.randint(1, 3)
             out.append((at(0.05, 0.7), "crash_point", target,
                         {"point": point, "nth": nth,
                          "restart_after_s": round(rng.uniform(0.3, 2.0), 2)}))
