@@ -358,6 +358,7 @@ class FaultRunner:
         async with self.stack.locks["broker"]:
             rec["started_at"] = self.now()
             before = await self.stack.proxy.command(op="stats")
+            healthy = await self._peer_view(node)  # the same view before the cut, to compare
             cut_at = time.monotonic()
             for route in routes:
                 await self.stack.proxy.command(op="blackhole", route=route,
@@ -374,7 +375,8 @@ class FaultRunner:
                  f"({links}/{len(routes)} links carried routes); streams current after "
                  f"{caught_up}s")
         return {"node": node.name, "routes": routes, "links_with_connections": links,
-                "hit": links > 0, "majority_view": seen, "caught_up_s": caught_up}
+                "hit": links > 0, "majority_view_before": healthy, "majority_view": seen,
+                "caught_up_s": caught_up}
 
     async def _peer_view(self, node: Any) -> dict[str, Any]:
         """What the other nodes report of `node` in each stream: its replica's `current`,
