@@ -60,20 +60,26 @@ def nats_password() -> str:
     return "p" + secrets.token_hex(24)
 
 
-def node_config(p: NatsPlan, index: int, store_dir: Path, authorization: str) -> str:
+def node_config(p: NatsPlan, index: int, store_dir: Path, authorization: str, *,
+                name: str = "up-nats", cluster_name: str = "effectledger-up",
+                routes: list[int] | None = None, cluster_extra: str = "") -> str:
     """One node's configuration; `authorization` is permissions.render's block ("" when
-    permissions are switched off, as on one node)."""
-    routes = "\n".join(f"    nats://127.0.0.1:{port}" for port in p.cluster_ports)
-    return f"""server_name: up-nats-{index + 1}
+    permissions are switched off, as on one node). `routes`: the ports this node dials for
+    its peers, when not their cluster ports (the proving ground puts a proxy on each link);
+    `cluster_extra`: more lines of the `cluster` block."""
+    ports = p.cluster_ports if routes is None else routes
+    route_lines = "\n".join(f"    nats://127.0.0.1:{port}" for port in ports)
+    extra = "".join(f"  {line}\n" for line in cluster_extra.splitlines() if line.strip())
+    return f"""server_name: {name}-{index + 1}
 listen: 127.0.0.1:{p.client_ports[index]}
 jetstream {{
   store_dir: "{store_dir}"
 }}
 cluster {{
-  name: effectledger-up
+  name: {cluster_name}
   listen: 127.0.0.1:{p.cluster_ports[index]}
-  routes: [
-{routes}
+{extra}  routes: [
+{route_lines}
   ]
 }}
 {authorization}"""

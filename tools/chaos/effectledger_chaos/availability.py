@@ -32,10 +32,18 @@ GRACE_S = 1.0
 DB_RECOVERY_S = 1.0
 STEP_S = 0.05
 _LEDGER_FAULTS = ("kill", "pause", "crash_point")
+# A replica killed while others serve is not excused: the callers move to another replica, so
+# intake must not stall (the restart is still listed in `ledger_restarts`). Paused replicas
+# are (see availability()).
+_REPLICA_FAULTS = ("ledger_replica_kill",)
 _BROKER_DOWN = ("nats_restart", "nats_long_outage")
 
 
 Interval = tuple[float, float]
+
+
+def _is_ledger(target: str) -> bool:
+    return target == "ledger" or target.startswith("ledger-")
 
 
 def _inside(t: float, intervals: list[Interval]) -> bool:
@@ -62,14 +70,33 @@ def _windows(records: list[dict[str, Any]], pred: Any, *, end_key: str = "ended_
     return out
 
 
+def _all_down(records: list[dict[str, Any]], replicas: set[str]) -> list[Interval]:
+    """Moments when every ledger replica was being faulted at once."""
+    per: dict[str, list[Interval]] = {name: [] for name in replicas}
+    for r in records:
+        if r["kind"] in (*_LEDGER_FAULTS, *_REPLICA_FAULTS) and _is_ledger(r["target"]) \
+                and "started_at" in r:
+            end = r.get("listening_at") or r.get("ended_at") or r["started_at"]
+            per.setdefault(r["target"], []).append((float(r["started_at"]), float(end)))
+    if not per or not all(per.values()):
+        return []  # a replica never faulted was always there
+    merged = [_merge(v) for v in per.values()]
+    out = merged[0]
+    for other in merged[1:]:
+        out = [(max(a, c), min(b, d)) for a, b in out for c, d in other
+               if max(a, c) < min(b, d)]
+    return out
+
+
 def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
                  phase_start_wall: float) -> dict[str, Any]:
     # Each submission attempt from its send to its answer: the ledger holds it meanwhile. The
     # caller's own backoff between attempts is not the ledger's doing and is not counted.
     in_flight: list[Interval] = []
     acks: list[float] = []
-    refused: list[float] = []  # attempts answered with a refusal or an error
+    refused: list[tuple[float, str]] = []  # (when, ledger) of a refusal or an error
     attempts: dict[tuple[str, int], float] = {}  # (caller process, op) -> invoke time
+    sent_to: dict[tuple[str, int], str] = {}  # ... -> the ledger replica it went to
     latencies: list[tuple[float, float]] = []  # (invoke time, seconds to its 2xx)
     for h in history:
         if h.get("f") != "submit":
@@ -78,6 +105,7 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
         key = (h["process"], h["op"])
         if h["type"] == "invoke":
             attempts[key] = t
+            sent_to[key] = str(h.get("ledger") or "ledger")
             continue
         sent = attempts.pop(key, None)
         if sent is None:
@@ -87,7 +115,7 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
             acks.append(t)
             latencies.append((sent, t - sent))
         else:
-            refused.append(t)
+            refused.append((t, sent_to.get(key, "ledger")))
     for sent in attempts.values():  # never answered (the run ended first)
         in_flight.append((sent, sent))
     if not in_flight:
@@ -99,8 +127,28 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
     # first answers leave a few tens of milliseconds after the link heals.
     db_down = [(lo, hi + DB_RECOVERY_S) for lo, hi in _windows(
         records, lambda r: r["kind"] == "pg_restart" or r["target"] == "pg")]
+    # Several replicas when the callers sent to several (each attempt names its ledger).
+    names = {str(h["ledger"]) for h in history if h.get("f") == "submit" and h.get("ledger")}
+    replicas = len(names) > 1
+    # With one ledger its own faults are excused; with replicas a fault on one is excused
+    # only while it overlaps one on another (every replica down at once).
     ledger_faulted = _windows(records, lambda r: r["kind"] in _LEDGER_FAULTS
-                              and r["target"] == "ledger", end_key="listening_at")
+                              and _is_ledger(r["target"]), end_key="listening_at")
+    own_fault: dict[str, list[Interval]] = {}
+    if replicas:
+        # A frozen replica holds its callers until their own timeout (only a balancer's
+        # health check could take them away, and the harness's callers have none): its pause,
+        # and the grace after it while it answers what it held, stays excused. A dead one
+        # refuses at once and its callers move on, so a kill is not.
+        ledger_faulted = _merge(_all_down(records, names) + [
+            (lo, hi + GRACE_S) for lo, hi in _windows(
+                records, lambda r: r["kind"] == "pause" and _is_ledger(r["target"]))])
+        for r in records:
+            if r["kind"] in (*_LEDGER_FAULTS, *_REPLICA_FAULTS) and _is_ledger(r["target"]) \
+                    and "started_at" in r:
+                end = r.get("listening_at") or r.get("ended_at") or r["started_at"]
+                own_fault.setdefault(r["target"], []).append(
+                    (float(r["started_at"]), float(end) + GRACE_S))
     broker_down = _windows(records, lambda r: r["kind"] in _BROKER_DOWN)
 
     acks.sort()
@@ -138,7 +186,8 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
     during = [d for s, d in latencies if _inside(s, broker_down)]
     restarts = []
     for r in records:
-        if r["kind"] in _LEDGER_FAULTS and r["target"] == "ledger" and "listening_at" in r:
+        if (r["kind"] in (*_LEDGER_FAULTS, *_REPLICA_FAULTS) and _is_ledger(r["target"])
+                and "listening_at" in r):
             restarts.append({
                 "fault": r["kind"], "at_s": r["started_at"],
                 "restarted_to_listening_s": round(r["listening_at"] - r["restarted_at"], 3)
@@ -152,8 +201,11 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
         "unavailable_periods": examples[:8],
         # Refusals and errors answered while the database was healthy and the ledger was not
         # being restarted (a refused intent is as unavailable as an unanswered one).
-        "refused_db_up": sum(1 for t in refused if not _inside(t, db_down)
-                             and not _inside(t, ledger_faulted)),
+        # With replicas, an attempt refused by the very replica a fault had taken down is the
+        # caller's bad luck, not the service's: it retries on another.
+        "refused_db_up": sum(1 for t, ledger in refused if not _inside(t, db_down)
+                             and not _inside(t, ledger_faulted)
+                             and not _inside(t, own_fault.get(ledger, []))),
         "ledger_restarts": restarts,
         "ack_latency_during_broker_outage_s": {
             "n": len(during), "p50": percentile(during, 0.5), "p99": percentile(during, 0.99),

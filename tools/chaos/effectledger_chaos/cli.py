@@ -1,6 +1,7 @@
 """`effectledger chaos`: the proving ground from the command line.
 
     effectledger chaos --ops 200 --seed 1 --seeds 3 --ci --report chaos.json
+    effectledger chaos --nats-cluster 3 --ledgers 2 --ops 600 --seeds 2   # on a cluster
 
 Several seeds run one after another (`--seeds N` runs seeds S, S+1, ...); the exit status is 0
 only if every invariant of every seed is zero (and the bad-input batch passed, and no service
@@ -53,6 +54,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                           "(no database faults then)")
     p.add_argument("--dispatchers", type=int, default=3, help="dispatcher replicas (1-3)")
     p.add_argument("--reconcilers", type=int, default=2, help="reconciler replicas (1-2)")
+    p.add_argument("--nats-cluster", type=int, default=1,
+                   help="nats-server nodes clustered on loopback, streams at R=min(N,3) "
+                        "(default 1; 3 for the cluster faults)")
+    p.add_argument("--ledgers", type=int, default=1,
+                   help="ledger replicas sharing the database (default 1; 2 for "
+                        "ledger_replica_kill; several need PostgreSQL)")
     p.add_argument("--ci", action="store_true",
                    help="CI sizing: the long broker outage is 15 s instead of 130 s")
     p.add_argument("--long-outage", type=float, default=None,
@@ -80,7 +87,8 @@ def config_from_args(args: argparse.Namespace, seed: int) -> ChaosConfig:
         ops=args.ops, seed=seed, concurrency=args.concurrency, duration_s=args.duration,
         faults=parse_faults(args.faults), tool_mix=parse_tool_mix(args.tool_mix),
         database=args.database, database_url=args.database_url,
-        dispatchers=args.dispatchers, reconcilers=args.reconcilers, ci=args.ci,
+        dispatchers=args.dispatchers, reconcilers=args.reconcilers,
+        nats_cluster=args.nats_cluster, ledgers=args.ledgers, ci=args.ci,
         long_outage_s=args.long_outage, quiet_max_s=args.quiet_max,
         unsafe_skip_claim=args.unsafe_skip_claim,
         unsafe_skip_webhook_verification=args.unsafe_skip_webhook_verification,

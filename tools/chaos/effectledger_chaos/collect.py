@@ -94,13 +94,13 @@ async def _quiet(*_: Any) -> None:
     return None  # broker outages are expected in a chaos run; nats-py would print tracebacks
 
 
-async def connect_quiet(url: str, **options: Any) -> Any:
+async def connect_quiet(url: str | list[str], **options: Any) -> Any:
     """A nats-py connection that does not print tracebacks for expected broker outages."""
     return await nats.connect(url, error_cb=_quiet, disconnected_cb=_quiet,
                               reconnected_cb=_quiet, closed_cb=_quiet, **options)
 
 
-async def read_jetstream(url: str) -> dict[str, Any]:
+async def read_jetstream(url: str | list[str]) -> dict[str, Any]:
     nc = await connect_quiet(url, connect_timeout=5, allow_reconnect=False)
     try:
         js = nc.jetstream()

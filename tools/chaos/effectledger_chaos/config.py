@@ -41,6 +41,10 @@ FAULT_GROUPS: dict[str, tuple[str, ...]] = {
     "bad_input": ("bad_input",),
     # Forgeries on the bus, anonymously and with an agent's credentials (attacker.py).
     "attack": ("attacker",),
+    # A clustered broker and several ledgers (--nats-cluster >= 3, --ledgers >= 2): one node
+    # killed, one cut off from its peers, a stream's leader killed, a ledger replica killed
+    # while it holds outbox leases. On a run without the cluster they are skipped, not failed.
+    "cluster": ("nats_node_kill", "nats_partition", "stream_leader_kill", "ledger_replica_kill"),
 }
 ALL_FAULTS: tuple[str, ...] = tuple(k for g in FAULT_GROUPS.values() for k in g)
 # Faults aimed at one operation (armed in the sandbox before it is submitted) rather than at
@@ -49,6 +53,12 @@ PER_OP_FAULTS = frozenset(FAULT_GROUPS["provider"] + FAULT_GROUPS["webhook"])
 # The synthetic crash point "after send, before response": a provider delay holds the request
 # while the dispatcher that sent it is SIGKILLed (no named crash point can sit inside httpx).
 SYNTHETIC_AFTER_SEND = "dispatcher.after_send"
+# The cluster kinds that need a broker quorum to survive one node (three nodes or more), and
+# the one that needs a second ledger.
+NATS_CLUSTER_FAULTS = frozenset({"nats_node_kill", "nats_partition", "stream_leader_kill"})
+LEDGER_REPLICA_FAULTS = frozenset({"ledger_replica_kill"})
+MAX_NATS_NODES = 5  # JetStream's limit for a stream's replicas (as `effectledger up`)
+MAX_LEDGERS = 3
 
 
 def parse_faults(text: str) -> list[str]:
@@ -169,6 +179,10 @@ class ChaosConfig:
     database_url: str | None = None  # a given PostgreSQL (no pg faults then)
     dispatchers: int = 3
     reconcilers: int = 2
+    # nats-server processes clustered over loopback routes (1: a single server), and ledger
+    # replicas sharing the database (several need PostgreSQL).
+    nats_cluster: int = 1
+    ledgers: int = 1
     ci: bool = False
     # The long broker outage: longer than nats-py's default reconnect budget (60 attempts x 2 s,
     # about 2 minutes) in a full run; shortened in CI mode, where minutes are not affordable.
@@ -193,6 +207,12 @@ class ChaosConfig:
             raise ValueError("--reconcilers must be 1..2")
         if self.database not in ("postgres", "sqlite"):
             raise ValueError("--database must be postgres or sqlite")
+        if not 1 <= self.nats_cluster <= MAX_NATS_NODES:
+            raise ValueError(f"--nats-cluster must be 1..{MAX_NATS_NODES}")
+        if not 1 <= self.ledgers <= MAX_LEDGERS:
+            raise ValueError(f"--ledgers must be 1..{MAX_LEDGERS}")
+        if self.ledgers > 1 and self.database == "sqlite":
+            raise ValueError("--ledgers above 1 needs PostgreSQL: SQLite has a single writer")
         if isinstance(self.timing, dict):
             self.timing = Timing(**self.timing)
         if self.timing.lost_outcome_after_s is None:
@@ -212,6 +232,29 @@ class ChaosConfig:
         return 15.0 if self.ci else 130.0
 
     @property
+    def stream_replicas(self) -> int:
+        """R3 on a cluster of three or more (JetStream's usual choice: one node may fail)."""
+        return min(self.nats_cluster, 3)
+
+    def fault_applies(self, kind: str) -> bool:
+        """Whether this run's shape can carry the fault kind (cluster kinds need a cluster)."""
+        if kind in NATS_CLUSTER_FAULTS:
+            return self.nats_cluster >= 3
+        if kind in LEDGER_REPLICA_FAULTS:
+            return self.ledgers >= 2
+        return True
+
+    @property
+    def active_faults(self) -> list[str]:
+        return [k for k in self.faults if self.fault_applies(k)]
+
+    @property
+    def skipped_faults(self) -> list[str]:
+        """Chosen kinds this run cannot carry (e.g. `all` on one nats-server): skipped, and
+        said so in the report, never counted as failures."""
+        return [k for k in self.faults if not self.fault_applies(k)]
+
+    @property
     def pg_faults_possible(self) -> bool:
         return self.database == "postgres" and self.database_url is None
 
@@ -219,6 +262,8 @@ class ChaosConfig:
         out = asdict(self)
         out["fault_phase_s"] = self.fault_phase_s
         out["outage_s"] = self.outage_s
+        out["stream_replicas"] = self.stream_replicas
+        out["faults_skipped"] = self.skipped_faults
         return out
 
     @classmethod

@@ -48,6 +48,9 @@ class FaultRunner:
         # `fired` counters; the list is re-posted without the timed holds, which resets them).
         self.provider_faults_at_restore: list[dict[str, Any]] = []
         self.pg_down = False
+        # Operation id -> the ledger replica that acknowledged it (the workload fills it): the
+        # ledger that commits an intent publishes its dispatch command under a lease.
+        self.acked_by: dict[str, str] = {}
 
     def now(self) -> float:
         return round(time.monotonic() - self.phase_start, 3)
@@ -90,7 +93,7 @@ class FaultRunner:
         return False
 
     def dependencies_down(self) -> bool:
-        return self.stack.nats.service.held_down or self.pg_down
+        return self.stack.broker_down() or self.pg_down
 
     async def _wait_armed(self, s: Service) -> bool:
         """Wait for an armed process to hit its crash point: True if it died.
@@ -293,20 +296,264 @@ class FaultRunner:
     # -- broker ---------------------------------------------------------------------------
 
     async def _nats_down(self, f: TimedFault, rec: dict[str, Any]) -> dict[str, Any]:
-        s = self.stack.nats.service
-        async with self.stack.locks["nats"]:
+        """The whole broker away: on a cluster every node is killed and restarted together
+        (a lost data centre), so the long outage means the same on both shapes."""
+        nodes = [n.service for n in self.stack.nats_nodes]
+        async with self.stack.locks["broker"]:
+            rec["started_at"] = self.now()
+            for s in nodes:
+                s.held_down = True
+            try:
+                for s in nodes:
+                    s.signal(signal.SIGKILL, f"fault:{f.kind}")
+                for s in nodes:
+                    await self._wait_dead(s)
+                await asyncio.sleep(f.params["down_s"])
+                for s in nodes:
+                    s.start()
+                await self.stack.wait_nats(30)
+            finally:
+                for s in nodes:
+                    s.held_down = False
+        self.log(f"fault: nats-server{'s' if len(nodes) > 1 else ''} killed, down "
+                 f"{f.params['down_s']}s, restarted")
+        return {"down_s": f.params["down_s"], "nodes": len(nodes)}
+
+    # -- the cluster ----------------------------------------------------------------------
+
+    async def _nats_node_kill(self, f: TimedFault, rec: dict[str, Any]) -> dict[str, Any]:
+        """SIGKILL one node, restart it; it must rejoin and catch its streams up."""
+        node = next(n for n in self.stack.nats_nodes if n.name == f.target)
+        async with self.stack.locks["broker"]:
+            rec["started_at"] = self.now()
+            await self._kill_node(node, f.params["down_s"], "fault:nats_node_kill")
+            caught_up = await self._caught_up(60)
+        self.log(f"fault: node {node.name} killed, down {f.params['down_s']}s; "
+                 f"streams current after {caught_up}s")
+        return {"node": node.name, "caught_up_s": caught_up}
+
+    async def _stream_leader_kill(self, f: TimedFault, rec: dict[str, Any]) -> dict[str, Any]:
+        """SIGKILL the node that leads the stream now (as JetStream reports it), restart it."""
+        stream = _stream_name(f.target)
+        async with self.stack.locks["broker"]:
+            rec["started_at"] = self.now()
+            leader = await self._leader(stream)
+            node = self.stack.node_of_server(leader or "")
+            if node is None:
+                return {"hit": False, "stream": stream, "reason": f"no leader ({leader})"}
+            await self._kill_node(node, f.params["down_s"], "fault:stream_leader_kill")
+            after = await self._leader(stream)
+            caught_up = await self._caught_up(60)
+        self.log(f"fault: {stream} leader {leader} ({node.name}) killed; leader now {after}; "
+                 f"streams current after {caught_up}s")
+        return {"hit": True, "stream": stream, "leader": leader, "node": node.name,
+                "leader_after": after, "caught_up_s": caught_up}
+
+    async def _nats_partition(self, f: TimedFault, rec: dict[str, Any]) -> dict[str, Any]:
+        """Cut every route between one node and its peers (the proxy links hold all bytes),
+        then heal. The node stays up and its clients still reach it: a minority of one,
+        which must not accept what the majority cannot see."""
+        node = next(n for n in self.stack.nats_nodes if n.name == f.target)
+        routes = self.stack.partition_routes(node)
+        async with self.stack.locks["broker"]:
+            rec["started_at"] = self.now()
+            before = await self.stack.proxy.command(op="stats")
+            healthy = await self._peer_view(node)  # the same view before the cut, to compare
+            cut_at = time.monotonic()
+            for route in routes:
+                await self.stack.proxy.command(op="blackhole", route=route,
+                                               seconds=f.params["seconds"], then="resume")
+            # Near the end of the cut, as the majority sees the node: its replicas silent.
+            await asyncio.sleep(max(0.0, f.params["seconds"] - 1.5))
+            seen = await self._peer_view(node)
+            await asyncio.sleep(max(0.0, cut_at + f.params["seconds"] - time.monotonic()))
+            # The links that carried routes then: evidence that the cut cut something.
+            links = sum(1 for r in routes
+                        if (before.get("routes", {}).get(r, {}).get("open", 0) or 0) > 0)
+            caught_up = await self._caught_up(60)
+        self.log(f"fault: {node.name} partitioned from its peers for {f.params['seconds']}s "
+                 f"({links}/{len(routes)} links carried routes); streams current after "
+                 f"{caught_up}s")
+        return {"node": node.name, "routes": routes, "links_with_connections": links,
+                "hit": links > 0, "majority_view_before": healthy, "majority_view": seen,
+                "caught_up_s": caught_up}
+
+    async def _peer_view(self, node: Any) -> dict[str, Any]:
+        """What the other nodes report of `node` in each stream: its replica's `current`,
+        `active` (seconds since heard from) and `lag`, or that it leads (a stale leader)."""
+        from .stack import NODE_PREFIX, STREAM_PREFIX
+
+        k = self.stack.nats_nodes.index(node)
+        me = f"{NODE_PREFIX}-{k + 1}"
+        others = [u for i, u in enumerate(self.stack.nats_direct) if i != k]
+        out: dict[str, Any] = {}
+        nc = None
+        try:
+            nc = await connect_quiet(others, connect_timeout=2, allow_reconnect=False)
+            js = nc.jetstream(timeout=3)
+            for suffix in ("DISPATCH", "EVENTS"):
+                try:
+                    c = (await js.stream_info(f"{STREAM_PREFIX}_{suffix}")).cluster
+                except Exception as exc:  # an election in progress is an answer too
+                    out[suffix] = {"error": type(exc).__name__}
+                    continue
+                if c is None:
+                    continue
+                replica = next((r for r in c.replicas or [] if r.name == me), None)
+                out[suffix] = {"leader": c.leader, "current": getattr(replica, "current", None),
+                               # nats-py keeps it in nanoseconds
+                               "active_s": round(replica.active / 1e9, 2)
+                               if replica is not None and replica.active else None,
+                               "lag": getattr(replica, "lag", None)}
+        except Exception as exc:
+            out["error"] = f"{type(exc).__name__}: {exc}"[:200]
+        finally:
+            if nc is not None:
+                with contextlib.suppress(Exception):
+                    await nc.close()
+        return out
+
+    async def _kill_node(self, node: Any, down_s: float, reason: str) -> None:
+        s = node.service
+        s.held_down = True
+        try:
+            s.signal(signal.SIGKILL, reason)
+            await self._wait_dead(s)
+            await asyncio.sleep(down_s)
+            s.start()
+            await self.stack.wait_nats(30)
+        finally:
+            s.held_down = False
+
+    async def _leader(self, stream: str) -> str | None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            nc = None
+            try:
+                nc = await connect_quiet(self.stack.nats_direct, connect_timeout=2,
+                                         allow_reconnect=False)
+                info = await nc.jetstream().stream_info(stream)
+                if info.cluster is not None and info.cluster.leader:
+                    return str(info.cluster.leader)
+            except Exception:  # no leader during an election: ask again
+                pass
+            finally:
+                if nc is not None:
+                    with contextlib.suppress(Exception):
+                        await nc.close()
+            await asyncio.sleep(0.2)  # an election has no event to wait on
+        return None
+
+    async def _caught_up(self, timeout_s: float) -> float | None:
+        """Seconds until every stream has a leader and every replica is current again (the
+        node rejoined and caught up); None if not within `timeout_s`."""
+        from .stack import STREAM_PREFIX
+
+        start = time.monotonic()
+        streams = [f"{STREAM_PREFIX}_DISPATCH", f"{STREAM_PREFIX}_EVENTS"]
+        while time.monotonic() - start < timeout_s:
+            nc = None
+            try:
+                nc = await connect_quiet(self.stack.nats_direct, connect_timeout=2,
+                                         allow_reconnect=False)
+                js = nc.jetstream()
+                current = True
+                for name in streams:
+                    c = (await js.stream_info(name)).cluster
+                    if c is None or not c.leader or any(
+                            not r.current or r.offline for r in c.replicas or []):
+                        current = False
+                if current:
+                    return round(time.monotonic() - start, 2)
+            except Exception:  # mid-election
+                pass
+            finally:
+                if nc is not None:
+                    with contextlib.suppress(Exception):
+                        await nc.close()
+            await asyncio.sleep(0.5)  # replicas catching up have no event to wait on
+        return None
+
+    async def _ledger_replica_kill(self, f: TimedFault, rec: dict[str, Any]
+                                   ) -> dict[str, Any]:
+        """SIGKILL a ledger replica while it holds outbox leases: rows it leased to publish
+        (the dispatch command of an intent it committed) and had not marked published. The
+        other replica's relay must publish them once the lease runs out, exactly once.
+
+        A direct publish holds its lease for milliseconds, so a lease seen in the database
+        may be gone before a kill lands. The replica is frozen (SIGSTOP) the moment one is
+        seen; if the row is still leased while it is frozen, it is killed holding it; if not,
+        it is let go on and the watch goes on. Past the watch it is killed all the same, and
+        the record says it held no lease (`hit` false)."""
+        s = self._svc(f.target)
+        frozen = 0
+        held: list[str] = []
+        async with self.stack.locks[f.target]:
             rec["started_at"] = self.now()
             s.held_down = True
             try:
-                s.signal(signal.SIGKILL, f"fault:{f.kind}")
+                deadline = time.monotonic() + f.params["wait_for_lease_s"]
+                while time.monotonic() < deadline and not held:
+                    seen = await self._leases_of(f.target, deadline - time.monotonic())
+                    if not seen or not s.alive:
+                        break
+                    s.signal(signal.SIGSTOP, "fault:ledger_replica_kill")
+                    frozen += 1
+                    held = await self._still_leased(seen)
+                    if not held:
+                        s.signal(signal.SIGCONT, "fault:ledger_replica_kill")
+                rec["killed_at"] = self.now()
+                s.signal(signal.SIGKILL, "fault:ledger_replica_kill")
+                s.signal(signal.SIGCONT, "fault:ledger_replica_kill")
                 await self._wait_dead(s)
                 await asyncio.sleep(f.params["down_s"])
                 s.start()
-                await self.stack.wait_nats(30)
+                await self._note_listening(s, rec)
             finally:
                 s.held_down = False
-        self.log(f"fault: nats-server killed, down {f.params['down_s']}s, restarted")
-        return {"down_s": f.params["down_s"]}
+        how = f"holding {len(held)} outbox leases" if held else "without a lease caught"
+        self.log(f"fault: ledger replica {f.target} killed {how} ({frozen} freezes)")
+        return {"hit": bool(held), "leases_held": len(held), "outbox_ids": held[:5],
+                "freezes": frozen}
+
+    async def _leases_of(self, ledger: str, timeout_s: float) -> list[str]:
+        """Outbox rows under a live lease whose operation `ledger` acknowledged."""
+        engine = create_async_engine(self.stack.db_direct, poolclass=NullPool)
+        deadline = time.monotonic() + timeout_s
+        try:
+            async with engine.connect() as conn:
+                while time.monotonic() < deadline:
+                    try:
+                        rows = (await conn.execute(sa.text(
+                            "SELECT id, operation_id FROM outbox WHERE status = 'publishing' "
+                            "AND lease_until > CURRENT_TIMESTAMP"))).all()
+                        await conn.rollback()  # a fresh snapshot for the next look
+                    except Exception:  # the database may be the one being faulted
+                        return []
+                    mine = [str(r[0]) for r in rows if self.acked_by.get(str(r[1])) == ledger]
+                    if mine:
+                        return mine
+                    await asyncio.sleep(0.005)  # a direct publish holds its lease briefly
+        except Exception:
+            return []
+        finally:
+            await engine.dispose()
+        return []
+
+    async def _still_leased(self, ids: list[str]) -> list[str]:
+        if not ids:
+            return []
+        engine = create_async_engine(self.stack.db_direct, poolclass=NullPool)
+        try:
+            async with engine.connect() as conn:
+                rows = (await conn.execute(
+                    sa.text("SELECT id FROM outbox WHERE status = 'publishing' AND id IN :ids")
+                    .bindparams(sa.bindparam("ids", expanding=True)), {"ids": ids})).all()
+            return [str(r[0]) for r in rows]
+        except Exception:
+            return []
+        finally:
+            await engine.dispose()
 
     _nats_restart = _nats_down
     _nats_long_outage = _nats_down
@@ -418,8 +665,9 @@ class FaultRunner:
         for s in self.stack.services.values():
             if s.paused:
                 s.signal(signal.SIGCONT, "restore")
-        if not self.stack.nats.service.alive:
-            self.stack.nats.service.start()
+        for node in self.stack.nats_nodes:
+            if not node.service.alive:
+                node.service.start()
         await self.stack.wait_nats(30)
         if self.stack.pg is not None and not await asyncio.to_thread(self.stack.pg.running):
             await asyncio.to_thread(self.stack.pg.start)
@@ -434,6 +682,12 @@ class FaultRunner:
                         for f in current["faults"] if f["match"]]
                 self.provider_faults_at_restore += current["faults"]
                 await sb.post("/_faults", json={"faults": keep, "seed": current["seed"]})
+
+
+def _stream_name(target: str) -> str:
+    from .stack import STREAM_PREFIX
+
+    return f"{STREAM_PREFIX}_{target.upper()}"
 
 
 async def _delete_one(nc: Any, stream: str, prefix: str) -> dict[str, Any] | None:

@@ -88,6 +88,15 @@ def metrics(cfg: ChaosConfig, schedule: Schedule, ops: list[dict[str, Any]],
                 exposed[r["kind"]].add(index)
     touched = set().union(*exposed.values()) if exposed else set()
     exposed["(none)"] = {i for i in lifetimes if i not in touched}
+    # Time to rest per fault kind, over the same operations: from the first submission to
+    # the last state change (those still restless are in invariant 3, not here).
+    rest_by_fault = {}
+    for kind, indices in sorted(exposed.items()):
+        times = [lifetimes[i][1] - lifetimes[i][0] for i in indices
+                 if i in lifetimes and lifetimes[i][1] != math.inf]
+        times = [max(0.0, t) for t in times]
+        rest_by_fault[kind] = {"n": len(times), "p50": percentile(times, 0.5),
+                               "p99": percentile(times, 0.99)}
     review_rate = {}
     for kind, indices in sorted(exposed.items()):
         rows = [by_key[schedule.ops[i].caller_key] for i in indices
@@ -107,6 +116,7 @@ def metrics(cfg: ChaosConfig, schedule: Schedule, ops: list[dict[str, Any]],
                            "max": round(max(to_rest), 3) if to_rest else None,
                            "n": len(to_rest)},
         "review_rate_by_fault": review_rate,
+        "time_to_rest_by_fault_s": rest_by_fault,
     }
 
 

@@ -189,14 +189,16 @@ def python_service(name: str, kind: str, args: list[str], env: dict[str, str], l
 # -- nats-server ------------------------------------------------------------------------------
 
 class NatsServer:
-    """A private nats-server with JetStream on disk; killed and restarted on the same port."""
+    """A private nats-server with JetStream on disk; killed and restarted on the same port.
+    One node of a cluster when `name` is `nats-2`, ... (its own store folder)."""
 
-    def __init__(self, root: Path, logs: Path) -> None:
+    def __init__(self, root: Path, logs: Path, name: str = "nats") -> None:
         self.root = root
+        self.name = name
         self.port = free_port()
-        self.store = root / "jetstream"
+        self.store = root / ("jetstream" if name == "nats" else f"jetstream-{name}")
         self.service = Service(
-            name="nats", kind="nats",
+            name=name, kind="nats",
             argv=[nats_server_binary(), "-a", "127.0.0.1", "-p", str(self.port), "-js",
                   "-sd", str(self.store)],
             env=dict(os.environ), logs=logs, cwd=root)

@@ -42,6 +42,9 @@ def summary_rows(result: dict[str, Any]) -> dict[str, Any]:
                 "final_states", "throughput_ops_per_s", "time_to_rest_s")},
             "availability": _availability_summary(result["metrics"].get("availability", {})),
             "faults_injected": {k: v["injected"] for k, v in result["faults_injected"].items()},
+            "time_to_rest_by_fault_s": {
+                k: {"p50": v["p50"], "p99": v["p99"], "n": v["n"]}
+                for k, v in result["metrics"].get("time_to_rest_by_fault_s", {}).items()},
             "bad_input_ok": result["bad_input"].get("ok"),
             "unexpected_exits": len(result["process_exits"]["unexpected"])}
 
@@ -93,7 +96,22 @@ def table(reports: list[dict[str, Any]]) -> str:
     base = [r["metrics"]["review_rate_by_fault"].get("(none)", {}) for r in reports]
     lines.append(row("  no fault (review rate)",
                      [f"{b.get('operations', 0)} ({_pct(b.get('rate'))})" for b in base]))
+    lines.append("-" * (width + col * len(reports)))
+    lines.append(row("time to rest by fault, p50/p99 (s)", ["" for _ in reports]))
+    for kind in [*kinds, "(none)"]:
+        vals = []
+        for r in reports:
+            t = r["metrics"].get("time_to_rest_by_fault_s", {}).get(kind, {})
+            vals.append(f"{_num(t.get('p50'))}/{_num(t.get('p99'))}")
+        lines.append(row(f"  {'no fault' if kind == '(none)' else kind}", vals))
+    skipped = sorted({k for r in reports for k in r["config"].get("faults_skipped", [])})
+    if skipped:
+        lines.append(f"skipped (no cluster in this run): {', '.join(skipped)}")
     return "\n".join(lines)
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
 
 
 def _availability_summary(a: dict[str, Any]) -> dict[str, Any]:

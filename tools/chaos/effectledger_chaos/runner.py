@@ -71,8 +71,11 @@ class Run:
             stack.cleanup_pg_folder(keep=True)
 
     async def _run(self, stack: Stack) -> dict[str, Any]:
-        self.log(f"starting: {self.cfg.ops} ops, faults: {', '.join(self.cfg.faults) or 'none'}"
-                 f"; workdir {self.workdir}")
+        self.log(f"starting: {self.cfg.ops} ops, faults: "
+                 f"{', '.join(self.cfg.active_faults) or 'none'}; workdir {self.workdir}")
+        if self.cfg.skipped_faults:
+            self.log(f"skipped (this run has no cluster for them): "
+                     f"{', '.join(self.cfg.skipped_faults)}")
         started = time.monotonic()
         await stack.start()
         self.startup_s = time.monotonic() - started
@@ -83,12 +86,13 @@ class Run:
         history = History(self.workdir / "history.jsonl", self.t0)
         phase_start = time.monotonic()
         quiet_deadline = phase_start + self.cfg.fault_phase_s + self.cfg.quiet_max_s
-        workload = Workload(self.schedule, stack.ledger_url, stack.sandbox_url, history,
+        workload = Workload(self.schedule, stack.ledger_urls, stack.sandbox_url, history,
                             self.cfg.concurrency, give_up_at=quiet_deadline - 20)
         bad = BadInput(stack, self.cfg.seed, self.log)
         attacker = Attacker(stack, self.log)
         faults = FaultRunner(stack, self.schedule, self.log, bad_input=bad.run,
                              attack=attacker.run)
+        faults.acked_by = workload.acked_by  # shared: filled as intents are acknowledged
         monitor = asyncio.create_task(self._monitor(stack, workload, faults, phase_start))
         work = asyncio.create_task(workload.run(phase_start))
         try:

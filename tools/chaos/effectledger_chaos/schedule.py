@@ -89,9 +89,19 @@ class Schedule:
 
 
 def service_names(cfg: ChaosConfig) -> dict[str, list[str]]:
-    return {"ledger": ["ledger"],
+    return {"ledger": ledger_names(cfg.ledgers),
             "dispatcher": [f"dispatcher-{i + 1}" for i in range(cfg.dispatchers)],
             "reconciler": [f"reconciler-{i + 1}" for i in range(cfg.reconcilers)]}
+
+
+def ledger_names(n: int) -> list[str]:
+    """`ledger`, `ledger-2`, ...: the first keeps the single ledger's name."""
+    return ["ledger" if i == 0 else f"ledger-{i + 1}" for i in range(n)]
+
+
+def nats_names(n: int) -> list[str]:
+    """`nats`, `nats-2`, ...: the first node keeps the single server's name."""
+    return ["nats" if i == 0 else f"nats-{i + 1}" for i in range(n)]
 
 
 def proxy_routes(cfg: ChaosConfig) -> list[str]:
@@ -107,6 +117,10 @@ def build(cfg: ChaosConfig) -> Schedule:
     enabled = set(cfg.faults)
     _per_op_faults(cfg, ops, enabled, random.Random(rng.random()))
     timed = _timed(cfg, enabled, random.Random(rng.random()))
+    # The cluster kinds draw from their own stream, so a single-node run's plan is the one it
+    # always was for its seed.
+    timed = _renumber(timed + _cluster(cfg, enabled, random.Random(
+        f"effectledger-chaos-cluster:{cfg.seed}")))
     return Schedule(seed=cfg.seed, fault_phase_s=cfg.fault_phase_s, ops=ops, timed=timed)
 
 
@@ -243,11 +257,16 @@ def _timed(cfg: ChaosConfig, enabled: set[str], rng: random.Random) -> list[Time
                 out.append((at(), "pause", s, {"seconds": round(rng.uniform(1.0, hi), 2)}))
     if "crash_point" in enabled:
         for point in [*sorted(CRASH_POINTS), SYNTHETIC_AFTER_SEND]:
-            target = (rng.choice(names["dispatcher"]) if point.startswith("dispatcher")
-                      else "ledger")
-            # The ledger is one process: its crash points queue behind each other, so each
-            # is armed for the first hit; dispatchers share the load, the n-th hit varies.
-            nth = 1 if target == "ledger" else rng.randint(1, 3)
+            if point.startswith("dispatcher"):
+                target = rng.choice(names["dispatcher"])
+            else:
+                # One replica of several, drawn only then: a single ledger's plan stays the
+                # one it always was for its seed.
+                ledgers = names["ledger"]
+                target = rng.choice(ledgers) if len(ledgers) > 1 else ledgers[0]
+            # A ledger's crash points queue behind each other, so each is armed for the first
+            # hit; dispatchers share the load, the n-th hit varies.
+            nth = 1 if target in names["ledger"] else rng.randint(1, 3)
             out.append((at(0.05, 0.7), "crash_point", target,
                         {"point": point, "nth": nth,
                          "restart_after_s": round(rng.uniform(0.3, 2.0), 2)}))
@@ -299,3 +318,52 @@ def _timed(cfg: ChaosConfig, enabled: set[str], rng: random.Random) -> list[Time
             out.append((at(0.1, 0.8), "attacker", "nats", {}))
     out.sort(key=lambda e: (e[0], e[1], e[2]))
     return [TimedFault(i, a, k, t, p) for i, (a, k, t, p) in enumerate(out)]
+
+
+def _renumber(timed: list[TimedFault]) -> list[TimedFault]:
+    timed = sorted(timed, key=lambda f: (f.at, f.kind, f.target))
+    return [TimedFault(i, f.at, f.kind, f.target, f.params) for i, f in enumerate(timed)]
+
+
+# How long a killed node stays down, a partition lasts: past the raft election timeouts
+# (a few seconds), so leaders move and the node must catch up when it comes back.
+NODE_DOWN_S = (2.0, 6.0)
+PARTITION_S = (4.0, 10.0)
+
+
+def _cluster(cfg: ChaosConfig, enabled: set[str], rng: random.Random) -> list[TimedFault]:
+    """The cluster faults, only those this run's shape can carry (config.fault_applies).
+    Node faults are spread over the phase in disjoint slots so that at most one node is
+    faulted at a time: the quorum of three survives one, and the faults serialise on the
+    broker's lock anyway."""
+    d = cfg.fault_phase_s
+    kinds = [k for k in FAULT_GROUPS["cluster"] if k in enabled and cfg.fault_applies(k)]
+    if not kinds:
+        return []
+    repeats = max(1, round(d / 150))
+    nodes = nats_names(cfg.nats_cluster)
+    ledgers = ledger_names(cfg.ledgers)
+    out: list[TimedFault] = []
+    node_kinds = [k for k in kinds if k != "ledger_replica_kill"] * repeats
+    rng.shuffle(node_kinds)
+    slot = 0.75 * d / max(1, len(node_kinds))
+    for i, kind in enumerate(node_kinds):
+        at = round(0.05 * d + slot * (i + rng.uniform(0.0, 0.3)), 2)
+        if kind == "nats_node_kill":
+            out.append(TimedFault(0, at, kind, rng.choice(nodes),
+                                  {"down_s": round(rng.uniform(*NODE_DOWN_S), 2)}))
+        elif kind == "nats_partition":
+            out.append(TimedFault(0, at, kind, rng.choice(nodes),
+                                  {"seconds": round(rng.uniform(*PARTITION_S), 2)}))
+        else:
+            # The node is found at run time (the leader of the stream then); the stream is
+            # planned.
+            out.append(TimedFault(0, at, kind, rng.choice(["dispatch", "events"]),
+                                  {"down_s": round(rng.uniform(*NODE_DOWN_S), 2)}))
+    if "ledger_replica_kill" in kinds:
+        for _ in range(repeats):
+            out.append(TimedFault(0, round(rng.uniform(0.1 * d, 0.6 * d), 2),
+                                  "ledger_replica_kill", rng.choice(ledgers),
+                                  {"down_s": round(rng.uniform(0.5, 3.0), 2),
+                                   "wait_for_lease_s": 20.0}))
+    return out

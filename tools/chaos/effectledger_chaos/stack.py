@@ -8,10 +8,13 @@ disp/rec ──▶│ provider ─▶ sandbox                 │
 sandbox  ──▶│ webhook ─▶ reconciler-1, -2 (failover)
             └─────────────────────────────────────┘
 ```
-The harness itself talks to everything directly (ledger HTTP, database, NATS, the sandbox's
-back door), so a network fault never blinds the checker. Services are configured only through
-`EFFECTLEDGER_*` variables, as an operator would run them; secrets go in the environment of the
-processes that need them, never on a command line.
+On a cluster (`--nats-cluster N`) every node's client port has its own route (`nats`,
+`nats-2`, ...) and every route between two nodes runs through its own link (`route-i-j`), so
+a node can be cut off from its peers; `--ledgers M` runs M ledger replicas (`ledger`,
+`ledger-2`, ...) on one database. The harness itself talks to everything directly (ledger
+HTTP, database, NATS, the sandbox's back door), so a network fault never blinds the checker.
+Services are configured only through `EFFECTLEDGER_*` variables, as an operator would run them;
+secrets go in the environment of the processes that need them, never on a command line.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Any
 import httpx
 
 from effectledger_bus import permissions
-from effectledger_cli import nats_auth
+from effectledger_cli import nats_auth, up_nats
 from effectledger_cli.embedded import free_port
 from effectledger_core import unsafe
 from effectledger_core.subjects import Subjects
@@ -44,6 +47,7 @@ from . import catalog
 from .config import TOOL_TYPES, ChaosConfig
 from .procs import NatsServer, Service, private_postgres, python_service, wait_port
 from .proxy import ProxyClient
+from .schedule import ledger_names, nats_names
 
 SUBJECT_PREFIX = "chaos"
 STREAM_PREFIX = "CHAOS"
@@ -55,6 +59,8 @@ SUBJECTS = Subjects(SUBJECT_PREFIX, STREAM_PREFIX)
 # anything; it is the proving ground's observer, not a role of the product.
 ATTACKER_TENANT = "mallory"
 HARNESS_USER = "chaos-harness"
+# A cluster's nodes are `chaos-nats-1`, ... to JetStream (stream_info().cluster.leader).
+NODE_PREFIX = "chaos-nats"
 
 
 @dataclass
@@ -91,10 +97,27 @@ class Stack:
                          "webhook_secret_body": self.webhook_secret.removeprefix("whsec_")}
         self.pg: PrivatePostgres | None = None
         self._pg_root: Path | None = None
-        self.nats = NatsServer(self.workdir, self.logs)
+        # A cluster's first node keeps the single server's name (`nats`), so the faults on
+        # "the broker" read the same on both shapes.
+        self.nats_nodes = [NatsServer(self.workdir, self.logs, name)
+                           for name in nats_names(self.cfg.nats_cluster)]
+        self.nats = self.nats_nodes[0]
         self.ports = {name: free_port() for name in (
             "nats_proxy", "pg_proxy", "provider_proxy", "webhook_proxy", "proxy_control",
             "sandbox", "ledger")}
+        # Each node's client port gets its own proxy route (`nats`, `nats-2`, ...): services
+        # know every node and nats-py moves among them; the net faults on `nats` cut the first.
+        self.nats_proxy_ports = [self.ports["nats_proxy"],
+                                 *(free_port() for _ in self.nats_nodes[1:])]
+        self.ledger_ports = [self.ports["ledger"],
+                             *(free_port() for _ in range(self.cfg.ledgers - 1))]
+        self.nats_plan = up_nats.NatsPlan(
+            [n.port for n in self.nats_nodes],
+            [free_port() for _ in self.nats_nodes] if len(self.nats_nodes) > 1 else [])
+        # Every route between two nodes runs through its own proxy link (`route-i-j`: from i
+        # to j), so one node can be cut off from the others while its clients still reach it.
+        self.route_ports = {(i, j): free_port() for i in range(len(self.nats_nodes))
+                            for j in range(len(self.nats_nodes)) if i != j}
         self.reconciler_ports = [free_port() for _ in range(self.cfg.reconcilers)]
         self.proxy = ProxyClient(self.ports["proxy_control"])
         self.supervising = False
@@ -105,7 +128,48 @@ class Stack:
             self.log(unsafe.warning(unsafe.NATS_WITHOUT_PERMISSIONS))
         else:
             self.auth = self._nats_users()
-            self.nats.use_config(self.auth.config)
+            if not self.clustered:
+                self.nats.use_config(self.auth.config)
+        if self.clustered:
+            self._cluster_configs()
+
+    @property
+    def clustered(self) -> bool:
+        return len(self.nats_nodes) > 1
+
+    def _cluster_configs(self) -> None:
+        """Every node's configuration, rendered by `effectledger up`'s own code (up_nats)
+        with the same users and permissions, its routes dialled through the proxy links.
+
+        A route's advertised address is a port nobody listens on: a node that hears of a
+        peer through gossip must not open a direct route around the proxy (an implicit route
+        is tried once and dropped), so only the configured, proxied routes exist. Clients are
+        told no node addresses either (`no_advertise`): they keep to the proxied ones."""
+        folder = self.workdir / "nats-cluster"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        authorization = self.auth.authorization() if self.auth is not None else ""
+        n = len(self.nats_nodes)
+        for i, node in enumerate(self.nats_nodes):
+            routes = [self.route_ports[(i, j)] for j in range(n) if j != i]
+            text = up_nats.node_config(
+                self.nats_plan, i, node.store, authorization, name=NODE_PREFIX,
+                cluster_name="effectledger-chaos", routes=routes,
+                cluster_extra=f"advertise: 127.0.0.1:{free_port()}\nno_advertise: true")
+            conf = folder / f"{node.name}.conf"
+            nats_auth.write_private(conf, text)
+            node.use_config(conf)
+
+    def node_of_server(self, server_name: str) -> NatsServer | None:
+        """The node JetStream calls `server_name` (chaos-nats-2 is the node `nats-2`)."""
+        for i, node in enumerate(self.nats_nodes):
+            if server_name == f"{NODE_PREFIX}-{i + 1}":
+                return node
+        return None
+
+    def partition_routes(self, node: NatsServer) -> list[str]:
+        """The proxy links of every route to and from `node`."""
+        k = self.nats_nodes.index(node)
+        return [f"route-{i + 1}-{j + 1}" for (i, j) in self.route_ports if k in (i, j)]
 
     def _nats_users(self) -> nats_auth.AuthFiles:
         """The product's users and permissions (as `effectledger up` makes them), one per
@@ -119,7 +183,9 @@ class Stack:
             permissions.Permissions(publish=(">",), subscribe=(">",), allow_responses=True))
         return nats_auth.write(self.workdir / "nats-auth",
                                permissions.Plane((*product.principals, harness)), SUBJECTS,
-                               host="127.0.0.1", port=self.nats.port, store_dir=self.nats.store)
+                               host="127.0.0.1", port=self.nats.port, store_dir=self.nats.store,
+                               url=self.nats_plan.url if self.clustered else None,
+                               server=not self.clustered)
 
     def nats_env(self, user: str) -> dict[str, str]:
         """A service's own NATS user (nothing when the broker runs open)."""
@@ -138,6 +204,13 @@ class Stack:
         return f"http://127.0.0.1:{self.ports['ledger']}"
 
     @property
+    def ledger_urls(self) -> dict[str, str]:
+        """Every ledger replica's intake, by service name."""
+        return {name: f"http://127.0.0.1:{port}"
+                for name, port in zip(ledger_names(self.cfg.ledgers), self.ledger_ports,
+                                      strict=True)}
+
+    @property
     def sandbox_url(self) -> str:
         return f"http://127.0.0.1:{self.ports['sandbox']}"
 
@@ -146,12 +219,12 @@ class Stack:
         return f"http://127.0.0.1:{self.ports['provider_proxy']}"
 
     @property
-    def nats_direct(self) -> str:
-        """The harness's connection URL (with its credentials when the broker has users)."""
+    def nats_direct(self) -> list[str]:
+        """The harness's server list, every node (with its credentials when the broker has
+        users): it reads and deletes around the proxy, whichever node is down."""
         cred = self.credential(HARNESS_USER)
-        if cred is None:
-            return self.nats.url
-        return f"nats://{cred.user}:{cred.password}@127.0.0.1:{self.nats.port}"
+        auth = "" if cred is None else f"{cred.user}:{cred.password}@"
+        return [f"nats://{auth}127.0.0.1:{n.port}" for n in self.nats_nodes]
 
     @property
     def db_direct(self) -> str:
@@ -180,7 +253,9 @@ class Stack:
         env.update({
             "PYTHONUNBUFFERED": "1",
             "EFFECTLEDGER_DATABASE_URL": self.db_for_services,
-            "EFFECTLEDGER_NATS_URL": f"nats://127.0.0.1:{self.ports['nats_proxy']}",
+            "EFFECTLEDGER_NATS_URL": ",".join(f"nats://127.0.0.1:{p}"
+                                              for p in self.nats_proxy_ports),
+            "EFFECTLEDGER_STREAM_REPLICAS": str(self.cfg.stream_replicas),
             "EFFECTLEDGER_SUBJECT_PREFIX": SUBJECT_PREFIX,
             "EFFECTLEDGER_STREAM_PREFIX": STREAM_PREFIX,
             "EFFECTLEDGER_STREAM_STORAGE": "file",
@@ -195,20 +270,32 @@ class Stack:
     async def start(self) -> None:
         (self.workdir / "catalog.toml").write_text(
             catalog.render(self.provider_url, self.cfg.timing))
-        await asyncio.gather(self._start_database(), self.nats.start())
+        # The database, then the proxy (it needs the database's port), then the broker: a
+        # cluster's routes run through the proxy.
+        await self._start_database()
         self._start_proxy()
         await self.services["proxy"].wait_ready(30)
+        await asyncio.gather(*(n.start() for n in self.nats_nodes))
+        await self.wait_jetstream(60)
         base = self._base_env()
         self._start_sandbox(base)
         await self.services["sandbox"].wait_ready(30)
         await self._configure_sandbox()
-        ledger = python_service("ledger", "ledger", ["-m", "effectledger_cli", "ledger"],
-                                {**base, **self.nats_env("ledger")}, self.logs, self.workdir,
-                                # It accepts intents from then on, with or without NATS.
-                                b"ledger listening:")
-        self.services["ledger"] = ledger
-        ledger.start()
-        await ledger.wait_ready(90)
+        ledgers = []
+        for name, port in zip(ledger_names(self.cfg.ledgers), self.ledger_ports, strict=True):
+            # Replicas share the database and the ledger's NATS user (one role).
+            ledger = python_service(name, "ledger", ["-m", "effectledger_cli", "ledger"],
+                                    {**base, **self.nats_env("ledger"),
+                                     "EFFECTLEDGER_LEDGER_PORT": str(port)},
+                                    self.logs, self.workdir,
+                                    # It accepts intents from then on, with or without NATS.
+                                    b"ledger listening:")
+            self.services[name] = ledger
+            ledgers.append(ledger)
+        # One at a time: the first applies the database migrations.
+        for ledger in ledgers:
+            ledger.start()
+            await ledger.wait_ready(90)
         for i in range(self.cfg.dispatchers):
             name = f"dispatcher-{i + 1}"
             env = {**base, **self.nats_env(name), "EFFECTLEDGER_DISPATCHER_ID": name,
@@ -239,10 +326,14 @@ class Stack:
         for s in workers:
             s.start()
         await asyncio.gather(*(s.wait_ready(90) for s in workers))
-        self.services["nats"] = self.nats.service
+        for node in self.nats_nodes:
+            self.services[node.name] = node.service
         for name in self.services:
             self.locks[name] = asyncio.Lock()
         self.locks["postgres"] = asyncio.Lock()
+        # Every fault on the broker (whole or one node) holds this: one at a time, so a
+        # cluster of three never has two nodes faulted at once.
+        self.locks["broker"] = asyncio.Lock()
         for route in ("nats", "pg", "provider", "webhook"):
             self.locks[f"route:{route}"] = asyncio.Lock()
 
@@ -257,10 +348,13 @@ class Stack:
         await asyncio.to_thread(self.pg.create_database, DB_NAME)
 
     def _start_proxy(self) -> None:
-        routes = [f"nats={self.ports['nats_proxy']}:{self.nats.port}",
-                  f"provider={self.ports['provider_proxy']}:{self.ports['sandbox']}",
-                  "webhook={}:{}".format(self.ports["webhook_proxy"],
-                                         ",".join(map(str, self.reconciler_ports)))]
+        routes = [f"{node.name}={port}:{node.port}"
+                  for node, port in zip(self.nats_nodes, self.nats_proxy_ports, strict=True)]
+        routes += [f"route-{i + 1}-{j + 1}={port}:{self.nats_plan.cluster_ports[j]}"
+                   for (i, j), port in self.route_ports.items()]
+        routes += [f"provider={self.ports['provider_proxy']}:{self.ports['sandbox']}",
+                   "webhook={}:{}".format(self.ports["webhook_proxy"],
+                                          ",".join(map(str, self.reconciler_ports)))]
         if self.pg is not None:
             routes.append(f"pg={self.ports['pg_proxy']}:{self.pg.port}")
         args = ["-m", "effectledger_chaos.proxy", "--control", str(self.ports["proxy_control"])]
@@ -357,13 +451,14 @@ class Stack:
         for kind in order:
             group = [s for s in self.services.values() if s.kind == kind]
             await asyncio.gather(*(s.stop(10) for s in group), return_exceptions=True)
-        if self.nats.service.alive:
-            await self.nats.service.stop(10)
+        for node in self.nats_nodes:
+            if node.service.alive:
+                await node.service.stop(10)
         if self.pg is not None:
             await asyncio.to_thread(self.pg.stop)
 
     def kill_everything(self) -> None:
-        for s in [*self.services.values(), self.nats.service]:
+        for s in [*self.services.values(), *(n.service for n in self.nats_nodes)]:
             s.kill_now()
         if self.pg is not None:
             with contextlib.suppress(Exception):
@@ -386,4 +481,33 @@ class Stack:
             return r.json()
 
     async def wait_nats(self, timeout_s: float = 30) -> None:
-        await wait_port(self.nats.port, timeout_s, self.nats.service)
+        for node in self.nats_nodes:
+            await wait_port(node.port, timeout_s, node.service)
+
+    def broker_down(self) -> bool:
+        """The broker as a whole is held down by a fault (every node of a cluster: one node
+        down is not an outage, its peers serve)."""
+        return all(n.service.held_down for n in self.nats_nodes)
+
+    async def wait_jetstream(self, timeout_s: float) -> None:
+        """Until JetStream answers (a cluster has elected its meta leader): the services set
+        up their streams at start and a dispatcher exits if it cannot."""
+        from .collect import connect_quiet
+
+        deadline = time.monotonic() + timeout_s
+        last = ""
+        while time.monotonic() < deadline:
+            nc = None
+            try:
+                nc = await connect_quiet(self.nats_direct, connect_timeout=2,
+                                         allow_reconnect=False)
+                await nc.jetstream().account_info()
+                return
+            except Exception as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            finally:
+                if nc is not None:
+                    with contextlib.suppress(Exception):
+                        await nc.close()
+            await asyncio.sleep(0.5)  # the meta leader's election has no event to wait on
+        raise TimeoutError(f"JetStream not ready within {timeout_s}s: {last}")

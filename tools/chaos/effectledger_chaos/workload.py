@@ -103,8 +103,12 @@ def webhook_faults(schedule: Schedule) -> list[dict[str, Any]]:
 
 @dataclass
 class Workload:
+    """The callers. With several ledger replicas (`ledger_urls`, by name) each operation
+    starts on one (spread by its index) and every retry moves to the next, so a caller
+    survives a replica being down as a client behind a load balancer would."""
+
     schedule: Schedule
-    ledger_url: str
+    ledger_urls: dict[str, str]
     sandbox_url: str
     history: History
     concurrency: int
@@ -114,24 +118,30 @@ class Workload:
     acked: dict[int, str] = field(default_factory=dict)  # op index -> operation id
     bad_webhooks: list[dict[str, Any]] = field(default_factory=list)
     armed: dict[str, int] = field(default_factory=dict)
+    # operation id -> the replica that acknowledged it (the ledger_replica_kill fault reads it)
+    acked_by: dict[str, str] = field(default_factory=dict)
 
     async def run(self, phase_start: float) -> None:
         sem = asyncio.Semaphore(self.concurrency)
         limits = httpx.Limits(max_connections=self.concurrency * 2)
-        async with httpx.AsyncClient(base_url=self.ledger_url, timeout=SUBMIT_TIMEOUT_S,
-                                     limits=limits) as ledger, \
-                httpx.AsyncClient(base_url=self.sandbox_url, timeout=30) as sandbox:
-            await asyncio.gather(*(self._op(op, sem, ledger, sandbox, phase_start)
+        async with contextlib.AsyncExitStack() as stack:
+            ledgers = [(name, await stack.enter_async_context(httpx.AsyncClient(
+                base_url=url, timeout=SUBMIT_TIMEOUT_S, limits=limits)))
+                for name, url in self.ledger_urls.items()]
+            sandbox = await stack.enter_async_context(
+                httpx.AsyncClient(base_url=self.sandbox_url, timeout=30))
+            await asyncio.gather(*(self._op(op, sem, ledgers, sandbox, phase_start)
                                    for op in self.schedule.ops))
 
-    async def _op(self, op: OpPlan, sem: asyncio.Semaphore, ledger: httpx.AsyncClient,
+    async def _op(self, op: OpPlan, sem: asyncio.Semaphore,
+                  ledgers: list[tuple[str, httpx.AsyncClient]],
                   sandbox: httpx.AsyncClient, phase_start: float) -> None:
         delay = phase_start + op.submit_at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)  # the planned submission time
         async with sem:
             await self._arm(op, sandbox)
-            op_id = await self._submit(op, ledger)
+            op_id = await self._submit(op, ledgers)
         if op_id is not None:
             for f in op.faults:
                 if f.kind in ("webhook_forged", "webhook_expired"):
@@ -151,15 +161,17 @@ class Workload:
                 except httpx.HTTPError:
                     await asyncio.sleep(0.5)  # the sandbox is never faulted; be patient
 
-    async def _submit(self, op: OpPlan, ledger: httpx.AsyncClient) -> str | None:
+    async def _submit(self, op: OpPlan, ledgers: list[tuple[str, httpx.AsyncClient]]
+                      ) -> str | None:
         body = {"tool": op.tool, "arguments": op.arguments, "idempotency_key": op.caller_key}
         process = f"client-{op.index % self.concurrency}"
         attempt = 0
         self.submitted += 1
         while True:
             attempt += 1
+            name, ledger = ledgers[(op.index + attempt - 1) % len(ledgers)]
             self.history.record(process, "invoke", "submit", op.index, key=op.caller_key,
-                                tool=op.tool, attempt=attempt)
+                                tool=op.tool, attempt=attempt, ledger=name)
             try:
                 r = await ledger.post("/v1/intents", json=body)
             except httpx.ConnectError as exc:
@@ -175,6 +187,7 @@ class Workload:
                                         operation_id=data["id"], state=data["state"],
                                         created=r.status_code == 201)
                     self.acked[op.index] = data["id"]
+                    self.acked_by[str(data["id"])] = name
                     return str(data["id"])
                 kind = "info" if r.status_code >= 500 else "fail"
                 self.history.record(process, kind, "submit", op.index, key=op.caller_key,
