@@ -1,8 +1,10 @@
 """The provider call: one HTTP attempt, classified without guessing (no NATS, no database).
 
-Pure status/body classification runs over `httpx.MockTransport`; behaviour that is about sockets
-(hangs, connections closed mid-exchange, refused connections) runs against a tiny raw-HTTP
-server on a free local port, through the production client from `make_client()`.
+Pure status/body classification runs over `FakeSession` (an in-memory `ProviderClient`: adapters'
+httpx requests in, httpx responses out); behaviour that is about sockets (hangs, connections
+closed or reset mid-exchange, refused connections, pools, redirects, big bodies) runs against a
+tiny raw-HTTP server on a free local port, through the production aiohttp client from
+`make_client()`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from importlib import metadata
@@ -20,9 +23,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
+import aiohttp
 import httpx
 import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
 from pydantic import ValidationError
+from yarl import URL
 
 import effectledger_core
 from effectledger_cli.embedded import free_port
@@ -52,6 +58,7 @@ from effectledger_providers.calls import (
     parse_retry_after,
     readback,
 )
+from effectledger_providers.session import Answer, PoolTimeout
 
 SECRET = "sk_live_5f3a9c0d7e1b2a4c"
 OTHER_SECRET = "xk-8d1e77a0c3b94f26"
@@ -86,20 +93,43 @@ def make_cmd(**overrides: Any) -> DispatchAttempt:
 Handler = Callable[[httpx.Request], httpx.Response | Awaitable[httpx.Response]]
 
 
+class FakeSession:
+    """An in-memory provider client: runs `before_write`, records the request, answers it.
+
+    What the handler raises stands for what the HTTP client would raise at that point."""
+
+    def __init__(self, provider: Provider) -> None:
+        self.provider = provider
+
+    @asynccontextmanager
+    async def send(self, request: httpx.Request, timeout_s: float,
+                   before_write: Callable[[], None] | None = None) -> AsyncIterator[Answer]:
+        if before_write is not None:
+            before_write()
+        self.provider.requests.append(request)
+        result = self.provider.answer(request)
+        response = await result if isinstance(result, Awaitable) else result
+        yield Answer(response.status_code, response.headers, response.aiter_bytes())
+
+    async def aclose(self) -> None:
+        return None
+
+    async def __aenter__(self) -> FakeSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
 class Provider:
-    """A MockTransport provider that records every request it receives."""
+    """An in-memory provider that records every request it receives."""
 
     def __init__(self, answer: Handler) -> None:
         self.answer = answer
         self.requests: list[httpx.Request] = []
 
-    async def _handle(self, request: httpx.Request) -> httpx.Response:
-        self.requests.append(request)
-        result = self.answer(request)
-        return await result if isinstance(result, Awaitable) else result
-
-    def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=httpx.MockTransport(self._handle))
+    def client(self) -> FakeSession:
+        return FakeSession(self)
 
 
 async def call(tool: Tool, answer: Handler, **kwargs: Any) -> tuple[Outcome, Provider]:
@@ -121,12 +151,20 @@ def status(code: int, body: Any = None, headers: dict[str, str] | None = None) -
     return answer
 
 
-def raising(exc_type: type[Exception], text: str = "boom") -> Handler:
+def raising(make: Callable[[str], Exception], text: str = "boom") -> Handler:
     def answer(request: httpx.Request) -> httpx.Response:
-        if issubclass(exc_type, httpx.RequestError):
-            raise exc_type(text, request=request)
-        raise exc_type(text)
+        raise make(text)
     return answer
+
+
+def connector_error(text: str) -> Exception:
+    key = aiohttp.ClientRequest("POST", URL("http://provider.test/")).connection_key
+    return aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, text))
+
+
+def dns_error(text: str) -> Exception:
+    key = aiohttp.ClientRequest("POST", URL("http://provider.test/")).connection_key
+    return aiohttp.ClientConnectorDNSError(key, OSError(-2, text))
 
 
 class BrokenStream(httpx.AsyncByteStream):
@@ -137,7 +175,7 @@ class BrokenStream(httpx.AsyncByteStream):
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         yield self.first
-        raise httpx.ReadError("peer closed connection mid-body")
+        raise aiohttp.ClientPayloadError("peer closed connection mid-body")
 
 
 @pytest.fixture(autouse=True)
@@ -379,7 +417,7 @@ async def test_secrets_from_headers_never_appear_in_outcome_messages() -> None:
         return httpx.Response(403, text=f"token {SECRET} rejected; key={OTHER_SECRET}")
 
     def exploding(request: httpx.Request) -> httpx.Response:
-        raise httpx.ReadError(f"lost while sending {request.headers['Authorization']}")
+        raise aiohttp.ClientOSError(f"lost while sending {request.headers['Authorization']}")
 
     for answer in (echo, echo_text, exploding):
         outcome, _ = await call(tool, answer)
@@ -429,12 +467,12 @@ async def test_nul_and_unpaired_surrogates_from_a_provider_keep_the_verdict() ->
 
 # --- transport failures ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("exc_type, code", [
-    (httpx.ConnectError, "connect_failed"), (httpx.ConnectTimeout, "connect_failed"),
-    (httpx.PoolTimeout, "pool_timeout")])
+@pytest.mark.parametrize("make, code", [
+    (connector_error, "connect_failed"), (dns_error, "connect_failed"),
+    (aiohttp.ConnectionTimeoutError, "connect_failed"), (PoolTimeout, "pool_timeout")])
 async def test_failures_before_connecting_are_transient_because_nothing_was_sent(
-        exc_type: type[Exception], code: str) -> None:
-    outcome, provider = await call(make_tool(), raising(exc_type))
+        make: Callable[[str], Exception], code: str) -> None:
+    outcome, provider = await call(make_tool(), raising(make))
     assert isinstance(outcome, AttemptFailed)
     assert outcome.failure_class is FailureClass.TRANSIENT
     assert outcome.code == code
@@ -442,13 +480,19 @@ async def test_failures_before_connecting_are_transient_because_nothing_was_sent
     assert len(provider.requests) == 1
 
 
-@pytest.mark.parametrize("exc_type, reason", [
-    (httpx.ReadTimeout, "timeout"), (httpx.WriteTimeout, "timeout"),
-    (httpx.RemoteProtocolError, "connection_lost"), (httpx.ReadError, "connection_lost"),
-    (httpx.WriteError, "connection_lost"), (RuntimeError, "connection_lost")])
+@pytest.mark.parametrize("make, reason", [
+    (aiohttp.SocketTimeoutError, "timeout"), (TimeoutError, "timeout"),
+    (aiohttp.ServerDisconnectedError, "connection_lost"),
+    (aiohttp.ClientOSError, "connection_lost"),
+    (aiohttp.ClientConnectionResetError, "connection_lost"),
+    (aiohttp.ClientPayloadError, "connection_lost"),
+    (lambda text: aiohttp.ClientResponseError(aiohttp.RequestInfo(
+        URL("http://provider.test/"), "POST", CIMultiDictProxy(CIMultiDict())), (),
+        message=text), "connection_lost"),  # an unparsable status line
+    (RuntimeError, "connection_lost")])
 async def test_failures_after_connecting_are_ambiguous(
-        exc_type: type[Exception], reason: str) -> None:
-    outcome, provider = await call(make_tool(), raising(exc_type))
+        make: Callable[[str], Exception], reason: str) -> None:
+    outcome, provider = await call(make_tool(), raising(make))
     assert isinstance(outcome, OutcomeAmbiguous)
     assert outcome.reason == reason
     assert len(provider.requests) == 1
@@ -641,7 +685,7 @@ async def test_readback_renders_url_with_quoted_arguments_and_sends_credentials(
     ({"found_when": {"json_path": "$.id"}}, status(200, {"other": 1}), False),
     ({"found_when": {"json_path": "$.id"}}, status(200, b"<html>"), None),
     ({"not_found_status": 204}, status(204), False),
-    ({}, raising(httpx.ReadTimeout), None),
+    ({}, raising(aiohttp.SocketTimeoutError), None),
 ])
 async def test_readback_says_found_not_found_or_cannot_tell(
         readback_kw: dict[str, Any], answer: Handler, found: bool | None) -> None:

@@ -17,8 +17,6 @@ import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
-import httpx
-
 from effectledger_bus import msgids
 from effectledger_bus.delivery import Delivery, dead_letter, heartbeat
 from effectledger_bus.publish import Publisher, publish_with_retries
@@ -29,6 +27,7 @@ from effectledger_core.messages import ReconcileOperation, VerdictReached, encod
 from effectledger_core.subjects import Subjects
 from effectledger_obs import logs, metrics, tracing
 from effectledger_providers.calls import readback as provider_readback
+from effectledger_providers.session import ProviderClient
 
 from . import strategy
 from .ledger_client import LedgerClient, LedgerUnavailable
@@ -42,7 +41,7 @@ PUBLISH_ATTEMPTS = 3
 ReadbackFn = Callable[[Tool, ReconcileOperation], Awaitable[ReadbackAnswer]]
 
 
-def http_readback(client: httpx.AsyncClient, env: Mapping[str, str]) -> ReadbackFn:
+def http_readback(client: ProviderClient, env: Mapping[str, str]) -> ReadbackFn:
     """Readback through the shared provider code (same adapters, `${ENV}` headers)."""
 
     async def run(tool: Tool, cmd: ReconcileOperation) -> ReadbackAnswer:

@@ -1,4 +1,4 @@
-"""Microbenchmark: httpx (the product's provider client) against aiohttp on the same calls.
+"""Microbenchmark: httpx (the provider client until issue 17) against aiohttp on the same calls.
 
 `python -m effectledger_bench.http_clients` starts a sandbox (or uses `--url`) and makes the
 benchmark's provider call — `POST /v1/idempotent/effects` with a JSON body, a bearer key,
@@ -11,8 +11,8 @@ clients (A, B, A, B, …) so both see the same machine.
 
 The figure that matters is the client process's CPU per call (`process_time`), since the
 provider (one sandbox process) bounds the calls per second on a small machine. It prints one
-line per round and a JSON summary. This is a measurement, not a switch: the product keeps
-httpx.
+line per round and a JSON summary. The httpx side is configured as the provider client was
+before the switch (`effectledger_providers.session` is the aiohttp client the product uses now).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from typing import Any
 import httpx
 
 from effectledger_core.limits import MAX_HTTP_BODY_BYTES
-from effectledger_providers.calls import make_clients
 
 PER_CLIENT = 8  # make_clients' pool size per shard, used for both clients
 TIMEOUT_S = 2.0  # the benchmark tool's timeout_s
@@ -47,7 +46,13 @@ def _headers(api_key: str, key: str) -> dict[str, str]:
 
 
 async def httpx_client(url: str, api_key: str, concurrency: int) -> tuple[Call, Any]:
-    clients = make_clients(max(16, concurrency * 2), per_client=PER_CLIENT)
+    # The provider client as it was on httpx: small pools, 2 s keep-alive, no retries.
+    shards = max(1, -(-max(16, concurrency * 2) // PER_CLIENT))
+    limits = httpx.Limits(max_connections=PER_CLIENT * 2, max_keepalive_connections=PER_CLIENT * 2,
+                          keepalive_expiry=2.0)
+    clients = [httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(retries=0, limits=limits),
+                                 follow_redirects=False, timeout=httpx.Timeout(10.0))
+               for _ in range(shards)]
     turn = 0
 
     async def call(key: str) -> bool:
