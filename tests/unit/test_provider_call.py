@@ -1,7 +1,7 @@
 """The provider call: one HTTP attempt, classified without guessing (no NATS, no database).
 
-Pure status/body classification runs over `FakeSession` (an in-memory `ProviderClient`: adapters'
-httpx requests in, httpx responses out); behaviour that is about sockets (hangs, connections
+Pure status/body classification runs over `FakeProviderClient` (in memory: adapters' httpx
+requests in, httpx responses out); behaviour that is about sockets (hangs, connections
 closed or reset mid-exchange, refused connections, pools, redirects, big bodies) runs against a
 tiny raw-HTTP server on a free local port, through the production aiohttp client from
 `make_client()`.
@@ -15,7 +15,6 @@ import json
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from importlib import metadata
@@ -58,7 +57,8 @@ from effectledger_providers.calls import (
     parse_retry_after,
     readback,
 )
-from effectledger_providers.session import Answer, PoolTimeout
+from effectledger_providers.session import PoolTimeout
+from effectledger_providers.testing import FakeProviderClient
 
 SECRET = "sk_live_5f3a9c0d7e1b2a4c"
 OTHER_SECRET = "xk-8d1e77a0c3b94f26"
@@ -93,43 +93,11 @@ def make_cmd(**overrides: Any) -> DispatchAttempt:
 Handler = Callable[[httpx.Request], httpx.Response | Awaitable[httpx.Response]]
 
 
-class FakeSession:
-    """An in-memory provider client: runs `before_write`, records the request, answers it.
-
-    What the handler raises stands for what the HTTP client would raise at that point."""
-
-    def __init__(self, provider: Provider) -> None:
-        self.provider = provider
-
-    @asynccontextmanager
-    async def send(self, request: httpx.Request, timeout_s: float,
-                   before_write: Callable[[], None] | None = None) -> AsyncIterator[Answer]:
-        if before_write is not None:
-            before_write()
-        self.provider.requests.append(request)
-        result = self.provider.answer(request)
-        response = await result if isinstance(result, Awaitable) else result
-        yield Answer(response.status_code, response.headers, response.aiter_bytes())
-
-    async def aclose(self) -> None:
-        return None
-
-    async def __aenter__(self) -> FakeSession:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-
-class Provider:
+class Provider(FakeProviderClient):
     """An in-memory provider that records every request it receives."""
 
-    def __init__(self, answer: Handler) -> None:
-        self.answer = answer
-        self.requests: list[httpx.Request] = []
-
-    def client(self) -> FakeSession:
-        return FakeSession(self)
+    def client(self) -> Provider:
+        return self
 
 
 async def call(tool: Tool, answer: Handler, **kwargs: Any) -> tuple[Outcome, Provider]:
