@@ -10,8 +10,12 @@ tiny raw-HTTP server on a free local port, through the production aiohttp client
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hashlib
 import json
+import logging
+import socket
+import struct
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -43,7 +47,9 @@ from effectledger_core.messages import (
     Outcome,
     OutcomeAmbiguous,
 )
+from effectledger_core.limits import MAX_HTTP_BODY_BYTES
 from effectledger_core.results import ProviderResult
+from effectledger_obs import tracing
 from effectledger_providers.adapters import (
     DeclarativeAdapter,
     clear_adapter_cache,
@@ -493,6 +499,7 @@ class RawServer:
         self.requests: list[bytes] = []
         self.connections = 0
         self.release = asyncio.Event()
+        self.got_request = asyncio.Event()
         self._writers: list[asyncio.StreamWriter] = []
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -506,6 +513,7 @@ class RawServer:
                 if name.strip().lower() == "content-length":
                     length = int(value)
             self.requests.append(head + await reader.readexactly(length))
+            self.got_request.set()
             await self.behaviour(self, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
@@ -807,3 +815,193 @@ async def test_before_write_that_allows_sends_exactly_once() -> None:
                                           before_write=lambda: calls.append("check"))
     assert isinstance(outcome, AttemptSucceeded)
     assert calls == ["check"] and len(server.requests) == 1
+
+
+# --- the aiohttp client against real sockets: each error mapped as before ---------------------
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close with an RST (SO_LINGER 0), as a crashed provider or a middlebox does."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+async def reset_at_once(server: RawServer, writer: asyncio.StreamWriter) -> None:
+    reset(writer)
+
+
+async def reset_mid_body(server: RawServer, writer: asyncio.StreamWriter) -> None:
+    writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"id": "t-')
+    await writer.drain()
+    reset(writer)
+
+
+async def refuse_400_then_reset(server: RawServer, writer: asyncio.StreamWriter) -> None:
+    writer.write(b'HTTP/1.1 400 Bad Request\r\nContent-Length: 100\r\n\r\n{"error":')
+    await writer.drain()
+    reset(writer)
+
+
+async def redirect(server: RawServer, writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 302 Found\r\nLocation: /v1/elsewhere\r\nContent-Length: 0\r\n\r\n")
+    await writer.drain()
+
+
+BIG = MAX_HTTP_BODY_BYTES * 3 + 17
+
+
+async def oversized_200(server: RawServer, writer: asyncio.StreamWriter) -> None:
+    body = b'{"id": "t-big", "pad": "' + b"x" * (BIG - 26) + b'"}'
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body))
+    writer.write(body)
+    await writer.drain()
+
+
+async def gzip_201(server: RawServer, writer: asyncio.StreamWriter) -> None:
+    body = gzip.compress(b'{"id": "t-gz"}')
+    writer.write(b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
+                 b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+
+
+async def test_reset_before_any_answer_is_connection_lost_and_not_retried() -> None:
+    async with RawServer(reset_at_once) as server:
+        outcome = await real_call(server.tool())
+    assert isinstance(outcome, OutcomeAmbiguous)
+    assert outcome.reason == "connection_lost"
+    assert server.connections == 1 and len(server.requests) == 1
+
+
+async def test_reset_mid_body_of_a_2xx_is_ambiguous_and_of_a_4xx_still_a_refusal() -> None:
+    async with RawServer(reset_mid_body) as server:
+        outcome = await real_call(server.tool())
+    assert isinstance(outcome, OutcomeAmbiguous)
+    assert outcome.reason == "invalid_response" and outcome.http_status == 200
+    async with RawServer(refuse_400_then_reset) as server:
+        refused = await real_call(server.tool())
+    assert isinstance(refused, AttemptFailed)
+    assert refused.failure_class is FailureClass.INVALID_ARGUMENT
+    assert refused.http_status == 400 and refused.response_digest is None
+
+
+async def test_redirect_on_the_wire_is_not_followed() -> None:
+    async with RawServer(redirect) as server:
+        outcome = await real_call(server.tool())
+    assert isinstance(outcome, OutcomeAmbiguous)
+    assert outcome.reason == "invalid_response" and outcome.http_status == 302
+    assert server.connections == 1 and len(server.requests) == 1
+    assert b"/v1/elsewhere" not in server.requests[0]
+
+
+async def test_oversized_body_is_digested_whole_and_kept_only_as_too_large() -> None:
+    tool_kw = {"max_result_bytes": 1024}
+    async with RawServer(oversized_200) as server:
+        outcome = await real_call(make_tool(endpoint=f"http://127.0.0.1:{server.port}/v1/things",
+                                            **tool_kw))
+    assert isinstance(outcome, AttemptSucceeded)
+    body = b'{"id": "t-big", "pad": "' + b"x" * (BIG - 26) + b'"}'
+    assert outcome.response_digest == "sha256:" + hashlib.sha256(body).hexdigest()
+    assert outcome.result == ProviderResult(kind="text", omitted="too_large", bytes=len(body))
+
+
+async def test_compressed_answer_is_read_decoded() -> None:
+    async with RawServer(gzip_201) as server:
+        outcome = await real_call(server.tool())
+    assert isinstance(outcome, AttemptSucceeded) and outcome.provider_ref == "t-gz"
+    assert outcome.response_digest == "sha256:" + hashlib.sha256(b'{"id": "t-gz"}').hexdigest()
+
+
+async def test_unresolvable_host_is_connect_failed_known_not_sent() -> None:
+    outcome = await real_call(make_tool(endpoint="http://no-such-provider.invalid/v1/things",
+                                        timeout_s=2))
+    assert isinstance(outcome, AttemptFailed)
+    assert outcome.failure_class is FailureClass.TRANSIENT
+    assert outcome.code == "connect_failed"
+
+
+async def test_no_free_connection_is_pool_timeout_and_nothing_is_sent() -> None:
+    async with RawServer(hang) as server, make_client(max_connections=1) as client:
+        first = asyncio.create_task(call_provider(
+            client, server.tool(timeout_s=30), make_cmd(), attempt_id="a1", dispatcher_id="d",
+            env=ENV))
+        await server.got_request.wait()  # the first call holds the only connection
+        second = await call_provider(client, server.tool(timeout_s=0.3), make_cmd(),
+                                     attempt_id="a2", dispatcher_id="d", env=ENV)
+        assert isinstance(second, AttemptFailed)
+        assert second.code == "pool_timeout" and second.failure_class is FailureClass.TRANSIENT
+        assert server.connections == 1 and len(server.requests) == 1
+        server.release.set()  # the provider hangs up on the first call without an answer
+        outcome = await first
+    assert isinstance(outcome, OutcomeAmbiguous) and outcome.reason == "connection_lost"
+
+
+class KeepAliveThenDrop:
+    """Answers the first request on a connection and keeps it open; at the next request on it,
+    closes without answering (a provider that crashed between two calls)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.connections = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            self.requests += 1
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+            await reader.readuntil(b"\r\n\r\n")
+            self.requests += 1
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_idempotent_method_on_a_reused_connection_is_not_sent_twice() -> None:
+    """aiohttp would send a GET again on a fresh connection when a reused one breaks; a
+    provider call is exactly one request, whatever its method."""
+    peer = KeepAliveThenDrop()
+    server = await asyncio.start_server(peer.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    tool = make_tool(endpoint=f"http://127.0.0.1:{port}/v1/things", method="GET")
+    try:
+        async with make_client() as client:
+            first = await call_provider(client, tool, make_cmd(), attempt_id="a1",
+                                        dispatcher_id="d", env=ENV)
+            second = await call_provider(client, tool, make_cmd(), attempt_id="a2",
+                                         dispatcher_id="d", env=ENV)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert isinstance(first, AttemptSucceeded)
+    assert isinstance(second, OutcomeAmbiguous) and second.reason == "connection_lost"
+    assert peer.connections == 1 and peer.requests == 2
+
+
+async def test_traceparent_goes_to_the_provider_when_tracing_is_on() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    assert tracing.configure_tracing("test", exporter=InMemorySpanExporter())
+    try:
+        async with RawServer(answer_201) as server:
+            with tracing.span("dispatch"):
+                outcome = await real_call(server.tool())
+    finally:
+        tracing.shutdown_tracing()
+    assert isinstance(outcome, AttemptSucceeded)
+    assert b"traceparent: 00-" in server.requests[0].lower()
+
+
+def test_provider_calls_log_no_request_lines(caplog: pytest.LogCaptureFixture) -> None:
+    async def run() -> Outcome:
+        async with RawServer(answer_201) as server:
+            return await real_call(make_tool(
+                endpoint=f"http://127.0.0.1:{server.port}/v1/things", method="GET"))
+
+    with caplog.at_level(logging.DEBUG):
+        outcome = asyncio.run(run())
+    assert isinstance(outcome, AttemptSucceeded)
+    assert not [r for r in caplog.records if "title=hello" in r.getMessage()
+                or "/v1/things" in r.getMessage()]
