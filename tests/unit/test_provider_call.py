@@ -38,6 +38,7 @@ from effectledger_cli.embedded import free_port
 from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.crash import CrashPointHit
 from effectledger_core.errors import CatalogError
+from effectledger_core.limits import MAX_HTTP_BODY_BYTES
 from effectledger_core.messages import (
     AttemptAccepted,
     AttemptFailed,
@@ -47,7 +48,6 @@ from effectledger_core.messages import (
     Outcome,
     OutcomeAmbiguous,
 )
-from effectledger_core.limits import MAX_HTTP_BODY_BYTES
 from effectledger_core.results import ProviderResult
 from effectledger_obs import tracing
 from effectledger_providers.adapters import (
