@@ -14,6 +14,11 @@ What a provider session guarantees, each pinned by tests/unit/test_provider_call
   written (`_CheckedConnector`); what it raises propagates and nothing is written;
 - no request logging: aiohttp's client logs no request lines (its `aiohttp.access` logger is
   the server's); no cookies kept between calls of different operations (`DummyCookieJar`).
+
+The environment is read once, when the session is built, as httpx did: `HTTP_PROXY`,
+`HTTPS_PROXY`, `NO_PROXY` (aiohttp's own `trust_env` would re-read them and `~/.netrc` on every
+request), and `SSL_CERT_FILE` / `SSL_CERT_DIR`. Unlike httpx, `~/.netrc` credentials are not
+added to provider requests: a provider's credentials come from the catalog's headers.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import contextlib
 import math
 import os
 import ssl
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from contextvars import ContextVar
@@ -108,6 +114,30 @@ def _ssl_context() -> ssl.SSLContext:
                                       capath=os.environ.get("SSL_CERT_DIR"))
 
 
+class _Proxies:
+    """The proxy for a URL, from the environment as it was when the session was built."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self._env = env
+        self._by_host: dict[tuple[str, str], str | None] = {}
+
+    def __call__(self, url: URL) -> str | None:
+        if not self._env:  # the usual case: one dict check per request
+            return None
+        key = (url.scheme, url.host or "")
+        if key not in self._by_host:
+            proxy = self._env.get(url.scheme)
+            if proxy and urllib.request.proxy_bypass(key[1]):  # NO_PROXY, once per host
+                proxy = None
+            self._by_host[key] = proxy
+        return self._by_host[key]
+
+
+def _env_proxies() -> _Proxies:
+    found = urllib.request.getproxies_environment()
+    return _Proxies({k: v for k, v in found.items() if k in ("http", "https")})
+
+
 class ProviderSession:
     """A bounded pool of keep-alive connections to providers; built lazily inside the loop."""
 
@@ -115,6 +145,7 @@ class ProviderSession:
         self.max_connections = max_connections
         self._slots = asyncio.Semaphore(max_connections)
         self._http: aiohttp.ClientSession | None = None
+        self._proxy = _env_proxies()
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
@@ -125,7 +156,7 @@ class ProviderSession:
                 # the deadline between connect and the rest should stay as computed.
                 timeout_ceil_threshold=math.inf)
             self._http = aiohttp.ClientSession(
-                connector=connector, cookie_jar=aiohttp.DummyCookieJar(), trust_env=True,
+                connector=connector, cookie_jar=aiohttp.DummyCookieJar(), trust_env=False,
                 auto_decompress=True, raise_for_status=False,
                 timeout=aiohttp.ClientTimeout(total=None))
             # aiohttp sends an idempotent request a second time when a reused connection
@@ -155,10 +186,11 @@ class ProviderSession:
                 body = await request.aread()
             headers = [(k, v) for k, v in request.headers.multi_items()
                        if k.lower() not in _DERIVED]
+            url = URL(str(request.url), encoded=True)
             token = _before_write.set(before_write)
             try:
                 response = await self._session().request(
-                    request.method, URL(str(request.url), encoded=True), headers=headers,
+                    request.method, url, headers=headers, proxy=self._proxy(url),
                     data=body or None, allow_redirects=False,
                     timeout=aiohttp.ClientTimeout(total=None, connect=share,
                                                   sock_connect=share, sock_read=timeout_s))

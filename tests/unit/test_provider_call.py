@@ -1005,3 +1005,14 @@ def test_provider_calls_log_no_request_lines(caplog: pytest.LogCaptureFixture) -
     assert isinstance(outcome, AttemptSucceeded)
     assert not [r for r in caplog.records if "title=hello" in r.getMessage()
                 or "/v1/things" in r.getMessage()]
+
+
+async def test_http_proxy_from_the_environment_is_used_as_httpx_did(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async with RawServer(answer_201) as proxy:
+        for name in ("NO_PROXY", "no_proxy", "http_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.port}")
+        outcome = await real_call(make_tool())  # http://provider.test/v1/things, via the proxy
+    assert isinstance(outcome, AttemptSucceeded) and outcome.provider_ref == "t-9"
+    assert proxy.requests[0].startswith(b"POST http://provider.test/v1/things HTTP/1.1\r\n")
