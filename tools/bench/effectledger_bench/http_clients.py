@@ -11,8 +11,10 @@ clients (A, B, A, B, …) so both see the same machine.
 
 The figure that matters is the client process's CPU per call (`process_time`), since the
 provider (one sandbox process) bounds the calls per second on a small machine. It prints one
-line per round and a JSON summary. The httpx side is configured as the provider client was
-before the switch (`effectledger_providers.session` is the aiohttp client the product uses now).
+line per round and a JSON summary. `product` is the product's whole provider call (adapter,
+`call_provider`, the dispatcher's pools) over whatever client it uses. The httpx side is
+configured as the provider client was before the switch (`effectledger_providers.session` is
+the aiohttp client the product uses now).
 """
 
 from __future__ import annotations
@@ -111,7 +113,34 @@ async def aiohttp_client(url: str, api_key: str, concurrency: int) -> tuple[Call
     return call, close
 
 
-CLIENTS = {"httpx": httpx_client, "aiohttp": aiohttp_client}
+async def product_client(url: str, api_key: str, concurrency: int) -> tuple[Call, Any]:
+    """The product's whole call path: the dispatcher's caller and pools, the declarative
+    adapter building the request, `call_provider` sending it and classifying the answer."""
+    from effectledger_core.catalog import Tool
+    from effectledger_core.digest import digest
+    from effectledger_core.messages import AttemptSucceeded, DispatchAttempt
+    from effectledger_dispatcher.ports import HttpProviderCaller
+    from effectledger_providers.calls import make_clients
+
+    tool = Tool.model_validate({
+        "name": "bench", "endpoint": url, "contract_revision": "r1", "timeout_s": TIMEOUT_S,
+        "headers": {"Authorization": "Bearer ${BENCH_API_KEY}"}})
+    caller = HttpProviderCaller(make_clients(max(16, concurrency * 2)),
+                                env={"BENCH_API_KEY": api_key})
+
+    async def call(key: str) -> bool:
+        arguments = {"title": key}
+        cmd = DispatchAttempt(operation_id=key, operation_key=key, epoch=1, tool=tool.name,
+                              arguments=arguments, arguments_digest=digest(arguments),
+                              catalog_digest="sha256:bench", contract_revision="r1")
+        out = await caller(tool, cmd, attempt_id=key, dispatcher_id="bench",
+                           on_sent=lambda: None)
+        return isinstance(out, AttemptSucceeded)
+
+    return call, caller.aclose
+
+
+CLIENTS = {"httpx": httpx_client, "aiohttp": aiohttp_client, "product": product_client}
 
 
 async def one_round(name: str, url: str, api_key: str, *, n: int, concurrency: int,
@@ -166,7 +195,8 @@ async def _main(args: argparse.Namespace, url: str, api_key: str) -> dict[str, A
     rounds: list[dict[str, Any]] = []
     run = secrets.token_hex(3)
     for r in range(args.rounds):
-        for name in ("httpx", "aiohttp") if r % 2 == 0 else ("aiohttp", "httpx"):
+        names = list(CLIENTS)
+        for name in names if r % 2 == 0 else names[::-1]:
             res = await one_round(name, url, api_key, n=args.n, concurrency=args.concurrency,
                                   prefix=f"http-{run}-{name}-{r}-")
             print(json.dumps(res), flush=True)
