@@ -246,7 +246,8 @@ async def call_provider(
     `on_sent` runs right before the request is handed to the HTTP client (the dispatcher's crash
     point);
     what it raises propagates. `before_write` runs later, immediately before the request's
-    first byte is written to the connection (after any connect and TLS handshake); if it raises
+    first byte is written to the connection (after any connect and TLS handshake; for a request
+    with a body it runs twice, the second time as the body is written); if it raises
     `SendRefused`, nothing is sent and the outcome is a transient `AttemptFailed` with its code
     (the dispatcher's send deadline). Cancellation propagates too. Everything else becomes an
     outcome.

@@ -11,7 +11,8 @@ What a provider session guarantees, each pinned by tests/unit/test_provider_call
 - split timeouts: waiting for a free connection (`PoolTimeout`), connecting (DNS, TCP, TLS:
   aiohttp's `ConnectionTimeoutError`), each read, and the caller's overall deadline;
 - `before_write` runs after the connection is ready and before the request's first byte is
-  written (`_CheckedConnector`); what it raises propagates and nothing is written;
+  written (`_CheckedConnector`), and for a request with a body once more in the task that
+  writes it (`_CheckedBody`); what it raises propagates and nothing is written;
 - no request logging: aiohttp's client logs no request lines (its `aiohttp.access` logger is
   the server's); no cookies kept between calls of different operations (`DummyCookieJar`).
 
@@ -38,8 +39,10 @@ from typing import Protocol
 import aiohttp
 import certifi
 import httpx
+from aiohttp.abc import AbstractStreamWriter
 from aiohttp.client_reqrep import ClientRequest
 from aiohttp.connector import Connection
+from aiohttp.payload import BytesPayload
 from aiohttp.tracing import Trace
 from yarl import URL
 
@@ -106,6 +109,39 @@ class _CheckedConnector(aiohttp.TCPConnector):
                 conn.close()  # nothing was written on it; not worth keeping either
                 raise
         return conn
+
+
+class _CheckedBody(BytesPayload):
+    """A request body that runs `before_write` again right before it is written.
+
+    On Python < 3.12 aiohttp buffers the headers of a request with a body and writes them
+    together with the body from a task that starts on the next turn of the event loop, so the
+    connector's check can be one loop turn (milliseconds to tens of milliseconds under load)
+    before the first byte. This check runs in that task, immediately before the (coalesced)
+    headers and body are handed to the socket. What it raises reaches aiohttp wrapped in a
+    `ClientConnectionError`; `ProviderSession.send` raises the original instead.
+    """
+
+    def __init__(self, value: bytes, check: Callable[[], None], content_type: str) -> None:
+        super().__init__(value, content_type=content_type)
+        self._check = check
+        self.refused: BaseException | None = None
+
+    def _run_check(self) -> None:
+        try:
+            self._check()
+        except BaseException as exc:
+            self.refused = exc
+            raise
+
+    async def write(self, writer: AbstractStreamWriter) -> None:
+        self._run_check()
+        await super().write(writer)
+
+    async def write_with_length(self, writer: AbstractStreamWriter,
+                                content_length: int | None) -> None:
+        self._run_check()
+        await super().write_with_length(writer, content_length)
 
 
 def _ssl_context() -> ssl.SSLContext:
@@ -187,13 +223,21 @@ class ProviderSession:
             headers = [(k, v) for k, v in request.headers.multi_items()
                        if k.lower() not in _DERIVED]
             url = URL(str(request.url), encoded=True)
+            data: bytes | _CheckedBody | None = body or None
+            if body and before_write is not None:
+                data = _CheckedBody(body, before_write, request.headers.get(
+                    "content-type", "application/octet-stream"))
             token = _before_write.set(before_write)
             try:
                 response = await self._session().request(
                     request.method, url, headers=headers, proxy=self._proxy(url),
-                    data=body or None, allow_redirects=False,
+                    data=data, allow_redirects=False,
                     timeout=aiohttp.ClientTimeout(total=None, connect=share,
                                                   sock_connect=share, sock_read=timeout_s))
+            except Exception:
+                if isinstance(data, _CheckedBody) and data.refused is not None:
+                    raise data.refused from None  # refused in the body task: nothing written
+                raise
             finally:
                 _before_write.reset(token)
             try:

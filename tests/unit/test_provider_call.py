@@ -774,8 +774,15 @@ def test_factory_returning_a_non_adapter_is_a_clear_catalog_error(adapter_module
         load_adapter(make_tool(adapter="builtins:object"))
 
 
-async def test_before_write_refusal_after_connecting_sends_no_byte_and_is_transient() -> None:
+@pytest.mark.parametrize("method, allowed_checks", [
+    ("POST", 0),  # refused in the connector, as the connection is handed over
+    ("POST", 1),  # refused in the task that writes the body (headers are sent with it)
+    ("GET", 0),  # no body: the connector's check is the last before aiohttp writes
+])
+async def test_before_write_refusal_after_connecting_sends_no_byte_and_is_transient(
+        method: str, allowed_checks: int) -> None:
     received: list[bytes] = []
+    checks = 0
     connection_ended = asyncio.Event()
 
     async def record_until_eof(reader: asyncio.StreamReader,
@@ -787,12 +794,16 @@ async def test_before_write_refusal_after_connecting_sends_no_byte_and_is_transi
     server = await asyncio.start_server(record_until_eof, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     def refuse() -> None:
-        raise SendRefused("send_deadline_passed", "nothing was sent: too late")
+        nonlocal checks
+        checks += 1
+        if checks > allowed_checks:
+            raise SendRefused("send_deadline_passed", "nothing was sent: too late")
 
     try:
         async with make_client() as client:
             outcome = await call_provider(
-                client, make_tool(endpoint=f"http://127.0.0.1:{port}/v1/things"), make_cmd(),
+                client, make_tool(endpoint=f"http://127.0.0.1:{port}/v1/things", method=method),
+                make_cmd(),
                 attempt_id="a", dispatcher_id="d", env=ENV, clock=clock, before_write=refuse)
         await asyncio.wait_for(connection_ended.wait(), 5)  # the client closed its socket
     finally:
@@ -814,7 +825,8 @@ async def test_before_write_that_allows_sends_exactly_once() -> None:
                                           dispatcher_id="d", env=ENV, clock=clock,
                                           before_write=lambda: calls.append("check"))
     assert isinstance(outcome, AttemptSucceeded)
-    assert calls == ["check"] and len(server.requests) == 1
+    # Checked as the connection is handed over and again as the body is written.
+    assert calls == ["check", "check"] and len(server.requests) == 1
 
 
 # --- the aiohttp client against real sockets: each error mapped as before ---------------------

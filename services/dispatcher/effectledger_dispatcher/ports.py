@@ -49,7 +49,8 @@ class ProviderCaller(Protocol):
                        dispatcher_id: str, on_sent: Callable[[], None],
                        before_write: Callable[[], None]) -> Outcome:
         """Exactly one attempt; `on_sent` runs right before the request is handed to the
-        HTTP client, `before_write` immediately before its first byte is written (raising
+        HTTP client, `before_write` immediately before its first byte is written (perhaps
+        more than once: it must be a pure check; raising
         `effectledger_providers.calls.SendRefused` there means: send nothing, report it)."""
         ...
 
