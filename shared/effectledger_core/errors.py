@@ -1,7 +1,7 @@
 """effectledger's own error types. Retryability is a property of the type.
 
-Adapters translate library errors (SQLAlchemy, nats-py, httpx) into these at their boundary;
-the HTTP layer renders them as `{"error": {"code", "message", "details"}}`.
+Adapters translate library errors (SQLAlchemy, nats-py, aiohttp, httpx) into these at their
+boundary; the HTTP layer renders them as `{"error": {"code", "message", "details"}}`.
 """
 
 from __future__ import annotations

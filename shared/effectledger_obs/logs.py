@@ -6,7 +6,9 @@ level. Lines about an operation carry `operation_id`, `epoch`, `attempt_id`, `to
 (from `bind(...)` or a call's `extra=`) and, when tracing is on, `trace_id` and `span_id`.
 
 httpx and httpcore log every request line at INFO, query string included; GET tools carry
-their arguments there, and arguments may be personal data. They are held at WARNING.
+their arguments there, and arguments may be personal data. They are held at WARNING. Provider
+calls go through aiohttp, whose client logs no request lines; httpx still carries the agents'
+SDK and the sandbox's webhooks, so its loggers stay quiet here.
 """
 
 from __future__ import annotations

@@ -16,11 +16,14 @@ What happens without a usable status line is decided here:
 | 2xx whose body cannot be read fully            | OutcomeAmbiguous invalid_response         |
 | refused / DNS / connect timeout                | AttemptFailed transient connect_failed    |
 | no pooled connection became free               | AttemptFailed transient pool_timeout      |
-| timeout after connecting (httpx or deadline)   | OutcomeAmbiguous timeout                  |
+| timeout after connecting (read or deadline)    | OutcomeAmbiguous timeout                  |
 | connection lost after connecting               | OutcomeAmbiguous connection_lost          |
 | request cannot be built (template, env var)    | AttemptFailed invalid_argument,           |
 |                                                | code request_build_failed                 |
 | `before_write` refused (the send deadline)     | AttemptFailed transient, its code         |
+
+The HTTP client is aiohttp (`session.ProviderSession`); adapters still build `httpx.Request`
+values and read `httpx.Response` values, which are plain data here and never sent by httpx.
 
 `code` is the provider's JSON `error.code` if given, else `http_<status>`. Messages are bounded
 and scrubbed of every value the request carried in its headers (credentials).
@@ -29,16 +32,16 @@ and scrubbed of every value the request carried in its headers (credentials).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import email.utils
 import hashlib
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp
 import httpx
 
 from effectledger_core.catalog import ENV_REF, Tool
@@ -59,39 +62,29 @@ from effectledger_core.results import ProviderResult, keep_result
 from effectledger_obs import tracing
 
 from .adapters import Classified, ProviderAdapter, ReadbackResult, load_adapter
+from .session import CONNECT_SHARE, PoolTimeout, ProviderClient, ProviderSession
 
-__all__ = ["ReadbackResult", "SendRefused", "call_provider", "make_client", "make_clients",
-           "parse_retry_after", "readback"]
+__all__ = ["CONNECT_SHARE", "ProviderClient", "ProviderSession", "ReadbackResult", "SendRefused",
+           "call_provider", "make_client", "make_clients", "parse_retry_after", "readback"]
 
 MAX_MESSAGE_CHARS = 1000
 MAX_CODE_CHARS = 128
-# Connect and pool waits get a share of the deadline, so a hanging connect ends as httpx's
-# ConnectTimeout (known: nothing sent) rather than as the overall deadline (must be ambiguous).
-CONNECT_SHARE = 0.8
 _NOT_SECRET = frozenset({"host", "content-type", "content-length", "accept", "accept-encoding",
                          "connection", "user-agent", "transfer-encoding"})
 
 
-def make_client(max_connections: int = 200) -> httpx.AsyncClient:
-    """A client for provider calls: bounded pool, no redirects followed, no transport retries."""
-    # Idle connections expire before the provider's own keep-alive closes them (5 s for uvicorn
-    # and Node): a request written on a connection the server is closing at that instant is
-    # lost without an answer, which is ambiguous, so that race must not be run at all.
-    limits = httpx.Limits(max_connections=max_connections,
-                          max_keepalive_connections=min(max_connections, 50),
-                          keepalive_expiry=2.0)
-    return httpx.AsyncClient(
-        transport=httpx.AsyncHTTPTransport(retries=0, limits=limits),
-        follow_redirects=False, timeout=httpx.Timeout(10.0))
+def make_client(max_connections: int = 200) -> ProviderSession:
+    """A client for provider calls: bounded pool, no redirects followed, no transport retries
+    (all set in `session.ProviderSession`)."""
+    return ProviderSession(max_connections=max_connections)
 
 
-def make_clients(max_connections: int, per_client: int = 8) -> list[httpx.AsyncClient]:
+def make_clients(max_connections: int, per_client: int = 8) -> list[ProviderSession]:
     """Several small clients to spread a dispatcher's calls over (round robin).
 
-    httpcore checks every pooled connection on every request (`has_expired` polls each idle
-    socket), so one pool of 100+ connections costs a syscall per connection per call: about a
-    fifth of a dispatcher's CPU in the benchmark profile. Pools of `per_client` keep that
-    check short; together they allow `max_connections`.
+    Introduced for httpcore, which checked every pooled connection on every request; aiohttp
+    does not, but small pools still keep one slow provider's connections from filling a single
+    pool that every call waits on. Together they allow `max_connections`.
     """
     shards = max(1, -(-max_connections // per_client))
     return [make_client(max_connections=per_client * 2) for _ in range(shards)]
@@ -128,8 +121,10 @@ class _Body:
         self.prefix = bytearray()
         self.size = 0
 
-    async def read(self, response: httpx.Response) -> None:
-        async for chunk in response.aiter_bytes():
+    async def read(self, chunks: AsyncIterator[bytes]) -> None:
+        # Every byte is digested (the evidence), but only MAX_HTTP_BODY_BYTES are kept: a
+        # larger answer is read to its end within the deadline and reported as too large.
+        async for chunk in chunks:
             self._hash.update(chunk)
             self.size += len(chunk)
             room = MAX_HTTP_BODY_BYTES - len(self.prefix)
@@ -143,38 +138,33 @@ class _Body:
 
 @dataclass
 class _Exchange:
-    response: httpx.Response | None = None  # set as soon as the status line arrived
+    request: httpx.Request
+    status: int | None = None  # set as soon as the status line arrived
+    headers: httpx.Headers = field(default_factory=httpx.Headers)
     body: _Body = field(default_factory=_Body)
     error: Exception | None = None
 
     def buffered(self) -> httpx.Response:
         """The answer with its (bounded, decoded) body in memory, for adapters to read."""
-        assert self.response is not None
+        assert self.status is not None
         drop = {"content-encoding", "content-length", "transfer-encoding"}
-        headers = [(k, v) for k, v in self.response.headers.multi_items() if k.lower() not in drop]
-        return httpx.Response(self.response.status_code, headers=headers,
-                              content=bytes(self.body.prefix), request=self.response.request)
+        headers = [(k, v) for k, v in self.headers.multi_items() if k.lower() not in drop]
+        return httpx.Response(self.status, headers=headers, content=bytes(self.body.prefix),
+                              request=self.request)
 
 
-async def _exchange(client: httpx.AsyncClient, request: httpx.Request,
+async def _exchange(client: ProviderClient, request: httpx.Request,
                     timeout_s: float, before_write: Callable[[], None] | None = None
                     ) -> _Exchange:
     """Send `request` once and read the whole answer, all within `timeout_s`."""
-    request.extensions["timeout"] = httpx.Timeout(
-        timeout_s, connect=timeout_s * CONNECT_SHARE, pool=timeout_s * CONNECT_SHARE).as_dict()
-    if before_write is not None:
-        request.extensions["trace"] = _tracer(before_write)
-    ex = _Exchange()
+    ex = _Exchange(request)
     try:
         async with asyncio.timeout(timeout_s):
-            ex.response = await client.send(request, stream=True, follow_redirects=False)
-            await ex.body.read(ex.response)
+            async with client.send(request, timeout_s, before_write) as answer:
+                ex.status, ex.headers = answer.status, answer.headers
+                await ex.body.read(answer.chunks)
     except Exception as exc:  # every failure is classified by the caller, none escapes
         ex.error = exc
-    finally:
-        if ex.response is not None:
-            with contextlib.suppress(Exception):
-                await ex.response.aclose()
     return ex
 
 
@@ -186,18 +176,6 @@ class SendRefused(Exception):
         self.code, self.message = code, message
 
 
-# httpcore's trace events right before a request's first byte is written (HTTP/1.1, HTTP/2).
-_BEFORE_WRITE_EVENTS = frozenset({"http11.send_request_headers.started",
-                                  "http2.send_request_headers.started"})
-
-
-def _tracer(before_write: Callable[[], None]) -> Callable[[str, Any], Awaitable[None]]:
-    async def trace(event: str, info: Any) -> None:
-        if event in _BEFORE_WRITE_EVENTS:
-            before_write()
-    return trace
-
-
 def _describe(exc: BaseException) -> str:
     text = str(exc)
     if not text and isinstance(exc, TimeoutError):
@@ -206,18 +184,25 @@ def _describe(exc: BaseException) -> str:
 
 
 def _send_error(exc: Exception) -> Classified:
-    """Classify a failure that happened before any status line arrived."""
+    """Classify a failure that happened before any status line arrived.
+
+    The question is whether the request may have been sent. aiohttp raises
+    `ClientConnectorError` (refused, DNS, TLS: subclasses included) and `ConnectionTimeoutError`
+    only while getting a connection, before `before_write` and before any byte; every other
+    error (a reset, a read timeout, a closed connection, the overall deadline) may come after
+    the request left, so it is ambiguous.
+    """
     text = _describe(exc)
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
         return Classified("failed", failure_class=FailureClass.TRANSIENT, code="connect_failed",
                           message=f"could not connect, nothing was sent: {text}")
-    if isinstance(exc, httpx.PoolTimeout):
+    if isinstance(exc, PoolTimeout):
         return Classified("failed", failure_class=FailureClass.TRANSIENT, code="pool_timeout",
                           message=f"no connection became free, nothing was sent: {text}")
-    if isinstance(exc, httpx.UnsupportedProtocol):
+    if isinstance(exc, aiohttp.InvalidURL | aiohttp.NonHttpUrlClientError):
         return Classified("failed", failure_class=FailureClass.INVALID_ARGUMENT,
                           code="request_build_failed", message=text)
-    if isinstance(exc, TimeoutError | httpx.TimeoutException):
+    if isinstance(exc, TimeoutError):  # SocketTimeoutError (a read) or the overall deadline
         return Classified("ambiguous", reason="timeout",
                           message=f"no answer within the deadline: {text}")
     return Classified("ambiguous", reason="connection_lost",
@@ -251,16 +236,18 @@ def _clean_ref(ref: str | None, secrets: Sequence[str]) -> str | None:
 
 
 async def call_provider(
-    client: httpx.AsyncClient, tool: Tool, cmd: DispatchAttempt, *, attempt_id: str,
+    client: ProviderClient, tool: Tool, cmd: DispatchAttempt, *, attempt_id: str,
     dispatcher_id: str, env: Mapping[str, str], clock: Clock = utcnow,
     adapter: ProviderAdapter | None = None, on_sent: Callable[[], None] | None = None,
     before_write: Callable[[], None] | None = None,
 ) -> Outcome:
     """Make exactly one attempt of `cmd` against the provider and classify the result.
 
-    `on_sent` runs right before the request is handed to httpx (the dispatcher's crash point);
+    `on_sent` runs right before the request is handed to the HTTP client (the dispatcher's crash
+    point);
     what it raises propagates. `before_write` runs later, immediately before the request's
-    first byte is written to the connection (after any connect and TLS handshake); if it raises
+    first byte is written to the connection (after any connect and TLS handshake; for a request
+    with a body it runs twice, the second time as the body is written); if it raises
     `SendRefused`, nothing is sent and the outcome is a transient `AttemptFailed` with its code
     (the dispatcher's send deadline). Cancellation propagates too. Everything else becomes an
     outcome.
@@ -287,14 +274,14 @@ async def call_provider(
         on_sent()
     started = time.monotonic()
     ex = await _exchange(client, request, tool.timeout_s, before_write)
-    if ex.response is None:
+    if ex.status is None:
         assert ex.error is not None
         if isinstance(ex.error, SendRefused):
             return outcome(Classified("failed", failure_class=FailureClass.TRANSIENT,
                                       code=ex.error.code, message=ex.error.message),
                            secrets=secrets)
         return outcome(_send_error(ex.error), secrets=secrets)
-    status = ex.response.status_code
+    status = ex.status
     if ex.error is not None and 200 <= status < 300:
         return outcome(Classified("ambiguous", reason="invalid_response", message=(
             f"HTTP {status} arrived but its body could not be read: {_describe(ex.error)}")),
@@ -314,11 +301,11 @@ async def call_provider(
 
 def _kept(tool: Tool, ex: _Exchange, secrets: Sequence[str]) -> ProviderResult | None:
     """The provider's answer as the agent gets it: bounded per tool, scrubbed, narrowed."""
-    if tool.max_result_bytes <= 0 or ex.response is None:
+    if tool.max_result_bytes <= 0 or ex.status is None:
         return None
     if ex.body.size > len(ex.body.prefix):  # only a prefix was kept: the answer is not whole
         return ProviderResult(kind="text", omitted="too_large", bytes=ex.body.size)
-    return keep_result(bytes(ex.body.prefix), ex.response.headers.get("content-type"),
+    return keep_result(bytes(ex.body.prefix), ex.headers.get("content-type"),
                        limit=tool.max_result_bytes, path=tool.result_path, secrets=secrets)
 
 
@@ -357,7 +344,7 @@ def _to_outcome(c: Classified, *, cmd: DispatchAttempt, attempt_id: str, dispatc
 
 
 async def readback(
-    client: httpx.AsyncClient, tool: Tool, operation_key: str, operation_id: str,
+    client: ProviderClient, tool: Tool, operation_key: str, operation_id: str,
     arguments: dict[str, Any], env: Mapping[str, str], adapter: ProviderAdapter | None = None,
 ) -> ReadbackResult:
     """Ask the provider whether the operation's effect exists (one request, `tool.timeout_s`)."""
@@ -372,7 +359,7 @@ async def readback(
         return ReadbackResult(None, None, None, None, "the tool has no readback")
     secrets = _secrets(tool, request, env)
     ex = await _exchange(client, request, tool.timeout_s)
-    status = ex.response.status_code if ex.response is not None else None
+    status = ex.status
     if ex.error is not None:
         return ReadbackResult(None, None, None, status,
                               _clean(_describe(ex.error), secrets, MAX_MESSAGE_CHARS))

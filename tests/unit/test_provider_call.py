@@ -1,15 +1,21 @@
 """The provider call: one HTTP attempt, classified without guessing (no NATS, no database).
 
-Pure status/body classification runs over `httpx.MockTransport`; behaviour that is about sockets
-(hangs, connections closed mid-exchange, refused connections) runs against a tiny raw-HTTP
-server on a free local port, through the production client from `make_client()`.
+Pure status/body classification runs over `FakeProviderClient` (in memory: adapters' httpx
+requests in, httpx responses out); behaviour that is about sockets (hangs, connections
+closed or reset mid-exchange, refused connections, pools, redirects, big bodies) runs against a
+tiny raw-HTTP server on a free local port, through the production aiohttp client from
+`make_client()`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hashlib
 import json
+import logging
+import socket
+import struct
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,15 +26,19 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
+import aiohttp
 import httpx
 import pytest
+from multidict import CIMultiDict, CIMultiDictProxy
 from pydantic import ValidationError
+from yarl import URL
 
 import effectledger_core
 from effectledger_cli.embedded import free_port
 from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.crash import CrashPointHit
 from effectledger_core.errors import CatalogError
+from effectledger_core.limits import MAX_HTTP_BODY_BYTES
 from effectledger_core.messages import (
     AttemptAccepted,
     AttemptFailed,
@@ -39,6 +49,7 @@ from effectledger_core.messages import (
     OutcomeAmbiguous,
 )
 from effectledger_core.results import ProviderResult
+from effectledger_obs import tracing
 from effectledger_providers.adapters import (
     DeclarativeAdapter,
     clear_adapter_cache,
@@ -52,6 +63,8 @@ from effectledger_providers.calls import (
     parse_retry_after,
     readback,
 )
+from effectledger_providers.session import PoolTimeout
+from effectledger_providers.testing import FakeProviderClient
 
 SECRET = "sk_live_5f3a9c0d7e1b2a4c"
 OTHER_SECRET = "xk-8d1e77a0c3b94f26"
@@ -86,20 +99,11 @@ def make_cmd(**overrides: Any) -> DispatchAttempt:
 Handler = Callable[[httpx.Request], httpx.Response | Awaitable[httpx.Response]]
 
 
-class Provider:
-    """A MockTransport provider that records every request it receives."""
+class Provider(FakeProviderClient):
+    """An in-memory provider that records every request it receives."""
 
-    def __init__(self, answer: Handler) -> None:
-        self.answer = answer
-        self.requests: list[httpx.Request] = []
-
-    async def _handle(self, request: httpx.Request) -> httpx.Response:
-        self.requests.append(request)
-        result = self.answer(request)
-        return await result if isinstance(result, Awaitable) else result
-
-    def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=httpx.MockTransport(self._handle))
+    def client(self) -> Provider:
+        return self
 
 
 async def call(tool: Tool, answer: Handler, **kwargs: Any) -> tuple[Outcome, Provider]:
@@ -121,12 +125,20 @@ def status(code: int, body: Any = None, headers: dict[str, str] | None = None) -
     return answer
 
 
-def raising(exc_type: type[Exception], text: str = "boom") -> Handler:
+def raising(make: Callable[[str], Exception], text: str = "boom") -> Handler:
     def answer(request: httpx.Request) -> httpx.Response:
-        if issubclass(exc_type, httpx.RequestError):
-            raise exc_type(text, request=request)
-        raise exc_type(text)
+        raise make(text)
     return answer
+
+
+def connector_error(text: str) -> Exception:
+    key = aiohttp.ClientRequest("POST", URL("http://provider.test/")).connection_key
+    return aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, text))
+
+
+def dns_error(text: str) -> Exception:
+    key = aiohttp.ClientRequest("POST", URL("http://provider.test/")).connection_key
+    return aiohttp.ClientConnectorDNSError(key, OSError(-2, text))
 
 
 class BrokenStream(httpx.AsyncByteStream):
@@ -137,7 +149,7 @@ class BrokenStream(httpx.AsyncByteStream):
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         yield self.first
-        raise httpx.ReadError("peer closed connection mid-body")
+        raise aiohttp.ClientPayloadError("peer closed connection mid-body")
 
 
 @pytest.fixture(autouse=True)
@@ -379,7 +391,7 @@ async def test_secrets_from_headers_never_appear_in_outcome_messages() -> None:
         return httpx.Response(403, text=f"token {SECRET} rejected; key={OTHER_SECRET}")
 
     def exploding(request: httpx.Request) -> httpx.Response:
-        raise httpx.ReadError(f"lost while sending {request.headers['Authorization']}")
+        raise aiohttp.ClientOSError(f"lost while sending {request.headers['Authorization']}")
 
     for answer in (echo, echo_text, exploding):
         outcome, _ = await call(tool, answer)
@@ -429,12 +441,12 @@ async def test_nul_and_unpaired_surrogates_from_a_provider_keep_the_verdict() ->
 
 # --- transport failures ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("exc_type, code", [
-    (httpx.ConnectError, "connect_failed"), (httpx.ConnectTimeout, "connect_failed"),
-    (httpx.PoolTimeout, "pool_timeout")])
+@pytest.mark.parametrize("make, code", [
+    (connector_error, "connect_failed"), (dns_error, "connect_failed"),
+    (aiohttp.ConnectionTimeoutError, "connect_failed"), (PoolTimeout, "pool_timeout")])
 async def test_failures_before_connecting_are_transient_because_nothing_was_sent(
-        exc_type: type[Exception], code: str) -> None:
-    outcome, provider = await call(make_tool(), raising(exc_type))
+        make: Callable[[str], Exception], code: str) -> None:
+    outcome, provider = await call(make_tool(), raising(make))
     assert isinstance(outcome, AttemptFailed)
     assert outcome.failure_class is FailureClass.TRANSIENT
     assert outcome.code == code
@@ -442,13 +454,19 @@ async def test_failures_before_connecting_are_transient_because_nothing_was_sent
     assert len(provider.requests) == 1
 
 
-@pytest.mark.parametrize("exc_type, reason", [
-    (httpx.ReadTimeout, "timeout"), (httpx.WriteTimeout, "timeout"),
-    (httpx.RemoteProtocolError, "connection_lost"), (httpx.ReadError, "connection_lost"),
-    (httpx.WriteError, "connection_lost"), (RuntimeError, "connection_lost")])
+@pytest.mark.parametrize("make, reason", [
+    (aiohttp.SocketTimeoutError, "timeout"), (TimeoutError, "timeout"),
+    (aiohttp.ServerDisconnectedError, "connection_lost"),
+    (aiohttp.ClientOSError, "connection_lost"),
+    (aiohttp.ClientConnectionResetError, "connection_lost"),
+    (aiohttp.ClientPayloadError, "connection_lost"),
+    (lambda text: aiohttp.ClientResponseError(aiohttp.RequestInfo(
+        URL("http://provider.test/"), "POST", CIMultiDictProxy(CIMultiDict())), (),
+        message=text), "connection_lost"),  # an unparsable status line
+    (RuntimeError, "connection_lost")])
 async def test_failures_after_connecting_are_ambiguous(
-        exc_type: type[Exception], reason: str) -> None:
-    outcome, provider = await call(make_tool(), raising(exc_type))
+        make: Callable[[str], Exception], reason: str) -> None:
+    outcome, provider = await call(make_tool(), raising(make))
     assert isinstance(outcome, OutcomeAmbiguous)
     assert outcome.reason == reason
     assert len(provider.requests) == 1
@@ -481,6 +499,7 @@ class RawServer:
         self.requests: list[bytes] = []
         self.connections = 0
         self.release = asyncio.Event()
+        self.got_request = asyncio.Event()
         self._writers: list[asyncio.StreamWriter] = []
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -494,6 +513,7 @@ class RawServer:
                 if name.strip().lower() == "content-length":
                     length = int(value)
             self.requests.append(head + await reader.readexactly(length))
+            self.got_request.set()
             await self.behaviour(self, writer)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
@@ -641,7 +661,7 @@ async def test_readback_renders_url_with_quoted_arguments_and_sends_credentials(
     ({"found_when": {"json_path": "$.id"}}, status(200, {"other": 1}), False),
     ({"found_when": {"json_path": "$.id"}}, status(200, b"<html>"), None),
     ({"not_found_status": 204}, status(204), False),
-    ({}, raising(httpx.ReadTimeout), None),
+    ({}, raising(aiohttp.SocketTimeoutError), None),
 ])
 async def test_readback_says_found_not_found_or_cannot_tell(
         readback_kw: dict[str, Any], answer: Handler, found: bool | None) -> None:
@@ -754,8 +774,15 @@ def test_factory_returning_a_non_adapter_is_a_clear_catalog_error(adapter_module
         load_adapter(make_tool(adapter="builtins:object"))
 
 
-async def test_before_write_refusal_after_connecting_sends_no_byte_and_is_transient() -> None:
+@pytest.mark.parametrize("method, allowed_checks", [
+    ("POST", 0),  # refused in the connector, as the connection is handed over
+    ("POST", 1),  # refused in the task that writes the body (headers are sent with it)
+    ("GET", 0),  # no body: the connector's check is the last before aiohttp writes
+])
+async def test_before_write_refusal_after_connecting_sends_no_byte_and_is_transient(
+        method: str, allowed_checks: int) -> None:
     received: list[bytes] = []
+    checks = 0
     connection_ended = asyncio.Event()
 
     async def record_until_eof(reader: asyncio.StreamReader,
@@ -767,12 +794,16 @@ async def test_before_write_refusal_after_connecting_sends_no_byte_and_is_transi
     server = await asyncio.start_server(record_until_eof, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     def refuse() -> None:
-        raise SendRefused("send_deadline_passed", "nothing was sent: too late")
+        nonlocal checks
+        checks += 1
+        if checks > allowed_checks:
+            raise SendRefused("send_deadline_passed", "nothing was sent: too late")
 
     try:
         async with make_client() as client:
             outcome = await call_provider(
-                client, make_tool(endpoint=f"http://127.0.0.1:{port}/v1/things"), make_cmd(),
+                client, make_tool(endpoint=f"http://127.0.0.1:{port}/v1/things", method=method),
+                make_cmd(),
                 attempt_id="a", dispatcher_id="d", env=ENV, clock=clock, before_write=refuse)
         await asyncio.wait_for(connection_ended.wait(), 5)  # the client closed its socket
     finally:
@@ -794,4 +825,206 @@ async def test_before_write_that_allows_sends_exactly_once() -> None:
                                           dispatcher_id="d", env=ENV, clock=clock,
                                           before_write=lambda: calls.append("check"))
     assert isinstance(outcome, AttemptSucceeded)
-    assert calls == ["check"] and len(server.requests) == 1
+    # Checked as the connection is handed over and again as the body is written.
+    assert calls == ["check", "check"] and len(server.requests) == 1
+
+
+# --- the aiohttp client against real sockets: each error mapped as before ---------------------
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close with an RST (SO_LINGER 0), as a crashed provider or a middlebox does."""
+    sock = writer.get_extra_info("socket")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
+async def reset_at_once(server: RawServer, writer: asyncio.StreamWriter) -> None:
+    reset(writer)
+
+
+async def reset_mid_body(server: RawServer, writer: asyncio.StreamWriter) -> None:
+    writer.write(b'HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"id": "t-')
+    await writer.drain()
+    reset(writer)
+
+
+async def refuse_400_then_reset(server: RawServer, writer: asyncio.StreamWriter) -> None:
+    writer.write(b'HTTP/1.1 400 Bad Request\r\nContent-Length: 100\r\n\r\n{"error":')
+    await writer.drain()
+    reset(writer)
+
+
+async def redirect(server: RawServer, writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 302 Found\r\nLocation: /v1/elsewhere\r\nContent-Length: 0\r\n\r\n")
+    await writer.drain()
+
+
+BIG = MAX_HTTP_BODY_BYTES * 3 + 17
+
+
+async def oversized_200(server: RawServer, writer: asyncio.StreamWriter) -> None:
+    body = b'{"id": "t-big", "pad": "' + b"x" * (BIG - 26) + b'"}'
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body))
+    writer.write(body)
+    await writer.drain()
+
+
+async def gzip_201(server: RawServer, writer: asyncio.StreamWriter) -> None:
+    body = gzip.compress(b'{"id": "t-gz"}')
+    writer.write(b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
+                 b"Content-Encoding: gzip\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
+
+
+async def test_reset_before_any_answer_is_connection_lost_and_not_retried() -> None:
+    async with RawServer(reset_at_once) as server:
+        outcome = await real_call(server.tool())
+    assert isinstance(outcome, OutcomeAmbiguous)
+    assert outcome.reason == "connection_lost"
+    assert server.connections == 1 and len(server.requests) == 1
+
+
+async def test_reset_mid_body_of_a_2xx_is_ambiguous_and_of_a_4xx_still_a_refusal() -> None:
+    async with RawServer(reset_mid_body) as server:
+        outcome = await real_call(server.tool())
+    assert isinstance(outcome, OutcomeAmbiguous)
+    assert outcome.reason == "invalid_response" and outcome.http_status == 200
+    async with RawServer(refuse_400_then_reset) as server:
+        refused = await real_call(server.tool())
+    assert isinstance(refused, AttemptFailed)
+    assert refused.failure_class is FailureClass.INVALID_ARGUMENT
+    assert refused.http_status == 400 and refused.response_digest is None
+
+
+async def test_redirect_on_the_wire_is_not_followed() -> None:
+    async with RawServer(redirect) as server:
+        outcome = await real_call(server.tool())
+    assert isinstance(outcome, OutcomeAmbiguous)
+    assert outcome.reason == "invalid_response" and outcome.http_status == 302
+    assert server.connections == 1 and len(server.requests) == 1
+    assert b"/v1/elsewhere" not in server.requests[0]
+
+
+async def test_oversized_body_is_digested_whole_and_kept_only_as_too_large() -> None:
+    tool_kw = {"max_result_bytes": 1024}
+    async with RawServer(oversized_200) as server:
+        outcome = await real_call(make_tool(endpoint=f"http://127.0.0.1:{server.port}/v1/things",
+                                            **tool_kw))
+    assert isinstance(outcome, AttemptSucceeded)
+    body = b'{"id": "t-big", "pad": "' + b"x" * (BIG - 26) + b'"}'
+    assert outcome.response_digest == "sha256:" + hashlib.sha256(body).hexdigest()
+    assert outcome.result == ProviderResult(kind="text", omitted="too_large", bytes=len(body))
+
+
+async def test_compressed_answer_is_read_decoded() -> None:
+    async with RawServer(gzip_201) as server:
+        outcome = await real_call(server.tool())
+    assert isinstance(outcome, AttemptSucceeded) and outcome.provider_ref == "t-gz"
+    assert outcome.response_digest == "sha256:" + hashlib.sha256(b'{"id": "t-gz"}').hexdigest()
+
+
+async def test_unresolvable_host_is_connect_failed_known_not_sent() -> None:
+    outcome = await real_call(make_tool(endpoint="http://no-such-provider.invalid/v1/things",
+                                        timeout_s=2))
+    assert isinstance(outcome, AttemptFailed)
+    assert outcome.failure_class is FailureClass.TRANSIENT
+    assert outcome.code == "connect_failed"
+
+
+async def test_no_free_connection_is_pool_timeout_and_nothing_is_sent() -> None:
+    async with RawServer(hang) as server, make_client(max_connections=1) as client:
+        first = asyncio.create_task(call_provider(
+            client, server.tool(timeout_s=30), make_cmd(), attempt_id="a1", dispatcher_id="d",
+            env=ENV))
+        await server.got_request.wait()  # the first call holds the only connection
+        second = await call_provider(client, server.tool(timeout_s=0.3), make_cmd(),
+                                     attempt_id="a2", dispatcher_id="d", env=ENV)
+        assert isinstance(second, AttemptFailed)
+        assert second.code == "pool_timeout" and second.failure_class is FailureClass.TRANSIENT
+        assert server.connections == 1 and len(server.requests) == 1
+        server.release.set()  # the provider hangs up on the first call without an answer
+        outcome = await first
+    assert isinstance(outcome, OutcomeAmbiguous) and outcome.reason == "connection_lost"
+
+
+class KeepAliveThenDrop:
+    """Answers the first request on a connection and keeps it open; at the next request on it,
+    closes without answering (a provider that crashed between two calls)."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.connections = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            self.requests += 1
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+            await reader.readuntil(b"\r\n\r\n")
+            self.requests += 1
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_idempotent_method_on_a_reused_connection_is_not_sent_twice() -> None:
+    """aiohttp would send a GET again on a fresh connection when a reused one breaks; a
+    provider call is exactly one request, whatever its method."""
+    peer = KeepAliveThenDrop()
+    server = await asyncio.start_server(peer.handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    tool = make_tool(endpoint=f"http://127.0.0.1:{port}/v1/things", method="GET")
+    try:
+        async with make_client() as client:
+            first = await call_provider(client, tool, make_cmd(), attempt_id="a1",
+                                        dispatcher_id="d", env=ENV)
+            second = await call_provider(client, tool, make_cmd(), attempt_id="a2",
+                                         dispatcher_id="d", env=ENV)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert isinstance(first, AttemptSucceeded)
+    assert isinstance(second, OutcomeAmbiguous) and second.reason == "connection_lost"
+    assert peer.connections == 1 and peer.requests == 2
+
+
+async def test_traceparent_goes_to_the_provider_when_tracing_is_on() -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    assert tracing.configure_tracing("test", exporter=InMemorySpanExporter())
+    try:
+        async with RawServer(answer_201) as server:
+            with tracing.span("dispatch"):
+                outcome = await real_call(server.tool())
+    finally:
+        tracing.shutdown_tracing()
+    assert isinstance(outcome, AttemptSucceeded)
+    assert b"traceparent: 00-" in server.requests[0].lower()
+
+
+def test_provider_calls_log_no_request_lines(caplog: pytest.LogCaptureFixture) -> None:
+    async def run() -> Outcome:
+        async with RawServer(answer_201) as server:
+            return await real_call(make_tool(
+                endpoint=f"http://127.0.0.1:{server.port}/v1/things", method="GET"))
+
+    with caplog.at_level(logging.DEBUG):
+        outcome = asyncio.run(run())
+    assert isinstance(outcome, AttemptSucceeded)
+    assert not [r for r in caplog.records if "title=hello" in r.getMessage()
+                or "/v1/things" in r.getMessage()]
+
+
+async def test_http_proxy_from_the_environment_is_used_as_httpx_did(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async with RawServer(answer_201) as proxy:
+        for name in ("NO_PROXY", "no_proxy", "http_proxy"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.port}")
+        outcome = await real_call(make_tool())  # http://provider.test/v1/things, via the proxy
+    assert isinstance(outcome, AttemptSucceeded) and outcome.provider_ref == "t-9"
+    assert proxy.requests[0].startswith(b"POST http://provider.test/v1/things HTTP/1.1\r\n")

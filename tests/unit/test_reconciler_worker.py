@@ -30,6 +30,7 @@ from effectledger_core.messages import (
 )
 from effectledger_core.subjects import Subjects
 from effectledger_obs import logs, tracing
+from effectledger_providers.testing import FakeProviderClient
 from effectledger_reconciler.ledger_client import LedgerUnavailable, parse_operation_reply
 from effectledger_reconciler.strategy import OperationView, ReadbackAnswer, Timing
 from effectledger_reconciler.worker import Reconciler, http_readback
@@ -289,7 +290,7 @@ async def test_http_readback_maps_the_provider_answer() -> None:
             return httpx.Response(404, json={})
         return httpx.Response(500)
 
-    async with httpx.AsyncClient(transport=httpx.MockTransport(provider)) as client:
+    async with FakeProviderClient(provider) as client:
         run = http_readback(client, {"RB_KEY": "sekrit"})
         tool = CATALOG.get("rb")
         found = await run(tool, command())

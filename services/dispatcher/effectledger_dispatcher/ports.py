@@ -1,4 +1,4 @@
-"""What the dispatcher's worker needs from the world, as protocols; the NATS and httpx
+"""What the dispatcher's worker needs from the world, as protocols; the NATS and HTTP (aiohttp)
 implementations live here too, and `effectledger_bus.testing` has fakes of each.
 
 - `LedgerClient`: the claim request-reply (`NatsLedgerClient`);
@@ -8,10 +8,9 @@ implementations live here too, and `effectledger_bus.testing` has fakes of each.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-import httpx
 from nats.aio.client import Client as NatsClient
 
 from effectledger_bus.publish import Publisher
@@ -28,6 +27,7 @@ from effectledger_core.messages import (
 )
 from effectledger_core.subjects import Subjects
 from effectledger_providers.calls import call_provider
+from effectledger_providers.session import ProviderClient
 
 __all__ = ["HttpProviderCaller", "LedgerClient", "NatsLedgerClient", "ProviderCaller",
            "Publisher"]
@@ -49,7 +49,8 @@ class ProviderCaller(Protocol):
                        dispatcher_id: str, on_sent: Callable[[], None],
                        before_write: Callable[[], None]) -> Outcome:
         """Exactly one attempt; `on_sent` runs right before the request is handed to the
-        HTTP client, `before_write` immediately before its first byte is written (raising
+        HTTP client, `before_write` immediately before its first byte is written (perhaps
+        more than once: it must be a pure check; raising
         `effectledger_providers.calls.SendRefused` there means: send nothing, report it)."""
         ...
 
@@ -72,16 +73,16 @@ class HttpProviderCaller:
     """Provider calls over several small connection pools, taken in turn (see
     `effectledger_providers.calls.make_clients` for why several)."""
 
-    def __init__(self, clients: list[httpx.AsyncClient], *, env: Mapping[str, str],
+    def __init__(self, clients: Sequence[ProviderClient], *, env: Mapping[str, str],
                  clock: Clock = utcnow) -> None:
         if not clients:
             raise ValueError("at least one HTTP client")
-        self.clients = clients
+        self.clients = list(clients)
         self.env = env
         self.clock = clock
         self._next = 0
 
-    def client(self) -> httpx.AsyncClient:
+    def client(self) -> ProviderClient:
         self._next = (self._next + 1) % len(self.clients)
         return self.clients[self._next]
 

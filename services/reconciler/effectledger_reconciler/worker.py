@@ -22,8 +22,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
-import httpx
-
 from effectledger_bus import msgids
 from effectledger_bus.delivery import Delivery, dead_letter, heartbeat
 from effectledger_bus.publish import Publisher, publish_with_retries
@@ -34,6 +32,7 @@ from effectledger_core.messages import ReconcileOperation, VerdictReached, encod
 from effectledger_core.subjects import Subjects
 from effectledger_obs import logs, metrics, tracing
 from effectledger_providers.calls import readback as provider_readback
+from effectledger_providers.session import ProviderClient
 
 from . import strategy
 from .ledger_client import LedgerClient, LedgerUnavailable
@@ -56,7 +55,7 @@ class _Waiting:
     waits: int = 1
 
 
-def http_readback(client: httpx.AsyncClient, env: Mapping[str, str]) -> ReadbackFn:
+def http_readback(client: ProviderClient, env: Mapping[str, str]) -> ReadbackFn:
     """Readback through the shared provider code (same adapters, `${ENV}` headers)."""
 
     async def run(tool: Tool, cmd: ReconcileOperation) -> ReadbackAnswer:

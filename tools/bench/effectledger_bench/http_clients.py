@@ -1,4 +1,4 @@
-"""Microbenchmark: httpx (the product's provider client) against aiohttp on the same calls.
+"""Microbenchmark: httpx (the provider client until issue 17) against aiohttp on the same calls.
 
 `python -m effectledger_bench.http_clients` starts a sandbox (or uses `--url`) and makes the
 benchmark's provider call — `POST /v1/idempotent/effects` with a JSON body, a bearer key,
@@ -11,8 +11,10 @@ clients (A, B, A, B, …) so both see the same machine.
 
 The figure that matters is the client process's CPU per call (`process_time`), since the
 provider (one sandbox process) bounds the calls per second on a small machine. It prints one
-line per round and a JSON summary. This is a measurement, not a switch: the product keeps
-httpx.
+line per round and a JSON summary. `product` is the product's whole provider call (adapter,
+`call_provider`, the dispatcher's pools) over whatever client it uses. The httpx side is
+configured as the provider client was before the switch (`effectledger_providers.session` is
+the aiohttp client the product uses now).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from typing import Any
 import httpx
 
 from effectledger_core.limits import MAX_HTTP_BODY_BYTES
-from effectledger_providers.calls import make_clients
 
 PER_CLIENT = 8  # make_clients' pool size per shard, used for both clients
 TIMEOUT_S = 2.0  # the benchmark tool's timeout_s
@@ -47,7 +48,13 @@ def _headers(api_key: str, key: str) -> dict[str, str]:
 
 
 async def httpx_client(url: str, api_key: str, concurrency: int) -> tuple[Call, Any]:
-    clients = make_clients(max(16, concurrency * 2), per_client=PER_CLIENT)
+    # The provider client as it was on httpx: small pools, 2 s keep-alive, no retries.
+    shards = max(1, -(-max(16, concurrency * 2) // PER_CLIENT))
+    limits = httpx.Limits(max_connections=PER_CLIENT * 2, max_keepalive_connections=PER_CLIENT * 2,
+                          keepalive_expiry=2.0)
+    clients = [httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(retries=0, limits=limits),
+                                 follow_redirects=False, timeout=httpx.Timeout(10.0))
+               for _ in range(shards)]
     turn = 0
 
     async def call(key: str) -> bool:
@@ -106,7 +113,34 @@ async def aiohttp_client(url: str, api_key: str, concurrency: int) -> tuple[Call
     return call, close
 
 
-CLIENTS = {"httpx": httpx_client, "aiohttp": aiohttp_client}
+async def product_client(url: str, api_key: str, concurrency: int) -> tuple[Call, Any]:
+    """The product's whole call path: the dispatcher's caller and pools, the declarative
+    adapter building the request, `call_provider` sending it and classifying the answer."""
+    from effectledger_core.catalog import Tool
+    from effectledger_core.digest import digest
+    from effectledger_core.messages import AttemptSucceeded, DispatchAttempt
+    from effectledger_dispatcher.ports import HttpProviderCaller
+    from effectledger_providers.calls import make_clients
+
+    tool = Tool.model_validate({
+        "name": "bench", "endpoint": url, "contract_revision": "r1", "timeout_s": TIMEOUT_S,
+        "headers": {"Authorization": "Bearer ${BENCH_API_KEY}"}})
+    caller = HttpProviderCaller(make_clients(max(16, concurrency * 2)),
+                                env={"BENCH_API_KEY": api_key})
+
+    async def call(key: str) -> bool:
+        arguments = {"title": key}
+        cmd = DispatchAttempt(operation_id=key, operation_key=key, epoch=1, tool=tool.name,
+                              arguments=arguments, arguments_digest=digest(arguments),
+                              catalog_digest="sha256:bench", contract_revision="r1")
+        out = await caller(tool, cmd, attempt_id=key, dispatcher_id="bench",
+                           on_sent=lambda: None)
+        return isinstance(out, AttemptSucceeded)
+
+    return call, caller.aclose
+
+
+CLIENTS = {"httpx": httpx_client, "aiohttp": aiohttp_client, "product": product_client}
 
 
 async def one_round(name: str, url: str, api_key: str, *, n: int, concurrency: int,
@@ -161,7 +195,8 @@ async def _main(args: argparse.Namespace, url: str, api_key: str) -> dict[str, A
     rounds: list[dict[str, Any]] = []
     run = secrets.token_hex(3)
     for r in range(args.rounds):
-        for name in ("httpx", "aiohttp") if r % 2 == 0 else ("aiohttp", "httpx"):
+        names = list(CLIENTS)
+        for name in names if r % 2 == 0 else names[::-1]:
             res = await one_round(name, url, api_key, n=args.n, concurrency=args.concurrency,
                                   prefix=f"http-{run}-{name}-{r}-")
             print(json.dumps(res), flush=True)

@@ -56,6 +56,7 @@ INTEREST = {
     "uvicorn/fastapi/starlette": ("starlette/", ""),
     "httpx": ("httpx/", ""),
     "httpcore/h11": ("httpcore/", ""),
+    "aiohttp": ("aiohttp/", ""),  # the provider client since issue 17
     "tenacity": ("tenacity/", ""),
     "logging": ("logging/", ""),
 }

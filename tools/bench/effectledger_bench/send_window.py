@@ -1,6 +1,6 @@
 """How long after the send-deadline check a provider request's first byte arrives.
 
-The dispatcher checks its send deadline immediately before httpx writes the request
+The dispatcher checks its send deadline immediately before aiohttp writes the request
 (`effectledger_providers.calls`, `before_write`). A pause that lands after that check still
 sends; this measures the window it must land in: from the check to the moment a local server
 reads the first byte of the request, with the production client (`make_client`) and the real
