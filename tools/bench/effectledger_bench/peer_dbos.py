@@ -20,7 +20,7 @@ import sys
 import time
 from typing import Any
 
-import httpx
+from .peer_provider import PeerProvider
 
 
 def _pct(values: list[float], p: float) -> float | None:
@@ -50,17 +50,11 @@ def main(argv: list[str] | None = None) -> int:
                           "max_executor_threads": 64}
     DBOS(config=config)
     logging.getLogger("dbos").setLevel(logging.WARNING)
-    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=args.concurrency * 2,
-                                                   max_keepalive_connections=args.concurrency),
-                               timeout=10.0)
-    headers = {"Authorization": f"Bearer {args.api_key}", "Fencing-Token": "1"}
+    provider = PeerProvider(args.endpoint, args.api_key, args.concurrency)
 
     @DBOS.step()
     async def provider_call(key: str, title: str) -> str:
-        resp = await client.post(args.endpoint, json={"title": title},
-                                 headers={**headers, "Idempotency-Key": key})
-        resp.raise_for_status()
-        return str(resp.json()["id"])
+        return await provider.call(key, title)
 
     @DBOS.workflow()
     async def effect(key: str, title: str) -> str:
@@ -117,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
                                "p99_9": _pct(lat, 99.9)}}
 
     async def body() -> dict[str, Any]:
-        if args.warmup:
-            await run("warm", args.warmup)
-        return await run("run", args.n)
+        try:
+            if args.warmup:
+                await run("warm", args.warmup)
+            return await run("run", args.n)
+        finally:
+            await provider.aclose()
 
     try:
         result = asyncio.run(body())

@@ -35,13 +35,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import httpx
 from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.common import RetryPolicy
 from temporalio.worker import Worker
 
 from .measure import percentile
+from .peer_provider import PeerProvider
 
 TASK_QUEUE = "effectledger-bench"
 
@@ -49,18 +49,13 @@ TASK_QUEUE = "effectledger-bench"
 class _Provider:
     """The provider call's settings, set once per process before the worker starts."""
 
-    client: httpx.AsyncClient | None = None
-    endpoint = ""
-    headers: dict[str, str] = {}
+    provider: PeerProvider | None = None
 
 
 @activity.defn
 async def provider_call(key: str, title: str) -> str:
-    assert _Provider.client is not None
-    resp = await _Provider.client.post(_Provider.endpoint, json={"title": title},
-                                       headers={**_Provider.headers, "Idempotency-Key": key})
-    resp.raise_for_status()
-    return str(resp.json()["id"])
+    assert _Provider.provider is not None
+    return await _Provider.provider.call(key, title)
 
 
 # Sandboxing re-imports modules for every workflow run; this workflow has no state to protect.
@@ -110,11 +105,7 @@ async def _connect(target: str, proc: subprocess.Popen[bytes], timeout_s: float)
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    _Provider.client = httpx.AsyncClient(
-        limits=httpx.Limits(max_connections=args.concurrency * 2,
-                            max_keepalive_connections=args.concurrency), timeout=10.0)
-    _Provider.endpoint = args.endpoint
-    _Provider.headers = {"Authorization": f"Bearer {args.api_key}", "Fencing-Token": "1"}
+    _Provider.provider = PeerProvider(args.endpoint, args.api_key, args.concurrency)
     proc, target = start_server(Path(args.workdir))
     try:
         client = await _connect(target, proc, 60)
@@ -155,7 +146,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 await batch("warm", args.warmup)
             return await batch("run", args.n)
     finally:
-        await _Provider.client.aclose()
+        await _Provider.provider.aclose()
         proc.terminate()
         try:
             proc.wait(timeout=30)
