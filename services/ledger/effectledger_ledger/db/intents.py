@@ -19,7 +19,8 @@ from effectledger_core.states import JournalKind, OutboxKind, State
 from effectledger_core.subjects import Subjects
 
 from .batch import BatchCall
-from .common import execute_rows, insert_journal, journal_row, notify_outbox
+from .common import journal_row, note_transitions, notify_outbox
+from .fused import Write, insert_part, journal_write, write_all
 from .outbox import OutboxItem
 from .rows import JournalRow, OperationRow
 from .schema import OUTBOX_PENDING, OUTBOX_PUBLISHING, operations, outbox
@@ -60,6 +61,10 @@ _BY_KEYS = sa.select(operations).where(
     operations.c.operation_key.in_(sa.bindparam("keys", expanding=True)))
 _INSERT_OPERATION = operations.insert()
 _INSERT_OUTBOX = outbox.insert()
+_FUSED_OPERATION = insert_part(operations, OperationRow._fields)
+_FUSED_OUTBOX = insert_part(outbox, [
+    "id", "operation_id", "epoch", "kind", "subject", "payload", "status", "created_at",
+    "available_at", "publish_count", "traceparent", "lease_until"])
 
 
 async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
@@ -129,24 +134,26 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
         command = None
         if state is State.PENDING:
             row = dispatch_row(op, subjects=kw.subjects, outbox_id=kw.outbox_id, now=now)
+            # Every row has the same columns: a multi-row INSERT is compiled from its first
+            # row, and would drop a later leased row's lease_until if the first had none.
+            lease_until = row["lease_until"] = kw.lease_until
             row["traceparent"] = kw.traceparent
-            lease_until = kw.lease_until
             if lease_until is not None:
                 # Written as already leased, so no relay takes it while we publish it.
-                row.update(status=OUTBOX_PUBLISHING, lease_until=lease_until)
+                row["status"] = OUTBOX_PUBLISHING
                 command = OutboxItem(row["id"], row["subject"], row["payload"].encode(), 0,
                                      OutboxKind.DISPATCH.value, row["traceparent"])
             else:
                 relay = True
             commands.append(row)
         results[i] = Submitted(columns, created=True, command=command)
-    if new_ops:
-        # A unique violation (the same key committed meanwhile by another transaction) aborts
-        # the batch; the service then retries each intent on its own and finds the winner.
-        await execute_rows(conn, _INSERT_OPERATION, new_ops)
-        await insert_journal(conn, entries)
-    if commands:
-        await execute_rows(conn, _INSERT_OUTBOX, commands)
+    # One statement on PostgreSQL (see fused.py). A unique violation (the same key committed
+    # meanwhile by another transaction) aborts the batch; the service then retries each intent
+    # on its own and finds the winner.
+    await write_all(conn, [Write(_INSERT_OPERATION, _FUSED_OPERATION, new_ops),
+                           journal_write(entries),
+                           Write(_INSERT_OUTBOX, _FUSED_OUTBOX, commands)])
+    note_transitions(conn, entries)
     if relay:
         await notify_outbox(conn)
     return [r for r in results if r is not None]
