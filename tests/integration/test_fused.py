@@ -182,3 +182,36 @@ async def test_two_changes_of_one_operation_keep_their_order(pg_store: Store) ->
             "SELECT to_state FROM journal WHERE operation_id = 'op0' ORDER BY id"))).scalars())
     assert state == "succeeded"
     assert kinds == ["pending", "in_flight", "succeeded"]
+
+
+async def test_fused_updates_find_their_rows_by_index(pg_store: Store) -> None:
+    """The planner takes a jsonb recordset for 100 rows; joined to outbox on its non-unique
+    index it chose a sequential scan of the whole table for every claim batch. The updates
+    look their rows up by an array condition, which is an index scan however large the table."""
+    calls = [submit_call(SubmitIntent(tool="create_ticket", arguments={"n": n}), n)
+             for n in range(3000)]
+    async with pg_store.transaction() as conn:
+        await type(calls[0]).many(conn, calls)
+        await type(claim_call("op0", "a0")).many(
+            conn, [claim_call(f"op{n}", f"a{n}") for n in range(10, 3000)])
+        await conn.execute(sa.text("ANALYZE"))
+    fused_sent: list[tuple[str, Any]] = []
+
+    @event.listens_for(pg_store.engine.sync_engine, "before_cursor_execute")
+    def _seen(_c: Any, _cur: Any, statement: str, parameters: Any, *_: Any) -> None:
+        if statement.startswith("WITH"):
+            fused_sent.append((statement, parameters))
+
+    async with pg_store.transaction() as conn:
+        await type(claim_call("op1", "a1")).many(conn, [claim_call("op1", "a1"),
+                                                        claim_call("op2", "a2")])
+    async with pg_store.transaction() as conn:
+        await OutcomeCall.many(conn, [OutcomeCall(success("op1", "a1"), consumer="c",
+                                                  message_id="m1", subjects=SUBJECTS, now=LATER,
+                                                  ambiguous_outbox_id="x")])
+    assert len(fused_sent) == 2
+    for statement, parameters in fused_sent:
+        async with pg_store.transaction() as conn:
+            plan = "\n".join(r[0] for r in (await conn.exec_driver_sql(
+                "EXPLAIN " + statement, parameters)).all())
+        assert "Seq Scan" not in plan, plan

@@ -107,7 +107,7 @@ _FINISH_ATTEMPT = (attempts.update().where(attempts.c.id == sa.bindparam("b_id")
                            response_digest=sa.bindparam("b_digest"),
                            outcome=sa.bindparam("b_detail")))
 _FUSED_FINISH_ATTEMPT = update_part(
-    attempts, where={"id": "r.b_id"},
+    attempts, lookup=("id", "b_id"), where={"id": "r.b_id"},
     values={"status": "r.b_status", "finished_at": "r.b_now", "http_status": "r.b_http",
             "provider_ref": "r.b_ref", "response_digest": "r.b_digest",
             "outcome": "r.b_detail::jsonb"},

@@ -227,7 +227,8 @@ def _fused_statement(event: Event, columns: tuple[str, ...]) -> Part:
         values.update({col: f"r.b_{col}::jsonb" if is_json(c[col]) else f"r.b_{col}"
                        for col in columns})
         part = _FUSED[(event, columns)] = update_part(
-            operations, where={"id": "r.b_id", "epoch": "r.b_epoch", "state": "r.b_from"},
+            operations, lookup=("id", "b_id"),
+            where={"id": "r.b_id", "epoch": "r.b_epoch", "state": "r.b_from"},
             values=values, guards=[f"t.state IN ({allowed})"],
             params={"b_id": c.id, "b_epoch": c.epoch, "b_from": c.state, "b_now": c.updated_at,
                     **{f"b_{col}": c[col] for col in columns}})
@@ -386,7 +387,7 @@ async def _simple_effects(conn: AsyncConnection, items: Sequence[tuple[Change, C
 
 _FUSABLE = frozenset({Effect.CONSUME_DISPATCH})
 _FUSED_CONSUME_DISPATCH = update_part(
-    outbox, where={"operation_id": "r.b_id", "epoch": "r.b_epoch"},
+    outbox, lookup=("operation_id", "b_id"), where={"operation_id": "r.b_id", "epoch": "r.b_epoch"},
     values={"status": f"'{OutboxStatus.CONSUMED.value}'"},
     guards=[f"t.kind = '{OutboxKind.DISPATCH.value}'"],
     params={"b_id": outbox.c.operation_id, "b_epoch": outbox.c.epoch})
