@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import ClassVar
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from effectledger_ledger.db.batch import GroupCommit
+from effectledger_ledger.db.batch import BatchCall, GroupCommit
 from effectledger_ledger.db.common import append_journal
 from effectledger_ledger.db.outbox import mark_published_txn
 from effectledger_ledger.db.schema import OUTBOX_PUBLISHING, journal, outbox
@@ -91,6 +94,51 @@ async def test_close_fails_running_and_queued_calls_and_commits_nothing(store: S
     results = await asyncio.gather(*calls, return_exceptions=True)
     assert all(isinstance(r, RuntimeError) for r in results), results
     assert await written(store) == []
+
+
+@dataclass(frozen=True, slots=True)
+class UrgentWrite(BatchCall[int]):
+    """A typed call someone waits for (like an intent or a claim)."""
+
+    urgent: ClassVar[bool] = True
+    n: int
+
+    @classmethod
+    async def many(cls, conn: AsyncConnection, calls: Sequence[UrgentWrite]) -> list[int]:
+        return [await write(conn, c.n) for c in calls]
+
+
+async def test_urgent_calls_go_ahead_of_queued_background_calls(store: Store) -> None:
+    """An intent queued behind a backlog of outcomes runs in the next batch, not after them."""
+    group = GroupCommit(store, name="t", max_batch=4)
+    entered, release = asyncio.Event(), asyncio.Event()
+    order: list[int] = []
+
+    async def blocked(conn: AsyncConnection, n: int) -> int:
+        entered.set()
+        await release.wait()
+        return await write(conn, n)
+
+    def done(n: int) -> None:
+        order.append(n)
+
+    try:
+        first = asyncio.ensure_future(group.run(blocked, 0))
+        await entered.wait()  # the worker holds batch 1; everything below queues behind it
+        background = [asyncio.ensure_future(group.run(write, i)) for i in range(1, 9)]
+        urgent = asyncio.ensure_future(group.call(UrgentWrite(100)))
+        for n, fut in [(0, first), *zip(range(1, 9), background, strict=True), (100, urgent)]:
+            fut.add_done_callback(lambda _f, n=n: done(n))
+        release.set()
+        results = await asyncio.gather(first, *background, urgent)
+    finally:
+        await group.close()
+    assert results == [0, *(i * 10 for i in range(1, 9)), 1000]
+    # Batches: [0], then [100, 1, 2, 3] (the urgent call first, topped up), [4..7], [8].
+    assert order[:2] == [0, 100], order
+    assert sorted(order) == [0, *range(1, 9), 100]
+    assert group.stats.largest == 4
+    assert await written(store) == [*range(9), 100]
 
 
 async def test_max_batch_one_is_plain_store_run(store: Store) -> None:

@@ -27,9 +27,10 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Self, TypeVar
+from typing import Any, ClassVar, Generic, Self, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -50,6 +51,8 @@ class BatchCall(Generic[R]):
     """
 
     __slots__ = ()
+    # Someone holds a request open for calls of this class: they go ahead of background calls.
+    urgent: ClassVar[bool] = False
 
     @classmethod
     async def many(cls, conn: AsyncConnection, calls: Sequence[Self]
@@ -94,7 +97,9 @@ class GroupCommit:
         self.store, self.name = store, name
         self.max_batch, self.workers = max_batch, workers
         self.stats = BatchStats()
-        self._queue: asyncio.Queue[_Call[Any]] | None = None
+        self._urgent: deque[_Call[Any]] = deque()
+        self._background: deque[_Call[Any]] = deque()
+        self._ready: asyncio.Event | None = None  # set while either queue holds a call
         self._tasks: list[asyncio.Task[None]] = []
 
     async def call(self, typed: BatchCall[T]) -> T:
@@ -109,28 +114,40 @@ class GroupCommit:
         if self.max_batch == 1:
             return await self.store.run(call.fn, *call.args, **call.kwargs)
         self._start()
-        assert self._queue is not None
+        assert self._ready is not None
         # Retrieve the outcome even when the caller is gone, so asyncio does not log it as lost.
         call.future.add_done_callback(_consume)
-        self._queue.put_nowait(call)
+        urgent = call.typed is not None and type(call.typed).urgent
+        (self._urgent if urgent else self._background).append(call)
+        self._ready.set()
         # The caller may be cancelled (a client went away); the call itself still runs and
         # commits or not as a unit with its batch, like a transaction whose reply was lost.
         return await asyncio.shield(call.future)
 
     def _start(self) -> None:
-        if self._queue is None:
-            self._queue = asyncio.Queue()
+        if self._ready is None:
+            self._ready = asyncio.Event()
         self._tasks = [t for t in self._tasks if not t.done()]
         while len(self._tasks) < self.workers:
             self._tasks.append(asyncio.create_task(self._work(), name=f"group-commit-{self.name}"))
 
+    def _take(self) -> list[_Call[Any]]:
+        """Up to `max_batch` calls: every waiting urgent call first, then background ones."""
+        batch: list[_Call[Any]] = []
+        for queue in (self._urgent, self._background):
+            while queue and len(batch) < self.max_batch:
+                batch.append(queue.popleft())
+        return batch
+
     async def _work(self) -> None:
-        assert self._queue is not None
-        queue = self._queue
+        assert self._ready is not None
+        ready = self._ready
         while True:
-            batch = [await queue.get()]
-            while len(batch) < self.max_batch and not queue.empty():
-                batch.append(queue.get_nowait())
+            batch = self._take()
+            if not batch:
+                ready.clear()
+                await ready.wait()
+                continue
             try:
                 await self._run_batch(batch)
             except BaseException as exc:  # cancelled while running: nobody may wait forever
@@ -188,10 +205,11 @@ class GroupCommit:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         self._tasks = []
-        while self._queue is not None and not self._queue.empty():
-            call = self._queue.get_nowait()  # never started: it wrote nothing
-            if not call.future.done():
-                call.future.set_exception(RuntimeError("ledger stopping"))
+        for queue in (self._urgent, self._background):
+            while queue:
+                call = queue.popleft()  # never started: it wrote nothing
+                if not call.future.done():
+                    call.future.set_exception(RuntimeError("ledger stopping"))
 
 
 async def _run_in(conn: AsyncConnection, batch: list[_Call[Any]]) -> list[Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -178,6 +178,8 @@ async def _held_reply(conn: AsyncConnection, held: _Held, claim: ClaimAttempt, o
 @dataclass(frozen=True, slots=True)
 class ClaimCall(BatchCall[ClaimReply]):
     """One claim, as group commit batches it."""
+
+    urgent: ClassVar[bool] = True  # a dispatcher holds its command (and ack_wait) open for this
 
     claim: ClaimAttempt
     now: datetime

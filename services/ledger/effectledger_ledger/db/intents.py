@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -162,6 +162,8 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
 @dataclass(frozen=True, slots=True)
 class SubmitCall(BatchCall[Submitted]):
     """One intent, as group commit batches it."""
+
+    urgent: ClassVar[bool] = True  # an agent holds its request open until this commits
 
     catalog: Catalog
     intent: SubmitIntent
