@@ -21,8 +21,7 @@ from effectledger_core.messages import ClaimAttempt, ClaimReply, ClaimStatus
 from effectledger_core.states import AttemptStatus, Event, JournalKind, State, sources
 
 from .batch import BatchCall
-from .common import journal_row, lock_with_attempts
-from .fused import Write, insert_part
+from .common import execute_rows, journal_row, lock_with_attempts
 from .schema import attempts, operations
 from .transitions import Batch, Change
 
@@ -30,8 +29,6 @@ _CLAIMABLE = frozenset(s.value for s in sources(Event.CLAIM))
 _CLAIMED = AttemptStatus.CLAIMED.value
 # Built once (see common._LOCK_WITH_ATTEMPTS).
 _INSERT_ATTEMPT = attempts.insert()
-_FUSED_INSERT_ATTEMPT = insert_part(
-    attempts, ["id", "operation_id", "epoch", "dispatcher_id", "status", "claimed_at"])
 
 
 @dataclass
@@ -112,11 +109,11 @@ async def _claims(conn: AsyncConnection, items: Sequence[ClaimCall]) -> list[Cla
                                   tool=op.tool,
                                   arguments_digest=claim.arguments_digest or op.arguments_digest))
 
-    # The state changes (and the dispatch commands they consume), the journal and the
-    # attempts, set-based (one statement on PostgreSQL). A unique violation on the attempts (a
-    # claim racing on another connection, which the lock above rules out on PostgreSQL) aborts
-    # the batch; each claim is then retried on its own.
-    await batch.write(conn, also=[Write(_INSERT_ATTEMPT, _FUSED_INSERT_ATTEMPT, grants)])
+    # The state changes (and the dispatch commands they consume) and the journal, set-based.
+    await batch.write(conn)
+    # A unique violation here (a claim racing on another connection, which the lock above
+    # rules out on PostgreSQL) aborts the batch; each claim is then retried on its own.
+    await execute_rows(conn, _INSERT_ATTEMPT, grants)
     return replies
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -64,7 +64,7 @@ async def append_journal(conn: AsyncConnection, *, operation_id: str | None, at:
 
 
 async def execute_rows(conn: AsyncConnection, stmt: sa.Executable,
-                       rows: Sequence[Mapping[str, Any]] | Sequence[JournalRow]
+                       rows: Sequence[dict[str, Any]] | Sequence[JournalRow]
                        ) -> CursorResult[Any] | None:
     """Execute `stmt` for each of `rows` in one call (nothing for none).
 
@@ -77,12 +77,12 @@ async def execute_rows(conn: AsyncConnection, stmt: sa.Executable,
     return await conn.execute(stmt, params)
 
 
-INSERT_JOURNAL = journal.insert()
+_INSERT_JOURNAL = journal.insert()
 
 
 async def insert_journal(conn: AsyncConnection, rows: Sequence[JournalRow]) -> None:
     """Journal entries made by a set-based transaction: one multi-row INSERT."""
-    await execute_rows(conn, INSERT_JOURNAL, rows)
+    await execute_rows(conn, _INSERT_JOURNAL, rows)
     note_transitions(conn, rows)
 
 

@@ -19,8 +19,7 @@ from effectledger_core.states import JournalKind, OutboxKind, State
 from effectledger_core.subjects import Subjects
 
 from .batch import BatchCall
-from .common import journal_row, note_transitions, notify_outbox
-from .fused import Write, insert_part, journal_write, write_all
+from .common import execute_rows, insert_journal, journal_row, notify_outbox
 from .outbox import OutboxItem
 from .rows import JournalRow, OperationRow
 from .schema import OUTBOX_PENDING, OUTBOX_PUBLISHING, operations, outbox
@@ -61,10 +60,6 @@ _BY_KEYS = sa.select(operations).where(
     operations.c.operation_key.in_(sa.bindparam("keys", expanding=True)))
 _INSERT_OPERATION = operations.insert()
 _INSERT_OUTBOX = outbox.insert()
-_FUSED_OPERATION = insert_part(operations, OperationRow._fields)
-_FUSED_OUTBOX = insert_part(outbox, [
-    "id", "operation_id", "epoch", "kind", "subject", "payload", "status", "created_at",
-    "available_at", "publish_count", "traceparent", "lease_until"])
 
 
 async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
@@ -147,13 +142,13 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
                 relay = True
             commands.append(row)
         results[i] = Submitted(columns, created=True, command=command)
-    # One statement on PostgreSQL (see fused.py). A unique violation (the same key committed
-    # meanwhile by another transaction) aborts the batch; the service then retries each intent
-    # on its own and finds the winner.
-    await write_all(conn, [Write(_INSERT_OPERATION, _FUSED_OPERATION, new_ops),
-                           journal_write(entries),
-                           Write(_INSERT_OUTBOX, _FUSED_OUTBOX, commands)])
-    note_transitions(conn, entries)
+    if new_ops:
+        # A unique violation (the same key committed meanwhile by another transaction) aborts
+        # the batch; the service then retries each intent on its own and finds the winner.
+        await execute_rows(conn, _INSERT_OPERATION, new_ops)
+        await insert_journal(conn, entries)
+    if commands:
+        await execute_rows(conn, _INSERT_OUTBOX, commands)
     if relay:
         await notify_outbox(conn)
     return [r for r in results if r is not None]

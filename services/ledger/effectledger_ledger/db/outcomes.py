@@ -10,7 +10,7 @@ touch the operation (a success, a failure without retry) are written together th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -34,7 +34,6 @@ from effectledger_core.subjects import Subjects
 
 from .batch import BatchCall
 from .common import LockedOp, append_journal, execute_rows, journal_row, lock_with_attempts
-from .fused import Write, update_part
 from .resolution import RetryDecider, WebhookBinding, settle_from_stored_webhooks
 from .rows import JournalRow, OperationRow, Recorded
 from .schema import attempts, dead_letters, inbox, operations
@@ -106,21 +105,6 @@ _FINISH_ATTEMPT = (attempts.update().where(attempts.c.id == sa.bindparam("b_id")
                            http_status=sa.bindparam("b_http"), provider_ref=sa.bindparam("b_ref"),
                            response_digest=sa.bindparam("b_digest"),
                            outcome=sa.bindparam("b_detail")))
-_FUSED_FINISH_ATTEMPT = update_part(
-    attempts, lookup=("id", "b_id"), where={"id": "r.b_id"},
-    values={"status": "r.b_status", "finished_at": "r.b_now", "http_status": "r.b_http",
-            "provider_ref": "r.b_ref", "response_digest": "r.b_digest",
-            "outcome": "r.b_detail::jsonb"},
-    params={"b_id": attempts.c.id, "b_status": attempts.c.status,
-            "b_now": attempts.c.finished_at, "b_http": attempts.c.http_status,
-            "b_ref": attempts.c.provider_ref, "b_digest": attempts.c.response_digest,
-            "b_detail": attempts.c.outcome})
-
-
-def _by_attempt(row: Mapping[str, Any]) -> Any:
-    return row["b_id"]
-
-
 _FULL_ROWS = sa.select(operations).where(
     operations.c.id.in_(sa.bindparam("ids", expanding=True)))
 
@@ -166,9 +150,8 @@ class _Decider:
         self.finish: list[dict[str, Any]] = []  # attempts to close, with the batch
 
     async def flush(self) -> None:
-        # One statement on PostgreSQL with the batch's own writes (see fused.py).
-        await self.batch.write(self.conn, also=[
-            Write(_FINISH_ATTEMPT, _FUSED_FINISH_ATTEMPT, self.finish, _by_attempt)])
+        await self.batch.write(self.conn)
+        await execute_rows(self.conn, _FINISH_ATTEMPT, self.finish)
         self.finish = []
 
     async def decide(self, it: OutcomeCall) -> Recorded:

@@ -43,8 +43,7 @@ from effectledger_core.states import (
 )
 from effectledger_core.subjects import Subjects
 
-from .common import execute_rows, insert_journal, journal_row, note_transitions, notify_outbox
-from .fused import Part, Write, is_json, journal_write, update_part, write_all
+from .common import execute_rows, insert_journal, journal_row, notify_outbox
 from .intents import dispatch_row
 from .rows import JournalRow, OperationRow, Recorded
 from .schema import attempts, operations, outbox
@@ -211,38 +210,6 @@ def _statement(event: Event, columns: tuple[str, ...]) -> sa.Update:
     return stmt
 
 
-# The same statements as parts of one fused statement (PostgreSQL; see fused.py).
-_FUSED: dict[tuple[Event, tuple[str, ...]], Part] = {}
-
-
-def _fused_statement(event: Event, columns: tuple[str, ...]) -> Part:
-    part = _FUSED.get((event, columns))
-    if part is None:
-        step = _STEP[event]
-        allowed = ", ".join(f"'{s.value}'" for s in sorted(sources(event)))
-        values = {"state": f"'{step.to.value}'", "updated_at": "r.b_now"}
-        if step.new_epoch:
-            values["epoch"] = "t.epoch + 1"
-        c = operations.c
-        values.update({col: f"r.b_{col}::jsonb" if is_json(c[col]) else f"r.b_{col}"
-                       for col in columns})
-        part = _FUSED[(event, columns)] = update_part(
-            operations, lookup=("id", "b_id"),
-            where={"id": "r.b_id", "epoch": "r.b_epoch", "state": "r.b_from"},
-            values=values, guards=[f"t.state IN ({allowed})"],
-            params={"b_id": c.id, "b_epoch": c.epoch, "b_from": c.state, "b_now": c.updated_at,
-                    **{f"b_{col}": c[col] for col in columns}})
-    return part
-
-
-def _by_operation(row: Mapping[str, Any]) -> Any:
-    return row["b_id"]
-
-
-def _by_operation_epoch(row: Mapping[str, Any]) -> Any:
-    return (row["b_id"], row["b_epoch"])
-
-
 def _first_step(event: Event) -> Step:
     return transition(min(sources(event)), event)
 
@@ -325,28 +292,11 @@ class Batch:
         """Journal an entry of the caller's (a refusal, a decision) in its place."""
         self.journal.append(entry)
 
-    async def write(self, conn: AsyncConnection, also: Sequence[Write] = ()) -> None:
-        """Write the batch, then the caller's writes `also` (the claim's attempts, ...).
-
-        On PostgreSQL all of it is one statement (`fused`), unless an effect other than
-        consuming the dispatch command is queued: those rare ones keep their own statements.
-        """
-        if all(causes.effects <= _FUSABLE for _change, causes in self._effects):
-            writes = [Write(_statement(event, columns), _fused_statement(event, columns), rows,
-                            _by_operation)
-                      for (event, columns), rows in self._updates.items()]
-            consume = [{"b_id": c.operation_id, "b_epoch": c.epoch} for c, _ in self._effects]
-            writes.append(Write(_CONSUME_DISPATCH, _FUSED_CONSUME_DISPATCH, consume,
-                                _by_operation_epoch))
-            writes.append(journal_write(self.journal))
-            await write_all(conn, [*writes, *also])
-            note_transitions(conn, self.journal)
-        else:
-            for (event, columns), rows in self._updates.items():
-                await execute_rows(conn, _statement(event, columns), rows)
-            await _simple_effects(conn, self._effects)
-            await insert_journal(conn, self.journal)
-            await write_all(conn, also)
+    async def write(self, conn: AsyncConnection) -> None:
+        for (event, columns), rows in self._updates.items():
+            await execute_rows(conn, _statement(event, columns), rows)
+        await _simple_effects(conn, self._effects)
+        await insert_journal(conn, self.journal)
         self._updates, self._effects, self.journal = {}, [], []
 
 
@@ -384,13 +334,6 @@ async def _simple_effects(conn: AsyncConnection, items: Sequence[tuple[Change, C
                 .values(status=OutboxStatus.OBSOLETE.value))
     await execute_rows(conn, _CONSUME_DISPATCH, consume)
 
-
-_FUSABLE = frozenset({Effect.CONSUME_DISPATCH})
-_FUSED_CONSUME_DISPATCH = update_part(
-    outbox, lookup=("operation_id", "b_id"), where={"operation_id": "r.b_id", "epoch": "r.b_epoch"},
-    values={"status": f"'{OutboxStatus.CONSUMED.value}'"},
-    guards=[f"t.kind = '{OutboxKind.DISPATCH.value}'"],
-    params={"b_id": outbox.c.operation_id, "b_epoch": outbox.c.epoch})
 
 # A claim consumes its epoch's dispatch command whatever its status (the relay may not even
 # have marked it published yet: the dispatcher can be faster than the publish-ack).
