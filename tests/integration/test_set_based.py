@@ -259,3 +259,21 @@ async def test_every_kind_of_outcome_in_one_batch_matches_one_by_one(store: Stor
         "Recorded(status='applied', to_state='succeeded', ",
         "Recorded(status='rejected', to_state=None, ",
     ]
+
+
+async def test_a_leased_intent_after_an_unleased_one_keeps_its_lease(store: Store) -> None:
+    """A multi-row INSERT is compiled from its first row: every intent's outbox row carries
+    lease_until, so a leased row after an unleased one is not written `publishing` without a
+    lease (which no relay would ever take again)."""
+    plain = submit_call(SubmitIntent(tool="create_ticket", arguments={"n": 0}), 0)
+    leased = SubmitCall(catalog=CATALOG, intent=SubmitIntent(tool="create_ticket",
+                                                             arguments={"n": 1}),
+                        subjects=SUBJECTS, operation_id="op1", outbox_id="ob1", now=NOW,
+                        lease_until=LATER)
+    async with store.transaction() as conn:
+        await SubmitCall.many(conn, [plain, leased])
+    async with store.transaction() as conn:
+        rows = (await conn.execute(sa.text(
+            "SELECT id, status, lease_until FROM outbox ORDER BY id"))).all()
+    assert [(r[0], r[1], r[2] is not None) for r in rows] == [
+        ("ob0", "pending", False), ("ob1", "publishing", True)]

@@ -121,11 +121,13 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
         command = None
         if state is State.PENDING:
             row = dispatch_row(op, subjects=kw.subjects, outbox_id=kw.outbox_id, now=now)
+            # Every row has the same columns: a multi-row INSERT is compiled from its first
+            # row, and would drop a later leased row's lease_until if the first had none.
+            lease_until = row["lease_until"] = kw.lease_until
             row["traceparent"] = kw.traceparent
-            lease_until = kw.lease_until
             if lease_until is not None:
                 # Written as already leased, so no relay takes it while we publish it.
-                row.update(status=OUTBOX_PUBLISHING, lease_until=lease_until)
+                row["status"] = OUTBOX_PUBLISHING
                 command = OutboxItem(row["id"], row["subject"], row["payload"].encode(), 0,
                                      OutboxKind.DISPATCH.value, row["traceparent"])
             else:
