@@ -6,7 +6,13 @@ from typing import Any
 
 import pytest
 
-from effectledger_chaos.availability import DB_RECOVERY_S, GRACE_S, STEP_S, availability
+from effectledger_chaos.availability import (
+    DB_RECOVERY_S,
+    GRACE_S,
+    LEDGER_RECOVERY_S,
+    STEP_S,
+    availability,
+)
 
 T0 = 1_000_000.0  # the fault phase's start, wall clock
 
@@ -55,10 +61,13 @@ def test_database_outages_and_ledger_restarts_are_not_counted_but_still_stall() 
                "restarted_at": 15.5, "listening_at": 17.0}]
     a = availability(history, faults, T0)
     assert a["stalled_s"] == pytest.approx(9.0, abs=3 * STEP_S)
-    assert DB_RECOVERY_S == 1.0
-    # 11..20 stalled, minus 11..15 (database down, and its recovery second) and 15..17
-    # (the ledger restarting until it listened).
-    assert a["unavailable_db_up_s"] == pytest.approx(3.0, abs=3 * STEP_S)
+    assert DB_RECOVERY_S == 1.0 and LEDGER_RECOVERY_S == 0.5
+    # 11..20 stalled, minus 11..15 (database down, and its recovery second) and 15..17.5
+    # (the ledger restarting until it listened, and its recovery half second).
+    assert a["unavailable_db_up_s"] == pytest.approx(2.5, abs=3 * STEP_S)
+    # The intent held across the restart was answered 3 s after the ledger listened again,
+    # which the report shows beside the window it excuses.
+    assert a["resumed_to_first_ack_s"]["max"] == pytest.approx(3.0, abs=0.02)
     [restart] = a["ledger_restarts"]
     assert restart["restarted_to_listening_s"] == pytest.approx(1.5)
     assert restart["broker_down"] is False
@@ -115,3 +124,16 @@ def test_a_refusal_while_the_database_is_up_is_counted() -> None:
         {"f": "submit", "type": "info", "op": 999, "process": "c9", "wall": T0 + 10.01,
          "status": 503}]
     assert availability(history, [], T0)["refused_db_up"] == 1
+
+
+def test_a_ledger_answering_what_it_held_right_after_a_pause_is_not_unavailable() -> None:
+    # Paused 10..14 s; the intents it held are answered 0.2 s after it continues.
+    history = steady(10.0) + submit(999, 10.0, 14.2) + steady(30.0, first_op=1000, since=14.2)
+    pause = [{"kind": "pause", "target": "ledger", "started_at": 10.0, "ended_at": 14.0}]
+    a = availability(history, pause, T0)
+    assert a["unavailable_db_up_s"] == 0
+    assert a["resumed_to_first_ack_s"]["max"] == pytest.approx(0.2, abs=0.02)
+    # Answered only 1.5 s after it continued: the second past the recovery window counts.
+    late = steady(10.0) + submit(999, 10.0, 15.5) + steady(30.0, first_op=1000, since=15.5)
+    b = availability(late, pause, T0)
+    assert b["unavailable_db_up_s"] == pytest.approx(1.0, abs=3 * STEP_S)

@@ -13,8 +13,13 @@ faults (phase-relative times) a run reports:
   `pg_restart`, and no black hole, reset or added latency on the database link: a slowed
   database slows intake, which is not what this measures; nor the `DB_RECOVERY_S` after such
   a fault) and the ledger process was not itself being faulted (killed, paused, restarted at
-  a crash point, until it listened again). The goal is zero: nothing else may stop the
+  a crash point, until it listened again, plus `LEDGER_RECOVERY_S` after it: a ledger resumed
+  from a pause answers the requests it held within tens of milliseconds, and every one of them
+  has waited longer than `GRACE_S` by then). The goal is zero: nothing else may stop the
   ledger from acknowledging intents;
+- `resumed_to_first_ack_s`: for every fault on a single ledger that held attempts, the seconds
+  from its end (the process continued, or listening again) to the first of them acknowledged,
+  so the recovery window above hides nothing: its max is reported beside it;
 - `ledger_restarts`: for every fault that restarted the ledger, the seconds until the new
   process listened, and whether the broker was down then (the restart inside the long NATS
   outage is part of every schedule that has the outage);
@@ -30,6 +35,7 @@ from .metrics import percentile
 
 GRACE_S = 1.0
 DB_RECOVERY_S = 1.0
+LEDGER_RECOVERY_S = 0.5
 STEP_S = 0.05
 _LEDGER_FAULTS = ("kill", "pause", "crash_point")
 # A replica killed while others serve is not excused: the callers move to another replica, so
@@ -132,8 +138,9 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
     replicas = len(names) > 1
     # With one ledger its own faults are excused; with replicas a fault on one is excused
     # only while it overlaps one on another (every replica down at once).
-    ledger_faulted = _windows(records, lambda r: r["kind"] in _LEDGER_FAULTS
-                              and _is_ledger(r["target"]), end_key="listening_at")
+    own_windows = _windows(records, lambda r: r["kind"] in _LEDGER_FAULTS
+                           and _is_ledger(r["target"]), end_key="listening_at")
+    ledger_faulted = [(lo, hi + LEDGER_RECOVERY_S) for lo, hi in own_windows]
     own_fault: dict[str, list[Interval]] = {}
     if replicas:
         # A frozen replica holds its callers until their own timeout (only a balancer's
@@ -184,6 +191,14 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
         examples.append({"from_s": round(run_start, 2), "to_s": round(end, 2)})
 
     during = [d for s, d in latencies if _inside(s, broker_down)]
+    # How long a ledger back from its own fault took to answer the intents it held: of the
+    # attempts in flight when the fault ended and acknowledged after it, the first answer.
+    first_acks: list[float] = []
+    if not replicas:
+        for _lo, hi in own_windows:
+            held = [s + d for s, d in latencies if s < hi <= s + d]
+            if held:
+                first_acks.append(round(min(held) - hi, 3))
     restarts = []
     for r in records:
         if (r["kind"] in (*_LEDGER_FAULTS, *_REPLICA_FAULTS) and _is_ledger(r["target"])
@@ -207,6 +222,9 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
                              and not _inside(t, ledger_faulted)
                              and not _inside(t, own_fault.get(ledger, []))),
         "ledger_restarts": restarts,
+        "resumed_to_first_ack_s": {
+            "n": len(first_acks), "p50": percentile(first_acks, 0.5),
+            "max": max(first_acks) if first_acks else None},
         "ack_latency_during_broker_outage_s": {
             "n": len(during), "p50": percentile(during, 0.5), "p99": percentile(during, 0.99),
             "max": round(max(during), 3) if during else None},

@@ -83,6 +83,8 @@ def table(reports: list[dict[str, Any]]) -> str:
                      [f"{x.get('outage_ack_p50')}/{x.get('outage_ack_p99')}" for x in a]))
     lines.append(row("ledger restart to listening (s)",
                      [x.get("ledger_restart_to_listening") for x in a]))
+    lines.append(row("ledger back to first held ack, max (s)",
+                     [x.get("resumed_to_first_ack") for x in a]))
     lines.append("-" * (width + col * len(reports)))
     kinds = sorted({k for r in reports for k in r["faults_injected"]})
     lines.append(row("faults injected (review rate)", ["" for _ in reports]))
@@ -124,7 +126,8 @@ def _availability_summary(a: dict[str, Any]) -> dict[str, Any]:
             "refused_db_up": a["refused_db_up"],
             "outage_ack_p50": outage["p50"], "outage_ack_p99": outage["p99"],
             "outage_acks": outage["n"],
-            "ledger_restart_to_listening": max(restarts) if restarts else None}
+            "ledger_restart_to_listening": max(restarts) if restarts else None,
+            "resumed_to_first_ack": a.get("resumed_to_first_ack_s", {}).get("max")}
 
 
 def _pct(rate: float | None) -> str:
