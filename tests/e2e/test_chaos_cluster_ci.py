@@ -72,17 +72,31 @@ def test_killed_nodes_rejoin_and_catch_up(report: dict[str, Any]) -> None:
         assert r["result"]["caught_up_s"] is not None, r
 
 
+def _saw_it(node: str, before: Any, during: Any) -> bool:
+    """One stream's evidence that the cut reached JetStream: the cut node's replica reported
+    not current or silent for several heartbeats, or its leadership taken over by another
+    node (when the cut node led the stream, its own answer names no replica of itself, and
+    the stream's new leader is the sign that the others stopped hearing it)."""
+    if not isinstance(during, dict):
+        return False
+    if during.get("current") is False or (during.get("active_s") or 0) >= SILENT_S:
+        return True
+    led_before = isinstance(before, dict) and str(before.get("leader") or "").endswith(node)
+    return led_before and not str(during.get("leader") or "").endswith(node)
+
+
 def test_the_majority_saw_the_partitioned_node_fall_behind(report: dict[str, Any]) -> None:
-    """Near the end of the cut, the other nodes report the cut node's replica of some stream
-    as not current, or as not heard from for several raft heartbeats (an idle stream has no
-    lag to show): the partition cut JetStream's traffic, not only some sockets."""
+    """Near the end of the cut the other nodes show, for some stream, the cut node's replica
+    not current, not heard from for several raft heartbeats (an idle stream has no lag to
+    show), or its leadership taken over: the partition cut JetStream's traffic, not only some
+    sockets."""
     partitions = [r for r in report["fault_log"] if r["kind"] == "nats_partition"]
     assert partitions
     for r in partitions:
+        node = r["target"]
+        before = r["result"].get("majority_view_before") or {}
         view = r["result"]["majority_view"]
-        assert any(isinstance(v, dict) and (v.get("current") is False
-                                            or (v.get("active_s") or 0) >= SILENT_S)
-                   for v in view.values()), r
+        assert any(_saw_it(node, before.get(stream), v) for stream, v in view.items()), r
 
 
 def test_the_intake_never_stalled_while_the_database_was_up(report: dict[str, Any]) -> None:
