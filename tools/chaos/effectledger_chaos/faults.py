@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -301,20 +301,7 @@ class FaultRunner:
         nodes = [n.service for n in self.stack.nats_nodes]
         async with self.stack.locks["broker"]:
             rec["started_at"] = self.now()
-            for s in nodes:
-                s.held_down = True
-            try:
-                for s in nodes:
-                    s.signal(signal.SIGKILL, f"fault:{f.kind}")
-                for s in nodes:
-                    await self._wait_dead(s)
-                await asyncio.sleep(f.params["down_s"])
-                for s in nodes:
-                    s.start()
-                await self.stack.wait_nats(30)
-            finally:
-                for s in nodes:
-                    s.held_down = False
+            await self._kill_nodes(nodes, f.params["down_s"], f"fault:{f.kind}")
         self.log(f"fault: nats-server{'s' if len(nodes) > 1 else ''} killed, down "
                  f"{f.params['down_s']}s, restarted")
         return {"down_s": f.params["down_s"], "nodes": len(nodes)}
@@ -326,7 +313,7 @@ class FaultRunner:
         node = next(n for n in self.stack.nats_nodes if n.name == f.target)
         async with self.stack.locks["broker"]:
             rec["started_at"] = self.now()
-            await self._kill_node(node, f.params["down_s"], "fault:nats_node_kill")
+            await self._kill_nodes([node.service], f.params["down_s"], "fault:nats_node_kill")
             caught_up = await self._caught_up(60)
         self.log(f"fault: node {node.name} killed, down {f.params['down_s']}s; "
                  f"streams current after {caught_up}s")
@@ -341,7 +328,8 @@ class FaultRunner:
             node = self.stack.node_of_server(leader or "")
             if node is None:
                 return {"hit": False, "stream": stream, "reason": f"no leader ({leader})"}
-            await self._kill_node(node, f.params["down_s"], "fault:stream_leader_kill")
+            await self._kill_nodes([node.service], f.params["down_s"],
+                                   "fault:stream_leader_kill")
             after = await self._leader(stream)
             caught_up = await self._caught_up(60)
         self.log(f"fault: {stream} leader {leader} ({node.name}) killed; leader now {after}; "
@@ -387,60 +375,55 @@ class FaultRunner:
         me = f"{NODE_PREFIX}-{k + 1}"
         others = [u for i, u in enumerate(self.stack.nats_direct) if i != k]
         out: dict[str, Any] = {}
-        nc = None
         try:
-            nc = await connect_quiet(others, connect_timeout=2, allow_reconnect=False)
-            js = nc.jetstream(timeout=3)
-            for suffix in ("DISPATCH", "EVENTS"):
-                try:
-                    c = (await js.stream_info(f"{STREAM_PREFIX}_{suffix}")).cluster
-                except Exception as exc:  # an election in progress is an answer too
-                    out[suffix] = {"error": type(exc).__name__}
-                    continue
-                if c is None:
-                    continue
-                replica = next((r for r in c.replicas or [] if r.name == me), None)
-                out[suffix] = {"leader": c.leader, "current": getattr(replica, "current", None),
-                               # nats-py keeps it in nanoseconds
-                               "active_s": round(replica.active / 1e9, 2)
-                               if replica is not None and replica.active else None,
-                               "lag": getattr(replica, "lag", None)}
+            async with _direct(others) as nc:
+                js = nc.jetstream(timeout=3)
+                for suffix in ("DISPATCH", "EVENTS"):
+                    try:
+                        c = (await js.stream_info(f"{STREAM_PREFIX}_{suffix}")).cluster
+                    except Exception as exc:  # an election in progress is an answer too
+                        out[suffix] = {"error": type(exc).__name__}
+                        continue
+                    if c is None:
+                        continue
+                    replica = next((r for r in c.replicas or [] if r.name == me), None)
+                    out[suffix] = {"leader": c.leader,
+                                   "current": getattr(replica, "current", None),
+                                   # nats-py keeps it in nanoseconds
+                                   "active_s": round(replica.active / 1e9, 2)
+                                   if replica is not None and replica.active else None,
+                                   "lag": getattr(replica, "lag", None)}
         except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"[:200]
-        finally:
-            if nc is not None:
-                with contextlib.suppress(Exception):
-                    await nc.close()
         return out
 
-    async def _kill_node(self, node: Any, down_s: float, reason: str) -> None:
-        s = node.service
-        s.held_down = True
+    async def _kill_nodes(self, nodes: list[Service], down_s: float, reason: str) -> None:
+        """SIGKILL these nats-servers together, keep them down `down_s`, restart them."""
+        for s in nodes:
+            s.held_down = True
         try:
-            s.signal(signal.SIGKILL, reason)
-            await self._wait_dead(s)
+            for s in nodes:
+                s.signal(signal.SIGKILL, reason)
+            for s in nodes:
+                await self._wait_dead(s)
             await asyncio.sleep(down_s)
-            s.start()
+            for s in nodes:
+                s.start()
             await self.stack.wait_nats(30)
         finally:
-            s.held_down = False
+            for s in nodes:
+                s.held_down = False
 
     async def _leader(self, stream: str) -> str | None:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
-            nc = None
             try:
-                nc = await connect_quiet(self.stack.nats_direct, connect_timeout=2,
-                                         allow_reconnect=False)
-                info = await nc.jetstream().stream_info(stream)
+                async with _direct(self.stack.nats_direct) as nc:
+                    info = await nc.jetstream().stream_info(stream)
                 if info.cluster is not None and info.cluster.leader:
                     return str(info.cluster.leader)
             except Exception:  # no leader during an election: ask again
                 pass
-            finally:
-                if nc is not None:
-                    with contextlib.suppress(Exception):
-                        await nc.close()
             await asyncio.sleep(0.2)  # an election has no event to wait on
         return None
 
@@ -452,25 +435,19 @@ class FaultRunner:
         start = time.monotonic()
         streams = [f"{STREAM_PREFIX}_DISPATCH", f"{STREAM_PREFIX}_EVENTS"]
         while time.monotonic() - start < timeout_s:
-            nc = None
             try:
-                nc = await connect_quiet(self.stack.nats_direct, connect_timeout=2,
-                                         allow_reconnect=False)
-                js = nc.jetstream()
-                current = True
-                for name in streams:
-                    c = (await js.stream_info(name)).cluster
-                    if c is None or not c.leader or any(
-                            not r.current or r.offline for r in c.replicas or []):
-                        current = False
+                async with _direct(self.stack.nats_direct) as nc:
+                    js = nc.jetstream()
+                    current = True
+                    for name in streams:
+                        c = (await js.stream_info(name)).cluster
+                        if c is None or not c.leader or any(
+                                not r.current or r.offline for r in c.replicas or []):
+                            current = False
                 if current:
                     return round(time.monotonic() - start, 2)
             except Exception:  # mid-election
                 pass
-            finally:
-                if nc is not None:
-                    with contextlib.suppress(Exception):
-                        await nc.close()
             await asyncio.sleep(0.5)  # replicas catching up have no event to wait on
         return None
 
@@ -722,3 +699,15 @@ async def _drop_unfired_holds(sb: httpx.AsyncClient) -> list[dict[str, Any]]:
             for f in current["faults"] if f["match"] or f["fired"]]
     await sb.post("/_faults", json={"faults": keep, "seed": current["seed"]})
     return list(current["faults"])
+
+
+@contextlib.asynccontextmanager
+async def _direct(urls: list[str]) -> AsyncIterator[Any]:
+    """A short-lived harness connection straight to these nodes (no reconnects: a question
+    asked mid-election fails fast and is asked again), always closed."""
+    nc = await connect_quiet(urls, connect_timeout=2, allow_reconnect=False)
+    try:
+        yield nc
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.close()
