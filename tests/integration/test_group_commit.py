@@ -134,11 +134,44 @@ async def test_urgent_calls_go_ahead_of_queued_background_calls(store: Store) ->
     finally:
         await group.close()
     assert results == [0, *(i * 10 for i in range(1, 9)), 1000]
-    # Batches: [0], then [100, 1, 2, 3] (the urgent call first, topped up), [4..7], [8].
+    # Batches: [0], then [100, 1] (the urgent call first, topped up with at most as many
+    # background calls as it holds urgent ones), [2..5], [6..8].
     assert order[:2] == [0, 100], order
     assert sorted(order) == [0, *range(1, 9), 100]
+    assert group.stats.batches == 4, group.stats
     assert group.stats.largest == 4
     assert await written(store) == [*range(9), 100]
+
+
+async def test_a_batch_with_urgent_calls_takes_few_background_calls(store: Store) -> None:
+    """An intent is not made to wait for the commit of a backlog of outcomes topped up beside it,
+    and the backlog still moves with every urgent batch (it cannot starve)."""
+    group = GroupCommit(store, name="t", max_batch=64)
+    entered, release = asyncio.Event(), asyncio.Event()
+    committed: list[int] = []
+
+    async def blocked(conn: AsyncConnection, n: int) -> int:
+        entered.set()
+        await release.wait()
+        return await write(conn, n)
+
+    try:
+        first = asyncio.ensure_future(group.run(blocked, 0))
+        await entered.wait()  # everything below queues behind the worker's first batch
+        background = [asyncio.ensure_future(group.run(write, i)) for i in range(1, 41)]
+        urgent = [asyncio.ensure_future(group.call(UrgentWrite(n))) for n in (100, 101, 102)]
+        for n, fut in [*zip(range(1, 41), background, strict=True),
+                       *zip((100, 101, 102), urgent, strict=True)]:
+            fut.add_done_callback(lambda _f, n=n: committed.append(n))
+        release.set()
+        await asyncio.gather(first, *background, *urgent)
+    finally:
+        await group.close()
+    # Batches: [0], [100, 101, 102, 1, 2, 3] (not 3 + 40), [4..40].
+    assert group.stats.batches == 3, group.stats
+    assert sorted(committed[:6]) == [1, 2, 3, 100, 101, 102], committed
+    assert group.stats.largest == 37
+    assert sorted(await written(store)) == [*range(41), 100, 101, 102]
 
 
 async def test_max_batch_one_is_plain_store_run(store: Store) -> None:

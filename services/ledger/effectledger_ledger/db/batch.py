@@ -132,11 +132,23 @@ class GroupCommit:
             self._tasks.append(asyncio.create_task(self._work(), name=f"group-commit-{self.name}"))
 
     def _take(self) -> list[_Call[Any]]:
-        """Up to `max_batch` calls: every waiting urgent call first, then background ones."""
+        """Up to `max_batch` calls: every waiting urgent call first, then background ones.
+
+        A batch that holds urgent calls is topped up with at most as many background calls:
+        someone waits for its commit, and a batch's transaction lasts as long as all its calls
+        (after a restart the inbox hands over hundreds of outcomes, and an intent topped up with
+        56 of them waited 0.6-1.5 s). One for one still lets background calls keep pace with
+        urgent ones (an operation has one intent, one claim, one outcome), so they never starve;
+        a batch with no urgent call takes `max_batch` of them.
+        """
         batch: list[_Call[Any]] = []
-        for queue in (self._urgent, self._background):
-            while queue and len(batch) < self.max_batch:
-                batch.append(queue.popleft())
+        while self._urgent and len(batch) < self.max_batch:
+            batch.append(self._urgent.popleft())
+        room = self.max_batch - len(batch) if not batch else min(
+            len(batch), self.max_batch - len(batch))
+        while self._background and room > 0:
+            batch.append(self._background.popleft())
+            room -= 1
         return batch
 
     async def _work(self) -> None:
