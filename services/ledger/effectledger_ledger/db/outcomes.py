@@ -106,6 +106,12 @@ _FINISH_ATTEMPT = (attempts.update().where(attempts.c.id == sa.bindparam("b_id")
                            http_status=sa.bindparam("b_http"), provider_ref=sa.bindparam("b_ref"),
                            response_digest=sa.bindparam("b_digest"),
                            outcome=sa.bindparam("b_detail")))
+# One statement whatever the batch's size, executed with a list of rows: a multi-row VALUES
+# built per batch was compiled again for every batch (it has no cache key).
+_INBOX_INSERT = {
+    name: dialect.insert(inbox).on_conflict_do_nothing()
+    .returning(inbox.c.consumer, inbox.c.message_id)
+    for name, dialect in (("postgresql", postgresql), ("sqlite", sqlite))}
 _FULL_ROWS = sa.select(operations).where(
     operations.c.id.in_(sa.bindparam("ids", expanding=True)))
 
@@ -126,12 +132,10 @@ async def _dedup(conn: AsyncConnection, items: Sequence[OutcomeCall]
             results[i] = Recorded("duplicate")
         else:
             first[(it.consumer, it.message_id)] = i
-    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    rows = [dict(consumer=c, message_id=m, received_at=items[i].now)
+            for (c, m), i in first.items()]
     new = {(r.consumer, r.message_id) for r in await conn.execute(
-        dialect.insert(inbox).values([
-            dict(consumer=c, message_id=m, received_at=items[i].now)
-            for (c, m), i in first.items()])
-        .on_conflict_do_nothing().returning(inbox.c.consumer, inbox.c.message_id))}
+        _INBOX_INSERT[conn.dialect.name], rows[0] if len(rows) == 1 else rows)}
     for key, i in first.items():
         if key not in new:
             results[i] = Recorded("duplicate")
