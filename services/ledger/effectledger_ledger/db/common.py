@@ -8,11 +8,11 @@ from typing import Any, NamedTuple
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import CursorResult
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.states import JournalKind, State
 
+from . import hot
 from .rows import JournalRow
 from .schema import attempts, journal, operations
 
@@ -77,17 +77,9 @@ async def append_journal(conn: AsyncConnection, *, operation_id: str | None, at:
 
 
 async def execute_rows(conn: AsyncConnection, stmt: sa.Executable,
-                       rows: Sequence[dict[str, Any]] | Sequence[JournalRow]
-                       ) -> CursorResult[Any] | None:
-    """Execute `stmt` for each of `rows` in one call (nothing for none).
-
-    One row goes through a plain execute, not the driver's executemany, which costs more for a
-    single row; at low load most batches are a single call.
-    """
-    if not rows:
-        return None
-    params: Any = rows[0] if len(rows) == 1 else list(rows)
-    return await conn.execute(stmt, params)
+                       rows: Sequence[dict[str, Any]] | Sequence[JournalRow]) -> None:
+    """Execute `stmt` for each of `rows` in one call (nothing for none); see `hot`."""
+    await hot.execute_rows(conn, stmt, rows)
 
 
 _INSERT_JOURNAL = journal.insert()
@@ -129,29 +121,40 @@ async def lock_with_attempts(conn: AsyncConnection, op_ids: list[str]
     attempt locks its operation first, so the attempts cannot change under us either. Locking
     in id order makes concurrent batches queue instead of deadlocking.
     """
-    rows = (await conn.execute(_LOCK_WITH_ATTEMPTS, {"ids": op_ids})).all()
+    stmt = (_LOCK_WITH_ATTEMPTS_PG if conn.dialect.name == "postgresql"
+            else _LOCK_WITH_ATTEMPTS)
     ops: dict[str, LockedOp] = {}
     held: dict[tuple[str, int], _Attempt] = {}
-    for r in rows:
-        ops[r.id] = LockedOp(r.id, r.state, r.epoch, r.tool, r.arguments_digest)
-        if r.attempt_id is not None:
-            held[(r.id, r.attempt_epoch)] = _Attempt(r.attempt_id, r.attempt_status,
-                                                     r.claimed_at, r.dispatcher_id)
+    for r in await hot.fetch(conn, stmt, {"ids": op_ids}):
+        op_id = r["id"]
+        ops[op_id] = LockedOp(op_id, r["state"], r["epoch"], r["tool"], r["arguments_digest"])
+        if r["attempt_id"] is not None:
+            held[(op_id, r["attempt_epoch"])] = _Attempt(
+                r["attempt_id"], r["attempt_status"], r["claimed_at"], r["dispatcher_id"])
     return ops, held
 
 
 # Hot-path statements are built once: constructing and cache-keying a statement on every call
 # was a visible share of the ledger's CPU.
-_LOCK_WITH_ATTEMPTS = (
-    sa.select(operations.c.id, operations.c.state, operations.c.epoch, operations.c.tool,
-              operations.c.arguments_digest, attempts.c.id.label("attempt_id"),
-              attempts.c.epoch.label("attempt_epoch"),
-              attempts.c.status.label("attempt_status"), attempts.c.claimed_at,
-              attempts.c.dispatcher_id)
-    .select_from(operations.outerjoin(attempts, attempts.c.operation_id == operations.c.id))
-    .where(operations.c.id.in_(sa.bindparam("ids", expanding=True)))
-    .order_by(operations.c.id)
-    .with_for_update(of=operations))
+def _lock_with_attempts(ids: sa.ColumnElement[bool]) -> sa.Select[Any]:
+    return (
+        sa.select(operations.c.id, operations.c.state, operations.c.epoch, operations.c.tool,
+                  operations.c.arguments_digest, attempts.c.id.label("attempt_id"),
+                  attempts.c.epoch.label("attempt_epoch"),
+                  attempts.c.status.label("attempt_status"), attempts.c.claimed_at,
+                  attempts.c.dispatcher_id)
+        .select_from(operations.outerjoin(attempts, attempts.c.operation_id == operations.c.id))
+        .where(ids)
+        .order_by(operations.c.id)
+        .with_for_update(of=operations))
+
+
+_LOCK_WITH_ATTEMPTS = _lock_with_attempts(
+    operations.c.id.in_(sa.bindparam("ids", expanding=True)))
+# One statement text for any number of ids (an expanding IN renders one per count), which
+# asyncpg prepares once per connection (see `hot`).
+_LOCK_WITH_ATTEMPTS_PG = _lock_with_attempts(
+    operations.c.id == sa.any_(sa.bindparam("ids", type_=postgresql.ARRAY(sa.String))))
 
 
 class _Attempt(NamedTuple):

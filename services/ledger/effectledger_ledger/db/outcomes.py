@@ -10,7 +10,7 @@ touch the operation (a success, a failure without retry) are written together th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -32,11 +32,12 @@ from effectledger_core.retry_policy import RetryDecision
 from effectledger_core.states import Event, JournalKind, State, sources
 from effectledger_core.subjects import Subjects
 
+from . import hot
 from .batch import BatchCall
 from .common import LockedOp, append_journal, execute_rows, journal_row, lock_with_attempts
 from .resolution import RetryDecider, WebhookBinding, settle_from_stored_webhooks
 from .rows import JournalRow, OperationRow, Recorded
-from .schema import attempts, dead_letters, inbox, operations
+from .schema import UTCDateTime, attempts, dead_letters, inbox, operations
 from .transitions import Batch, Change, Dispatch, Reconcile, apply, writes_commands
 
 _RESULT = {"result"}
@@ -108,10 +109,19 @@ _FINISH_ATTEMPT = (attempts.update().where(attempts.c.id == sa.bindparam("b_id")
                            outcome=sa.bindparam("b_detail")))
 # One statement whatever the batch's size, executed with a list of rows: a multi-row VALUES
 # built per batch was compiled again for every batch (it has no cache key).
-_INBOX_INSERT = {
-    name: dialect.insert(inbox).on_conflict_do_nothing()
-    .returning(inbox.c.consumer, inbox.c.message_id)
-    for name, dialect in (("postgresql", postgresql), ("sqlite", sqlite))}
+_INBOX_INSERT = (sqlite.insert(inbox).on_conflict_do_nothing()
+                 .returning(inbox.c.consumer, inbox.c.message_id))
+# On PostgreSQL the batch's rows go as three arrays (one statement text for any count, see hot).
+_INBOX_ROWS = sa.func.unnest(
+    sa.bindparam("consumers", type_=postgresql.ARRAY(sa.String)),
+    sa.bindparam("message_ids", type_=postgresql.ARRAY(sa.String)),
+    sa.bindparam("received", type_=postgresql.ARRAY(UTCDateTime)),
+).table_valued("consumer", "message_id", "received_at").render_derived()
+_INBOX_INSERT_PG = (postgresql.insert(inbox)
+                    .from_select(["consumer", "message_id", "received_at"],
+                                 sa.select(_INBOX_ROWS))
+                    .on_conflict_do_nothing()
+                    .returning(inbox.c.consumer, inbox.c.message_id))
 _FULL_ROWS = sa.select(operations).where(
     operations.c.id.in_(sa.bindparam("ids", expanding=True)))
 
@@ -132,10 +142,17 @@ async def _dedup(conn: AsyncConnection, items: Sequence[OutcomeCall]
             results[i] = Recorded("duplicate")
         else:
             first[(it.consumer, it.message_id)] = i
-    rows = [dict(consumer=c, message_id=m, received_at=items[i].now)
-            for (c, m), i in first.items()]
-    new = {(r.consumer, r.message_id) for r in await conn.execute(
-        _INBOX_INSERT[conn.dialect.name], rows[0] if len(rows) == 1 else rows)}
+    inserted: Sequence[Mapping[Any, Any]]
+    if conn.dialect.name == "postgresql":
+        inserted = await hot.fetch(conn, _INBOX_INSERT_PG, {
+            "consumers": [c for c, _m in first], "message_ids": [m for _c, m in first],
+            "received": [items[i].now for i in first.values()]})
+    else:
+        rows = [dict(consumer=c, message_id=m, received_at=items[i].now)
+                for (c, m), i in first.items()]
+        inserted = (await conn.execute(
+            _INBOX_INSERT, rows[0] if len(rows) == 1 else rows)).mappings().all()
+    new = {(r["consumer"], r["message_id"]) for r in inserted}
     for key, i in first.items():
         if key not in new:
             results[i] = Recorded("duplicate")

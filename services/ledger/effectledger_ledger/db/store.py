@@ -27,6 +27,7 @@ from tenacity import (
 
 from effectledger_core.errors import StoreUnavailable
 
+from . import hot
 from .common import NOTIFY_FLAG, TRANSITIONS_KEY
 from .rows import JournalRow
 
@@ -105,7 +106,7 @@ class Store:
                 conn.info.pop(TRANSITIONS_KEY, None)
                 yield conn
                 if conn.info.pop(NOTIFY_FLAG, False):
-                    await conn.execute(_NOTIFY)
+                    await hot.execute_rows(conn, _NOTIFY, [{}])
                 changed = conn.info.pop(TRANSITIONS_KEY, None)
             if changed and self.on_commit is not None:
                 try:
