@@ -66,6 +66,11 @@ def _args(c: _Compiled, row: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+def _direct(conn: AsyncConnection) -> bool:
+    """Whether statements go straight to asyncpg (PostgreSQL) or through SQLAlchemy."""
+    return conn.dialect.name == "postgresql"
+
+
 async def _driver(conn: AsyncConnection) -> tuple[Any, Any]:
     """The asyncpg connection, inside the transaction SQLAlchemy has begun on it.
 
@@ -99,7 +104,7 @@ async def execute_rows(conn: AsyncConnection, stmt: sa.Executable, rows: Rows) -
     """
     if not rows:
         return
-    if conn.dialect.name != "postgresql":
+    if not _direct(conn):
         params: Any = rows[0] if len(rows) == 1 else list(rows)
         await conn.execute(stmt, params)
         return
@@ -122,7 +127,7 @@ async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, An
     the ledger's UTCDateTime makes of them too); expanding IN parameters are not supported
     there, use `= ANY(array parameter)`.
     """
-    if conn.dialect.name != "postgresql":
+    if not _direct(conn):
         return (await conn.execute(stmt, params)).mappings().all()
     c = _compiled(stmt, conn.dialect, tuple(params))
     adapter, driver = await _driver(conn)

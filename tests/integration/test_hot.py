@@ -1,0 +1,129 @@
+"""The hot path's two executors (db/hot.py) write the same rows, in the same transaction.
+
+On PostgreSQL the set-based writes, the locking read and the inbox INSERT go straight to
+asyncpg; SQLAlchemy's execute is the other implementation (SQLite's, and PostgreSQL's with the
+direct path switched off). A whole scenario of intents, claims and every kind of outcome runs
+both ways on one database, and every row must read the same as PostgreSQL prints it (so JSON
+null and SQL NULL differ). A direct statement must also belong to the transaction it runs in,
+and its errors must be the ones SQLAlchemy raises (the service retries on IntegrityError).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+
+from effectledger_core.messages import AttemptAccepted, OutcomeAmbiguous, SubmitIntent
+from effectledger_ledger.db import hot
+from effectledger_ledger.db.common import journal_row
+from effectledger_ledger.db.intents import SubmitCall
+from effectledger_ledger.db.outcomes import OutcomeCall
+from effectledger_ledger.db.schema import journal, metadata
+from effectledger_ledger.db.store import Store
+from tests.integration.test_set_based import (
+    CATALOG,
+    LATER,
+    NOW,
+    SUBJECTS,
+    claim_call,
+    failed,
+    reset,
+    retry_when_asked,
+    submit_call,
+    success,
+)
+
+
+def _postgres_only(store: Store) -> None:
+    if not store.is_postgres:
+        pytest.skip("the direct path is PostgreSQL's; SQLite always takes SQLAlchemy's")
+
+
+async def _as_printed(store: Store) -> dict[str, list[str]]:
+    out = {}
+    async with store.transaction() as conn:
+        for table in metadata.sorted_tables:
+            # A row's text form: an SQL NULL prints as nothing, a JSON null as `null`.
+            doc = ("ROW(" + ", ".join(f"t.{c.name}" for c in table.c if c.name != "id") + ")"
+                   if table is journal else "t")
+            order = ("operation_id, id" if table is journal
+                     else ", ".join(c.name for c in table.primary_key.columns))
+            out[table.name] = list((await conn.execute(sa.text(
+                f"SELECT {doc}::text FROM {table.name} t ORDER BY {order}"))).scalars())
+    return out
+
+
+async def _scenario(store: Store) -> list[Any]:
+    """Intents, claims and outcomes of every kind, in batches as group commit makes them."""
+    def outcome(o: Any, message_id: str) -> OutcomeCall:
+        return OutcomeCall(o, consumer="c", message_id=message_id, subjects=SUBJECTS,
+                           now=LATER, ambiguous_outbox_id=f"amb-{message_id}",
+                           decide_retry=retry_when_asked)
+
+    leased = SubmitCall(catalog=CATALOG, intent=SubmitIntent(
+        tool="create_ticket", arguments={"n": 9, "none": None}, idempotency_key="k9"),
+        subjects=SUBJECTS, operation_id="op9", outbox_id="ob9", now=NOW, lease_until=LATER,
+        traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+    batches: list[list[Any]] = [
+        [submit_call(SubmitIntent(tool="create_ticket", arguments={"n": n}), n)
+         for n in range(6)] + [leased],
+        [submit_call(SubmitIntent(tool="create_ticket", arguments={"n": 9, "none": None},
+                                  idempotency_key="k9"), 10)],  # the same key: found
+        [claim_call(f"op{n}", f"a{n}") for n in range(6)] + [claim_call("op0", "other")],
+        [claim_call("op5", "a5")],  # asked again: a held claim gets a new claimed_at
+        [outcome(success("op0", "a0"), "m0"), outcome(success("op0", "a0"), "m0"),
+         outcome(failed("op1", "a1", "retry_me"), "m1"), outcome(failed("op2", "a2", "no"), "m2"),
+         outcome(AttemptAccepted(operation_id="op3", epoch=1, attempt_id="a3",
+                                 dispatcher_id="d1", at=LATER, provider_ref="ref-op3",
+                                 response_digest="sha256:03"), "m3"),
+         outcome(OutcomeAmbiguous(operation_id="op4", epoch=1, attempt_id="a4",
+                                  dispatcher_id="d1", at=LATER, reason="timeout"), "m4")],
+        [outcome(success("op5", "a5").model_copy(update={"result": None}), "m5")],
+    ]
+    replies = []
+    for batch in batches:
+        async with store.transaction() as conn:
+            replies.append([repr(r) if not hasattr(r, "model_dump") else r.model_dump(mode="json")
+                            for r in await type(batch[0]).many(conn, batch)])
+    return replies
+
+
+async def test_direct_and_sqlalchemy_execution_write_identical_rows(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    _postgres_only(store)
+    direct = await _scenario(store)
+    direct_rows = await _as_printed(store)
+    await reset(store)
+    monkeypatch.setattr(hot, "_direct", lambda conn: False)
+    through_sqlalchemy = await _scenario(store)
+    assert through_sqlalchemy == direct
+    assert await _as_printed(store) == direct_rows
+    assert len(direct_rows["attempts"]) == 6 and len(direct_rows["inbox"]) == 6
+
+
+async def test_a_direct_write_first_in_a_transaction_rolls_back_with_it(store: Store) -> None:
+    """SQLAlchemy's adapter sends BEGIN with its first statement; a direct statement sent
+    first must open that transaction, not run (and commit) on its own."""
+    _postgres_only(store)
+    row = journal_row(operation_id="op0", at=datetime.now(UTC), kind="note", actor="test")
+    with pytest.raises(RuntimeError, match="abandon"):
+        async with store.transaction() as conn:
+            await hot.execute_rows(conn, journal.insert(), [row])
+            raise RuntimeError("abandon")
+    async with store.transaction() as conn:
+        assert (await conn.execute(sa.select(sa.func.count()).select_from(journal))).scalar() == 0
+
+
+async def test_a_duplicate_operation_raises_integrity_error(store: Store) -> None:
+    """The service retries an intent that lost a race on IntegrityError, on either path."""
+    await store.run(submit_call(SubmitIntent(tool="create_ticket", arguments={"n": 1}), 1).one)
+    again = SubmitCall(catalog=CATALOG, intent=SubmitIntent(tool="create_ticket",
+                                                            arguments={"n": 2}),
+                       subjects=SUBJECTS, operation_id="op1", outbox_id="ob2", now=NOW)
+    with pytest.raises(IntegrityError):
+        await store.run(again.one)
+
