@@ -121,8 +121,7 @@ async def lock_with_attempts(conn: AsyncConnection, op_ids: list[str]
     attempt locks its operation first, so the attempts cannot change under us either. Locking
     in id order makes concurrent batches queue instead of deadlocking.
     """
-    stmt = (_LOCK_WITH_ATTEMPTS_PG if conn.dialect.name == "postgresql"
-            else _LOCK_WITH_ATTEMPTS)
+    stmt = _LOCK_WITH_ATTEMPTS[conn.dialect.name]
     ops: dict[str, LockedOp] = {}
     held: dict[tuple[str, int], _Attempt] = {}
     for r in await hot.fetch(conn, stmt, {"ids": op_ids}):
@@ -149,12 +148,8 @@ def _lock_with_attempts(ids: sa.ColumnElement[bool]) -> sa.Select[Any]:
         .with_for_update(of=operations))
 
 
-_LOCK_WITH_ATTEMPTS = _lock_with_attempts(
-    operations.c.id.in_(sa.bindparam("ids", expanding=True)))
-# One statement text for any number of ids (an expanding IN renders one per count), which
-# asyncpg prepares once per connection (see `hot`).
-_LOCK_WITH_ATTEMPTS_PG = _lock_with_attempts(
-    operations.c.id == sa.any_(sa.bindparam("ids", type_=postgresql.ARRAY(sa.String))))
+_LOCK_WITH_ATTEMPTS = {d: _lock_with_attempts(hot.one_of(operations.c.id, "ids", d))
+                       for d in hot.DIALECTS}
 
 
 class _Attempt(NamedTuple):

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -27,6 +28,15 @@ from sqlalchemy.sql.compiler import SQLCompiler
 from .rows import JournalRow
 
 Rows = Sequence[dict[str, Any]] | Sequence[JournalRow]
+DIALECTS = ("postgresql", "sqlite")
+
+
+def one_of(column: sa.ColumnElement[Any], name: str, dialect: str) -> sa.ColumnElement[bool]:
+    """`column` in the list parameter `name`: on PostgreSQL `= ANY(array)`, one statement text
+    for any length (an expanding IN renders, and asyncpg prepares, one per length)."""
+    if dialect == "postgresql":
+        return column == sa.any_(sa.bindparam(name, type_=postgresql.ARRAY(column.type)))
+    return column.in_(sa.bindparam(name, expanding=True))
 
 
 class _Compiled(NamedTuple):
@@ -125,7 +135,7 @@ async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, An
 
     On PostgreSQL the values are asyncpg's (timestamps come back aware, in UTC, which is what
     the ledger's UTCDateTime makes of them too); expanding IN parameters are not supported
-    there, use `= ANY(array parameter)`.
+    there (see `one_of`).
     """
     if not _direct(conn):
         return (await conn.execute(stmt, params)).mappings().all()

@@ -18,6 +18,7 @@ from effectledger_core.messages import DispatchAttempt, SubmitIntent, encode
 from effectledger_core.states import JournalKind, OutboxKind, State
 from effectledger_core.subjects import Subjects
 
+from . import hot
 from .batch import BatchCall
 from .common import execute_rows, insert_journal, journal_row, notify_outbox
 from .outbox import OutboxItem
@@ -48,8 +49,8 @@ def dispatch_row(op: OperationRow, *, subjects: Subjects, outbox_id: str,
 
 
 # Built once (see common._LOCK_WITH_ATTEMPTS).
-_BY_KEYS = sa.select(operations).where(
-    operations.c.operation_key.in_(sa.bindparam("keys", expanding=True)))
+_BY_KEYS = {d: sa.select(operations).where(hot.one_of(operations.c.operation_key, "keys", d))
+            for d in hot.DIALECTS}
 _INSERT_OPERATION = operations.insert()
 _INSERT_OUTBOX = outbox.insert()
 
@@ -80,8 +81,8 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
     caller_keys = [keys[i] for i in keys if items[i].intent.idempotency_key is not None]
     known: dict[str, OperationRow] = {}
     if caller_keys:
-        known = {r["operation_key"]: OperationRow.of(r) for r in (await conn.execute(
-            _BY_KEYS, {"keys": caller_keys})).mappings()}
+        known = {r["operation_key"]: OperationRow.of(r) for r in await hot.fetch(
+            conn, _BY_KEYS[conn.dialect.name], {"keys": caller_keys})}
 
     relay = False  # whether any command is left to the relays (then wake them)
     new_ops: list[dict[str, Any]] = []

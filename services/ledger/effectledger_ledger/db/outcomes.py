@@ -122,8 +122,8 @@ _INBOX_INSERT_PG = (postgresql.insert(inbox)
                                  sa.select(_INBOX_ROWS))
                     .on_conflict_do_nothing()
                     .returning(inbox.c.consumer, inbox.c.message_id))
-_FULL_ROWS = sa.select(operations).where(
-    operations.c.id.in_(sa.bindparam("ids", expanding=True)))
+_FULL_ROWS = {d: sa.select(operations).where(hot.one_of(operations.c.id, "ids", d))
+              for d in hot.DIALECTS}
 
 
 @dataclass
@@ -253,8 +253,8 @@ class _Decider:
         row = applied.row
         if applied.settled is not None:
             # Stored evidence moved it on at once: read where it stands for later outcomes.
-            fresh = (await self.conn.execute(
-                _FULL_ROWS, {"ids": [row.id]})).mappings().one()
+            [fresh] = await hot.fetch(self.conn, _FULL_ROWS[self.conn.dialect.name],
+                                      {"ids": [row.id]})
             row = OperationRow.of(fresh)
         self.rows[row.id] = row
         op.state, op.epoch = row.state.value, row.epoch
@@ -301,7 +301,7 @@ async def _record(conn: AsyncConnection, items: Sequence[OutcomeCall]
                          if not isinstance(items[i].outcome, AttemptSucceeded)} & set(locked))
         rows = {} if not wanted else {
             r["id"]: OperationRow.of(r)
-            for r in (await conn.execute(_FULL_ROWS, {"ids": wanted})).mappings()}
+            for r in await hot.fetch(conn, _FULL_ROWS[conn.dialect.name], {"ids": wanted})}
         held = {k: (a.id, a.dispatcher_id) for k, a in attempts_by_epoch.items()}
         decider = _Decider(conn, locked, rows, held)
         for i in live:
