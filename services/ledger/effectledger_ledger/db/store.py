@@ -89,7 +89,7 @@ class Store:
             # A custom plan for every execution: asyncpg keeps each statement prepared, and
             # PostgreSQL's generic plan for the hot statements, chosen while the tables were
             # small, cost more PostgreSQL CPU the more rows they held (a throwaway harness:
-            # claims 0.31 -> 0.84 ms of backend CPU each over 5,000 operations; 0.26-0.34
+            # claims 0.31 -> 0.84 ms of backend CPU each over 5,000 operations; 0.26-0.38
             # throughout with custom plans). Planning these small statements is cheap.
             self.engine = create_async_engine(
                 parsed, echo=echo, pool_size=pool_size, max_overflow=pool_size,
