@@ -209,3 +209,71 @@ async def test_mark_published_skips_a_row_a_claim_holds_instead_of_waiting(
         got = {r.id: (r.status, r.stream_seq) for r in
                (await conn.execute(sa.select(outbox.c.id, outbox.c.status, outbox.c.stream_seq)))}
     assert got == {"a": ("consumed", None), "b": ("published", 8)}
+
+
+@dataclass(frozen=True, slots=True)
+class LateWrite(BatchCall[int]):
+    """A typed call nobody waits for (like marking outbox rows published)."""
+
+    linger_s: ClassVar[float] = 30.0
+    n: int
+
+    @classmethod
+    async def many(cls, conn: AsyncConnection, calls: Sequence[LateWrite]) -> list[int]:
+        return [await write(conn, c.n) for c in calls]
+
+
+async def test_a_lingering_call_rides_along_with_the_next_batch(store: Store) -> None:
+    """A mark does not start a transaction of its own while it may wait: it shares the next one
+    that starts for a call someone waits on (issue 17 item 5)."""
+    group = GroupCommit(store, name="t", max_batch=64)
+    try:
+        late = asyncio.ensure_future(group.call(LateWrite(1)))
+        # An idle writer would start a batch for it while this reads; it waits instead.
+        assert await written(store) == []
+        assert not late.done()
+        await group.call(UrgentWrite(100))
+        assert await late == 10
+        assert await group.run(write, 2) == 20
+        late2 = asyncio.ensure_future(group.call(LateWrite(3)))
+        assert await written(store) == [1, 2, 100]
+        assert await group.call(UrgentWrite(101)) == 1010
+        assert await late2 == 30
+    finally:
+        await group.close()
+    # Batches: [100, 1], [2], [101, 3]: no batch of a lingering call alone.
+    assert (group.stats.batches, group.stats.calls) == (3, 5), group.stats
+    assert await written(store) == [1, 2, 3, 100, 101]
+
+
+async def test_a_lingering_call_alone_commits_once_its_linger_is_over(store: Store) -> None:
+    @dataclass(frozen=True, slots=True)
+    class ShortLinger(BatchCall[int]):
+        linger_s: ClassVar[float] = 0.01
+        n: int
+
+        @classmethod
+        async def many(cls, conn: AsyncConnection, calls: Sequence[ShortLinger]) -> list[int]:
+            return [await write(conn, c.n) for c in calls]
+
+    group = GroupCommit(store, name="t", max_batch=64)
+    loop = asyncio.get_running_loop()
+    try:
+        started = loop.time()
+        assert await asyncio.gather(group.call(ShortLinger(1)), group.call(ShortLinger(2))) \
+            == [10, 20]
+        assert loop.time() - started >= 0.01
+    finally:
+        await group.close()
+    assert (group.stats.batches, group.stats.calls) == (1, 2), group.stats
+    assert await written(store) == [1, 2]
+
+
+async def test_close_fails_a_lingering_call(store: Store) -> None:
+    group = GroupCommit(store, name="t", max_batch=64)
+    late = asyncio.ensure_future(group.call(LateWrite(1)))
+    assert await written(store) == []  # queued, waiting for company
+    await group.close()
+    with pytest.raises(RuntimeError, match="ledger stopping"):
+        await late
+    assert await written(store) == []
