@@ -19,13 +19,6 @@ call's inputs) whose class implements `many(conn, calls)`. The calls of one clas
 handed over together and get one result each, or an exception instance for a call refused
 without writing anything. That turns N claims into a handful of statements instead of N times as
 many. A call alone (or replayed after a rolled-back batch) is a batch of one: one code path.
-
-A typed call that nobody waits on (`linger_s` > 0: marking outbox rows published, whose
-messages are already out) does not start a transaction of its own while it may wait: it
-rides along with the next batch that starts for another reason, and only when none has
-started within `linger_s` does it start one. At moderate load every such call shares a
-transaction someone waits for anyway, instead of paying a commit of its own (issue 17 item 5:
-each transaction costs the ledger and PostgreSQL about as much as a call in it).
 """
 
 from __future__ import annotations
@@ -60,9 +53,6 @@ class BatchCall(Generic[R]):
     __slots__ = ()
     # Someone holds a request open for calls of this class: they go ahead of background calls.
     urgent: ClassVar[bool] = False
-    # Nobody waits for calls of this class: how long one may wait for a batch to ride along with
-    # before it starts a transaction of its own (never urgent as well).
-    linger_s: ClassVar[float] = 0.0
 
     @classmethod
     async def many(cls, conn: AsyncConnection, calls: Sequence[Self]
@@ -86,7 +76,6 @@ class _Call(Generic[T]):
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     typed: BatchCall[T] | None = None  # a call with a set-based form
-    due: float = 0.0  # loop time by which it starts a batch of its own (0: at once)
     future: asyncio.Future[T] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -110,7 +99,6 @@ class GroupCommit:
         self.stats = BatchStats()
         self._urgent: deque[_Call[Any]] = deque()
         self._background: deque[_Call[Any]] = deque()
-        self._lingering = 0  # background calls with a `due` in the future when queued
         self._ready: asyncio.Event | None = None  # set while either queue holds a call
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -129,14 +117,8 @@ class GroupCommit:
         assert self._ready is not None
         # Retrieve the outcome even when the caller is gone, so asyncio does not log it as lost.
         call.future.add_done_callback(_consume)
-        kind = type(call.typed) if call.typed is not None else None
-        if kind is not None and kind.urgent:
-            self._urgent.append(call)
-        else:
-            if kind is not None and kind.linger_s > 0:
-                call.due = asyncio.get_running_loop().time() + kind.linger_s
-                self._lingering += 1
-            self._background.append(call)
+        urgent = call.typed is not None and type(call.typed).urgent
+        (self._urgent if urgent else self._background).append(call)
         self._ready.set()
         # The caller may be cancelled (a client went away); the call itself still runs and
         # commits or not as a unit with its batch, like a transaction whose reply was lost.
@@ -165,41 +147,19 @@ class GroupCommit:
         room = self.max_batch - len(batch) if not batch else min(
             len(batch), self.max_batch - len(batch))
         while self._background and room > 0:
-            call = self._background.popleft()
-            if call.due:
-                self._lingering -= 1
-            batch.append(call)
+            batch.append(self._background.popleft())
             room -= 1
         return batch
-
-    def _wait_s(self) -> float | None:
-        """How long the worker may wait before its next batch: 0 to start one now, None when
-        there is nothing at all, else until the first lingering call is due."""
-        if self._urgent or len(self._background) >= self.max_batch:
-            return 0.0
-        if not self._background:
-            return None
-        if len(self._background) > self._lingering:
-            return 0.0  # a background call that does not linger is waiting
-        now = asyncio.get_running_loop().time()
-        return max(0.0, min(call.due for call in self._background) - now)
 
     async def _work(self) -> None:
         assert self._ready is not None
         ready = self._ready
-        loop = asyncio.get_running_loop()
         while True:
-            wait_s = self._wait_s()
-            if wait_s is None or wait_s > 0:
-                ready.clear()
-                timer = None if wait_s is None else loop.call_later(wait_s, ready.set)
-                try:
-                    await ready.wait()
-                finally:
-                    if timer is not None:
-                        timer.cancel()
-                continue
             batch = self._take()
+            if not batch:
+                ready.clear()
+                await ready.wait()
+                continue
             try:
                 await self._run_batch(batch)
             except BaseException as exc:  # cancelled while running: nobody may wait forever
@@ -262,7 +222,6 @@ class GroupCommit:
                 call = queue.popleft()  # never started: it wrote nothing
                 if not call.future.done():
                     call.future.set_exception(RuntimeError("ledger stopping"))
-        self._lingering = 0
 
 
 async def _run_in(conn: AsyncConnection, batch: list[_Call[Any]]) -> list[Any]:

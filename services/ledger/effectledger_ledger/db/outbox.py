@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, ClassVar
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -73,14 +73,8 @@ async def lease_batch_txn(conn: AsyncConnection, *, now: datetime, limit: int,
 
 @dataclass(frozen=True, slots=True)
 class MarkPublished(BatchCall[int]):
-    """One publisher's marks, as group commit batches them.
+    """One publisher's marks, as group commit batches them."""
 
-    Nobody waits for a mark (the messages are out, the rows leased meanwhile), so a mark
-    rides along with the next batch started for an intent, claim or outcome, or after
-    `linger_s` in one of its own: at moderate load it costs no transaction of its own.
-    """
-
-    linger_s: ClassVar[float] = 0.05
     ids: list[str]
     now: datetime
     seqs: dict[str, int] = field(default_factory=dict)  # stream sequence by outbox id
