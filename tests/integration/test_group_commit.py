@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from effectledger_ledger.db.batch import BatchCall, GroupCommit
+from effectledger_ledger.db.batch import URGENT_TOP_UP, BatchCall, GroupCommit
 from effectledger_ledger.db.common import append_journal
 from effectledger_ledger.db.outbox import mark_published_txn
 from effectledger_ledger.db.schema import OUTBOX_PUBLISHING, journal, outbox
@@ -134,8 +134,7 @@ async def test_urgent_calls_go_ahead_of_queued_background_calls(store: Store) ->
     finally:
         await group.close()
     assert results == [0, *(i * 10 for i in range(1, 9)), 1000]
-    # Batches: [0], then [100, 1] (the urgent call first, topped up with at most as many
-    # background calls as it holds urgent ones), [2..5], [6..8].
+    # Batches: [0], then [100, 1, 2, 3] (the urgent call first, topped up), [4..7], [8].
     assert order[:2] == [0, 100], order
     assert sorted(order) == [0, *range(1, 9), 100]
     assert group.stats.batches == 4, group.stats
@@ -167,10 +166,11 @@ async def test_a_batch_with_urgent_calls_takes_few_background_calls(store: Store
         await asyncio.gather(first, *background, *urgent)
     finally:
         await group.close()
-    # Batches: [0], [100, 101, 102, 1, 2, 3] (not 3 + 40), [4..40].
+    # Batches: [0], [100, 101, 102, 1..8] (URGENT_TOP_UP = 8 > 2 x 3; not 3 + 40), [9..40].
+    assert URGENT_TOP_UP == 8
     assert group.stats.batches == 3, group.stats
-    assert sorted(committed[:6]) == [1, 2, 3, 100, 101, 102], committed
-    assert group.stats.largest == 37
+    assert sorted(committed[:11]) == [*range(1, 9), 100, 101, 102], committed
+    assert group.stats.largest == 32
     assert sorted(await written(store)) == [*range(41), 100, 101, 102]
 
 

@@ -41,6 +41,8 @@ from .store import Store
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
+# Background calls a batch holding urgent calls takes at least (see `GroupCommit._take`).
+URGENT_TOP_UP = 8
 
 
 class BatchCall(Generic[R]):
@@ -134,18 +136,20 @@ class GroupCommit:
     def _take(self) -> list[_Call[Any]]:
         """Up to `max_batch` calls: every waiting urgent call first, then background ones.
 
-        A batch that holds urgent calls is topped up with at most as many background calls:
-        someone waits for its commit, and a batch's transaction lasts as long as all its calls
-        (after a restart the inbox hands over hundreds of outcomes, and an intent topped up with
-        56 of them waited 0.6-1.5 s). One for one still lets background calls keep pace with
-        urgent ones (an operation has one intent, one claim, one outcome), so they never starve;
-        a batch with no urgent call takes `max_batch` of them.
+        A batch that holds urgent calls is topped up with a few background calls only
+        (`URGENT_TOP_UP`): someone waits for its commit, and a batch's transaction lasts as long
+        as all its calls (after a restart the inbox hands over hundreds of outcomes, and an intent
+        topped up with 56 of them waited 0.6-1.5 s). Background calls still keep pace: an
+        operation brings two urgent calls (intent, claim) and about as many background ones
+        (outcome, relay bookkeeping), and each urgent batch takes twice its urgent calls, at
+        least eight; a batch with no urgent call takes `max_batch` of them.
         """
         batch: list[_Call[Any]] = []
         while self._urgent and len(batch) < self.max_batch:
             batch.append(self._urgent.popleft())
-        room = self.max_batch - len(batch) if not batch else min(
-            len(batch), self.max_batch - len(batch))
+        room = self.max_batch - len(batch)
+        if batch:
+            room = min(room, max(URGENT_TOP_UP, 2 * len(batch)))
         while self._background and room > 0:
             batch.append(self._background.popleft())
             room -= 1
