@@ -124,6 +124,32 @@ def test_sql_capture_keeps_the_operations_transactions_only() -> None:
     assert "'pending'::VARCHAR" in txns[1].text and "$1" not in txns[1].text
 
 
+def test_sql_capture_leaves_out_the_drivers_one_off_type_introspection() -> None:
+    """asyncpg looks an array type up once per connection; that is no operation's cost, and
+    replayed by pgbench on every transaction it made the reference four times slower."""
+    introspection = """\
+2026-11-30 03:22:40.180 UTC [23076] 0 LOG:  execute __asyncpg_stmt_36__:\x20
+\t                    SELECT
+\t                        current_setting('jit') AS cur,
+\t                        set_config('jit', 'off', false) AS new
+2026-11-30 03:22:40.180 UTC [23076] 0 LOG:  execute __asyncpg_stmt_37__: WITH RECURSIVE \
+typeinfo_tree(oid, ns) AS (SELECT 1) SELECT * FROM typeinfo_tree WHERE oid = any($1::oid[])
+2026-11-30 03:22:40.180 UTC [23076] 0 DETAIL:  parameters: $1 = '{1015}'
+2026-11-30 03:22:40.180 UTC [23076] 0 LOG:  execute __asyncpg_stmt_38__:\x20
+\t                    SELECT
+\t                    set_config('jit', $1, false)
+2026-11-30 03:22:40.180 UTC [23076] 0 DETAIL:  parameters: $1 = 'on'
+"""
+    first_begin = "2026-11-30 03:22:40.180 UTC [23076] 0 LOG:  statement: BEGIN;\n"
+    at = LOG.index(first_begin, LOG.index(first_begin) + 1) + len(first_begin)
+    got = extract(LOG[:at] + introspection + LOG[at:], [OP])
+    ((_op, txns, _ids),) = got.per_op
+    assert len(txns) == 4
+    assert len(txns[0].statements) == 5  # BEGIN, SELECT, two INSERTs, COMMIT: as without it
+    assert "typeinfo_tree" not in txns[0].text and "jit" not in txns[0].text
+    assert extract(LOG, [OP]).shapes == got.shapes
+
+
 def test_pgbench_script_makes_identifiers_unique_per_transaction() -> None:
     ((_op, txns, ids),) = extract(LOG, [OP]).per_op
     script = pgbench_script(txns, ids)

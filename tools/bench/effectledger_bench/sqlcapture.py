@@ -70,8 +70,20 @@ def substitute(sql: str, params: dict[int, str]) -> str:
     return _PLACEHOLDER.sub(lambda m: params.get(int(m.group(1)), m.group(0)), sql)
 
 
+# asyncpg's type introspection: the first time a connection meets a parameter type it has no
+# codec for yet (an array of VARCHAR, of TIMESTAMPTZ) it looks the type up with JIT switched off
+# for the lookup, and caches the answer for the connection's life. A one-off per connection and
+# type, not part of any operation's cost: replayed by pgbench it would be paid every time.
+_DRIVER_INTROSPECTION = ("typeinfo_tree", "set_config('jit'")
+
+
+def is_driver_introspection(sql: str) -> bool:
+    return any(marker in sql for marker in _DRIVER_INTROSPECTION)
+
+
 def statements(entries: list[Entry]) -> list[Statement]:
-    """Executed statements with their parameters substituted, in log order."""
+    """Executed statements with their parameters substituted, in log order (without the
+    driver's one-off type introspection)."""
     out: list[Statement] = []
     pending: dict[int, Statement] = {}  # an `execute` waiting for its DETAIL parameters
     for e in entries:
@@ -83,8 +95,9 @@ def statements(entries: list[Entry]) -> list[Statement]:
             else:
                 continue
             st = Statement(e.at, e.pid, sql.strip())
-            out.append(st)
-            pending[e.pid] = st
+            if not is_driver_introspection(st.sql):
+                out.append(st)
+            pending[e.pid] = st  # its parameters still follow; they are dropped with it
         elif e.level == "DETAIL" and e.message.startswith("parameters: ") and e.pid in pending:
             params = {int(n): v for n, v in _PARAM.findall(e.message)}
             pending[e.pid].sql = substitute(pending[e.pid].sql, params)
