@@ -17,6 +17,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
+from effectledger_core.errors import StoreUnavailable
 from effectledger_core.messages import AttemptAccepted, OutcomeAmbiguous, SubmitIntent
 from effectledger_ledger.db import hot
 from effectledger_ledger.db.common import journal_row
@@ -127,3 +128,27 @@ async def test_a_duplicate_operation_raises_integrity_error(store: Store) -> Non
     with pytest.raises(IntegrityError):
         await store.run(again.one)
 
+
+
+async def test_a_connection_lost_under_a_direct_statement_is_retried_on_a_new_one(
+        store: Store) -> None:
+    """A database restart closes the pool's connections. A direct statement that finds its
+    connection gone must fail as retryable and take the connection out of the pool, as
+    SQLAlchemy's own execute does; otherwise every transaction that drew it again failed."""
+    _postgres_only(store)
+    row = journal_row(operation_id="op0", at=datetime.now(UTC), kind="note", actor="test")
+    async with store.engine.connect() as killer:
+        async with store.engine.connect() as doomed:  # a second connection, back to the pool
+            victim = (await doomed.execute(sa.text("SELECT pg_backend_pid()"))).scalar()
+        # Killed while idle in the pool, as a database restart does; the pool cannot know.
+        await killer.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": victim})
+    lost = 0
+    for _ in range(4):  # the pool's connections, each drawn at least once
+        try:
+            async with store.transaction() as conn:
+                await hot.execute_rows(conn, journal.insert(), [row])
+        except StoreUnavailable:  # retryable: Store.run would try again on a fresh connection
+            lost += 1
+    assert lost == 1  # the dead connection failed once and left the pool
+    async with store.transaction() as conn:
+        assert (await conn.execute(sa.select(sa.func.count()).select_from(journal))).scalar() == 3

@@ -15,6 +15,7 @@ built (the UPDATE of `operations` in `transitions.py`); this module only execute
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -93,16 +94,34 @@ async def _driver(conn: AsyncConnection) -> tuple[Any, Any]:
     if adapter is None:  # pragma: no cover - a checked-out connection always has one
         raise RuntimeError("no DBAPI connection")
     if getattr(adapter, "_transaction", None) is None:
-        await adapter._start_transaction()  # private: see the docstring
+        try:
+            await adapter._start_transaction()  # private: see the docstring
+        except Exception as exc:  # BEGIN is the first thing to find a connection gone
+            raise await _translated(conn, adapter, exc, "BEGIN") from exc
     return adapter, raw.driver_connection
 
 
-def _translated(adapter: Any, exc: Exception, sql: str) -> Exception:
-    """An asyncpg error as SQLAlchemy would raise it (IntegrityError, retryable sqlstates)."""
+async def _translated(conn: AsyncConnection, adapter: Any, exc: Exception, sql: str
+                      ) -> Exception:
+    """An asyncpg error as SQLAlchemy would raise it (IntegrityError, retryable sqlstates).
+
+    A lost connection is also handled as SQLAlchemy's own execute does: the connection is
+    invalidated (never handed out again by the pool) and the error says so, which is what makes
+    `Store.run` retry it. Without that, a connection a database restart had closed went back to
+    the pool and every transaction that drew it answered 500 ("connection is closed"): 118
+    refused intents in one proving-ground seed.
+    """
     try:
+        if isinstance(exc, adapter.dbapi.Error):
+            raise exc  # the adapter has translated it already (its BEGIN does)
         adapter._handle_exception(exc)  # raises the DBAPI-level error
     except Exception as dbapi_exc:
-        return DBAPIError.instance(sql, None, dbapi_exc, adapter.dbapi.Error)
+        lost = conn.dialect.is_disconnect(cast(Any, dbapi_exc), adapter, None)
+        if lost:
+            with contextlib.suppress(Exception):
+                await conn.invalidate(dbapi_exc)
+        return DBAPIError.instance(sql, None, dbapi_exc, adapter.dbapi.Error,
+                                   connection_invalidated=lost)
     return exc  # pragma: no cover - _handle_exception always raises
 
 
@@ -126,7 +145,7 @@ async def execute_rows(conn: AsyncConnection, stmt: sa.Executable, rows: Rows) -
         else:
             await driver.executemany(c.sql, [_args(c, r) for r in rows])
     except Exception as exc:
-        raise _translated(adapter, exc, c.sql) from exc
+        raise await _translated(conn, adapter, exc, c.sql) from exc
 
 
 async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, Any]
@@ -144,4 +163,4 @@ async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, An
     try:
         return await driver.fetch(c.sql, *_args(c, params))  # type: ignore[no-any-return]
     except Exception as exc:
-        raise _translated(adapter, exc, c.sql) from exc
+        raise await _translated(conn, adapter, exc, c.sql) from exc
