@@ -108,28 +108,35 @@ class UrgentWrite(BatchCall[int]):
         return [await write(conn, c.n) for c in calls]
 
 
+class Gate:
+    """A transaction function that holds the group-commit worker until released."""
+
+    def __init__(self) -> None:
+        self.entered, self.release = asyncio.Event(), asyncio.Event()
+
+    async def blocked(self, conn: AsyncConnection, n: int) -> int:
+        self.entered.set()
+        await self.release.wait()
+        return await write(conn, n)
+
+
 async def test_urgent_calls_go_ahead_of_queued_background_calls(store: Store) -> None:
     """An intent queued behind a backlog of outcomes runs in the next batch, not after them."""
     group = GroupCommit(store, name="t", max_batch=4)
-    entered, release = asyncio.Event(), asyncio.Event()
+    gate = Gate()
     order: list[int] = []
-
-    async def blocked(conn: AsyncConnection, n: int) -> int:
-        entered.set()
-        await release.wait()
-        return await write(conn, n)
 
     def done(n: int) -> None:
         order.append(n)
 
     try:
-        first = asyncio.ensure_future(group.run(blocked, 0))
-        await entered.wait()  # the worker holds batch 1; everything below queues behind it
+        first = asyncio.ensure_future(group.run(gate.blocked, 0))
+        await gate.entered.wait()  # the worker holds batch 1; everything below queues behind it
         background = [asyncio.ensure_future(group.run(write, i)) for i in range(1, 9)]
         urgent = asyncio.ensure_future(group.call(UrgentWrite(100)))
         for n, fut in [(0, first), *zip(range(1, 9), background, strict=True), (100, urgent)]:
             fut.add_done_callback(lambda _f, n=n: done(n))
-        release.set()
+        gate.release.set()
         results = await asyncio.gather(first, *background, urgent)
     finally:
         await group.close()
@@ -146,23 +153,18 @@ async def test_a_batch_with_urgent_calls_takes_few_background_calls(store: Store
     """An intent is not made to wait for the commit of a backlog of outcomes topped up beside it,
     and the backlog still moves with every urgent batch (it cannot starve)."""
     group = GroupCommit(store, name="t", max_batch=64)
-    entered, release = asyncio.Event(), asyncio.Event()
+    gate = Gate()
     committed: list[int] = []
 
-    async def blocked(conn: AsyncConnection, n: int) -> int:
-        entered.set()
-        await release.wait()
-        return await write(conn, n)
-
     try:
-        first = asyncio.ensure_future(group.run(blocked, 0))
-        await entered.wait()  # everything below queues behind the worker's first batch
+        first = asyncio.ensure_future(group.run(gate.blocked, 0))
+        await gate.entered.wait()  # everything below queues behind the worker's first batch
         background = [asyncio.ensure_future(group.run(write, i)) for i in range(1, 41)]
         urgent = [asyncio.ensure_future(group.call(UrgentWrite(n))) for n in (100, 101, 102)]
         for n, fut in [*zip(range(1, 41), background, strict=True),
                        *zip((100, 101, 102), urgent, strict=True)]:
             fut.add_done_callback(lambda _f, n=n: committed.append(n))
-        release.set()
+        gate.release.set()
         await asyncio.gather(first, *background, *urgent)
     finally:
         await group.close()

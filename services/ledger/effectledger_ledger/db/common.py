@@ -76,10 +76,8 @@ async def append_journal(conn: AsyncConnection, *, operation_id: str | None, at:
     note_transitions(conn, [row])
 
 
-async def execute_rows(conn: AsyncConnection, stmt: sa.Executable,
-                       rows: Sequence[dict[str, Any]] | Sequence[JournalRow]) -> None:
-    """Execute `stmt` for each of `rows` in one call (nothing for none); see `hot`."""
-    await hot.execute_rows(conn, stmt, rows)
+# Execute a statement for each of some rows in one call (nothing for none): `hot` runs it.
+execute_rows = hot.execute_rows
 
 
 _INSERT_JOURNAL = journal.insert()
