@@ -12,7 +12,7 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from effectledger_ledger.db.batch import URGENT_TOP_UP, BatchCall, GroupCommit
+from effectledger_ledger.db.batch import EXPRESS_AFTER, URGENT_TOP_UP, BatchCall, GroupCommit
 from effectledger_ledger.db.common import append_journal
 from effectledger_ledger.db.outbox import mark_published_txn
 from effectledger_ledger.db.schema import OUTBOX_PUBLISHING, journal, outbox
@@ -174,6 +174,27 @@ async def test_a_batch_with_urgent_calls_takes_few_background_calls(store: Store
     assert sorted(committed[:11]) == [*range(1, 9), 100, 101, 102], committed
     assert group.stats.largest == 32
     assert sorted(await written(store)) == [*range(41), 100, 101, 102]
+
+
+async def test_an_urgent_call_runs_beside_a_large_background_batch(store: Store) -> None:
+    """An intent arriving while the worker commits a backlog of outcomes does not wait for it."""
+    if not store.is_postgres:
+        pytest.skip("one connection on SQLite: a second transaction would only wait for it")
+    group = GroupCommit(store, name="t", max_batch=64)
+    gate = Gate()
+    try:
+        # One batch of background calls, held open inside its transaction by the first.
+        backlog = [asyncio.ensure_future(group.run(gate.blocked, 0)),
+                   *(asyncio.ensure_future(group.run(write, i)) for i in range(1, EXPRESS_AFTER))]
+        await gate.entered.wait()
+        assert await asyncio.wait_for(group.call(UrgentWrite(100)), 10) == 1000
+        assert not any(f.done() for f in backlog)  # the backlog's batch is still open
+        gate.release.set()
+        await asyncio.gather(*backlog)
+    finally:
+        await group.close()
+    assert (group.stats.batches, group.stats.largest) == (2, EXPRESS_AFTER)
+    assert await written(store) == [*range(EXPRESS_AFTER), 100]
 
 
 async def test_max_batch_one_is_plain_store_run(store: Store) -> None:
