@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import subprocess
 import sys
 import types
 from collections.abc import Iterator
@@ -107,3 +108,18 @@ def test_without_tools_the_cli_lists_no_tool_and_still_parses_the_services(
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     assert "bench" not in sub.choices and "chaos" not in sub.choices
     assert parser.parse_args(["ledger", "--port", "1"]).ledger_port == 1
+
+
+def test_building_the_cli_loads_no_command_s_heavy_dependencies() -> None:
+    """Every service starts through this parser, so whatever a subcommand's module imports at
+    its top stays in each service's memory: the MCP SDK and httpx (`mcp`, `bench-agent`) cost
+    a ledger about 25 MiB. A fresh interpreter, since this one may have loaded them already."""
+    heavy = ["mcp", "httpx", "effectledger_client", "effectledger_mcp.server",
+             "effectledger_bench.stack"]
+    probe = ("import sys\n"
+             "from effectledger_cli.main import build_parser\n"
+             "build_parser()\n"
+             f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

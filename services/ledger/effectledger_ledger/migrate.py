@@ -1,16 +1,18 @@
-"""Schema migrations (alembic), run programmatically: `effectledger migrate` or at ledger start."""
+"""Schema migrations (alembic), run programmatically: `effectledger migrate` or at ledger start.
+
+alembic is imported by the functions that run it, not at the top: the ledger imports this
+module to start, and a ledger that does not migrate (EFFECTLEDGER_AUTO_MIGRATE=false, as in
+infra/k8s, where a Job migrates) would otherwise keep alembic, mako and pygments resident for
+nothing (about 6 MiB).
+"""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
@@ -21,12 +23,17 @@ from tenacity import (
 
 from .db.store import Store, is_retryable
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+
 log = logging.getLogger(__name__)
 
 SCRIPT_LOCATION = str(Path(__file__).with_name("migrations"))
 
 
 def _config(connection: Any = None) -> Config:
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", SCRIPT_LOCATION)
     cfg.attributes["connection"] = connection
@@ -34,6 +41,8 @@ def _config(connection: Any = None) -> Config:
 
 
 def head_revision() -> str:
+    from alembic.script import ScriptDirectory
+
     head = ScriptDirectory.from_config(_config()).get_current_head()
     assert head is not None
     return head
@@ -41,6 +50,9 @@ def head_revision() -> str:
 
 async def upgrade(store: Store, revision: str = "head") -> str | None:
     """Bring the schema to `revision`; returns the revision now current."""
+    from alembic import command
+    from alembic.runtime.migration import MigrationContext
+
     async with store.engine.begin() as conn:
         if store.is_postgres:
             # Several ledger replicas may start together: one migrates, the others wait.
@@ -53,6 +65,8 @@ async def upgrade(store: Store, revision: str = "head") -> str | None:
 
 
 async def current_revision(store: Store) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
     async with store.engine.connect() as conn:
         return await conn.run_sync(
             lambda c: MigrationContext.configure(c).get_current_revision())

@@ -1,4 +1,9 @@
-"""`effectledger mcp [--http HOST:PORT]`: arguments and entry point."""
+"""`effectledger mcp [--http HOST:PORT]`: arguments and entry point.
+
+The CLI builds every subcommand's arguments in every `effectledger` process, the services
+included, so this module imports the MCP SDK and the ledger client only in `run`: loaded at
+the top they added about 24 MiB to each service's resident memory.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,7 @@ import asyncio
 import os
 import sys
 
-from effectledger_client import AsyncClient
-
-from .server import DEFAULT_WAIT_S, serve_http, serve_stdio
+from .mapping import DEFAULT_WAIT_S
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -24,6 +27,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from effectledger_client import AsyncClient
+
+    from .server import serve_http, serve_stdio
+
     # The agent's credentials: one tenant's token (EFFECTLEDGER_TOKEN), never an operator's.
     client = AsyncClient(args.ledger_url, timeout_s=10.0)
     if args.http:

@@ -30,6 +30,9 @@ ANNOTATIONS: dict[str, tuple[bool, bool, bool, bool]] = {
     "unknown": (False, True, False, True),
 }
 META_KEY = "effectledger/idempotencyKey"
+# How long a tool call waits for its operation to settle (`effectledger mcp --wait`). Here, not
+# in server.py, so that the CLI can offer it without importing the MCP SDK.
+DEFAULT_WAIT_S = 30.0
 META_TASK = "effectledger/taskId"
 _ARG = re.compile(r"\{args\.([A-Za-z0-9_]+)((?:\.[A-Za-z0-9_]+)*)\}")
 

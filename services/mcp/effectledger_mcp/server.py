@@ -24,10 +24,17 @@ from mcp.shared.exceptions import MCPError
 from effectledger_client import AsyncClient, InvalidRequest, LedgerError, OperationView
 from effectledger_client.errors import IdempotencyConflict, NotFound
 
-from .mapping import META_KEY, idempotency_key, input_schema, render, task_id, tool_annotations
+from .mapping import (
+    DEFAULT_WAIT_S,
+    META_KEY,
+    idempotency_key,
+    input_schema,
+    render,
+    task_id,
+    tool_annotations,
+)
 
 log = logging.getLogger(__name__)
-DEFAULT_WAIT_S = 30.0
 
 
 class Tools:

@@ -15,6 +15,11 @@
 
 Runs its own PostgreSQL and nats-server (effectledger_bench/stack.py); prints one JSON
 document.
+
+The CLI imports this module in every `effectledger` process, the services included, to list
+`bench-agent`: its top level stays light, and the harness (httpx, the ledger client, the
+stack) is imported by the functions that use it (about 3 MiB of a ledger's resident memory
+otherwise).
 """
 
 from __future__ import annotations
@@ -27,15 +32,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
-
-import httpx
-
-from effectledger_client import AsyncClient
+from typing import TYPE_CHECKING, Any
 
 from .measure import percentile
 from .procs import sample
-from .stack import TOOL, Stack
+
+if TYPE_CHECKING:
+    from .stack import Stack
 
 
 def _ms(values: list[float]) -> dict[str, float | None]:
@@ -44,6 +47,8 @@ def _ms(values: list[float]) -> dict[str, float | None]:
 
 
 async def bare_calls(stack: Stack, n: int) -> list[float]:
+    import httpx
+
     headers = {"Authorization": f"Bearer {stack.api_key}", "Fencing-Token": "1"}
     lat = []
     async with httpx.AsyncClient(timeout=10) as http:
@@ -61,6 +66,10 @@ async def submit_and_wait(stack: Stack, n: int, tag: str,
                           stages: list[dict[str, float]] | None = None) -> list[float]:
     """Latencies (ms); with `stages`, also where each operation's time went, from the
     ledger's journal timestamps (same machine, same clock)."""
+    from effectledger_client import AsyncClient
+
+    from .stack import TOOL
+
     lat = []
     async with AsyncClient(stack.ledger_url, token="") as client:
         for i in range(n):
@@ -110,7 +119,10 @@ def dbos_figures(stack: Stack, n: int) -> dict[str, Any] | None:
 
 
 async def waiters(stack: Stack, count: int, wait_s: float) -> dict[str, Any]:
+    import httpx
     import nats
+
+    from .stack import TOOL
 
     assert stack.nats_url is not None
     prefix = stack.subject_prefix
@@ -225,6 +237,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .stack import Stack
+
     with tempfile.TemporaryDirectory(prefix="effectledger-agentwait-") as tmp:
         # Waits longer than the default cap (60 s): the drain of W operations may take longer.
         stack = Stack(Path(tmp), database_url=args.database_url, nats_url=args.nats_url,
