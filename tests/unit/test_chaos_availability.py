@@ -137,3 +137,20 @@ def test_a_ledger_answering_what_it_held_right_after_a_pause_is_not_unavailable(
     late = steady(10.0) + submit(999, 10.0, 15.5) + steady(30.0, first_op=1000, since=15.5)
     b = availability(late, pause, T0)
     assert b["unavailable_db_up_s"] == pytest.approx(1.0, abs=3 * STEP_S)
+
+
+def test_an_armed_ledger_serving_before_its_crash_point_is_held_to_account() -> None:
+    """A crash point restarts the ledger armed; until it reaches the point it serves as usual,
+    so a stall then counts. The arming restart and the crash with its restart do not."""
+    history = steady(10.0) + submit(999, 10.0, 20.0) + steady(40.0, first_op=1000, since=20.0)
+    armed = {"kind": "crash_point", "target": "ledger", "started_at": 5.0,
+             "armed_listening_at": 7.0, "died_at": 30.0, "restarted_at": 31.0,
+             "listening_at": 33.0, "ended_at": 33.0}
+    a = availability(history, [armed], T0)
+    assert a["unavailable_db_up_s"] == pytest.approx(20.0 - 10.0 - GRACE_S, abs=3 * STEP_S)
+    # The two restarts are excused, each with its recovery allowance.
+    crash = {**armed, "armed_listening_at": 7.0, "died_at": 10.5}
+    assert availability(history, [crash], T0)["unavailable_db_up_s"] == 0
+    # A report from before these moments were recorded: the whole span, as it was measured.
+    old = {k: v for k, v in armed.items() if k not in ("armed_listening_at", "died_at")}
+    assert availability(history, [old], T0)["unavailable_db_up_s"] == 0

@@ -13,7 +13,8 @@ faults (phase-relative times) a run reports:
   `pg_restart`, and no black hole, reset or added latency on the database link: a slowed
   database slows intake, which is not what this measures; nor the `DB_RECOVERY_S` after such
   a fault) and the ledger process was not itself being faulted (killed, paused, restarted at
-  a crash point, until it listened again, plus `LEDGER_RECOVERY_S` after it: a ledger resumed
+  a crash point, until it listened again, plus `LEDGER_RECOVERY_S` after it; a crash point's
+  armed process counts as the ledger's from its listening to its crash: a ledger resumed
   from a pause answers the requests it held within tens of milliseconds, and every one of them
   has waited longer than `GRACE_S` by then). The goal is zero: nothing else may stop the
   ledger from acknowledging intents;
@@ -66,13 +67,35 @@ def _merge(intervals: list[Interval]) -> list[Interval]:
     return out
 
 
-def _windows(records: list[dict[str, Any]], pred: Any, *, end_key: str = "ended_at"
-             ) -> list[Interval]:
+def _windows(records: list[dict[str, Any]], pred: Any) -> list[Interval]:
     out = []
     for r in records:
         if "started_at" in r and pred(r):
-            out.append((float(r["started_at"]), float(r.get(end_key) or r.get("ended_at")
-                                                        or r["started_at"])))
+            out.append((float(r["started_at"]), float(r.get("ended_at") or r["started_at"])))
+    return out
+
+
+def _down(r: dict[str, Any], end: float) -> list[Interval]:
+    """When a ledger fault had the process down or restarting, up to `end`.
+
+    A crash point re-arms by restarting the process, which then serves as usual until it
+    reaches the point: that time is the ledger's, not the fault's, so with both moments
+    recorded the window is the arming restart and the crash with its restart, not the whole
+    span (an armed ledger can wait a minute for its point).
+    """
+    lo = float(r["started_at"])
+    if "armed_listening_at" in r and "died_at" in r:
+        return [(lo, float(r["armed_listening_at"])), (float(r["died_at"]), end)]
+    return [(lo, end)]
+
+
+def _own_windows(records: list[dict[str, Any]], kinds: tuple[str, ...]) -> list[Interval]:
+    """Each ledger fault of `kinds` from its start until the process listened again."""
+    out: list[Interval] = []
+    for r in records:
+        if r["kind"] in kinds and _is_ledger(r["target"]) and "started_at" in r:
+            end = r.get("listening_at") or r.get("ended_at") or r["started_at"]
+            out += _down(r, float(end))
     return out
 
 
@@ -83,7 +106,7 @@ def _all_down(records: list[dict[str, Any]], replicas: set[str]) -> list[Interva
         if r["kind"] in (*_LEDGER_FAULTS, *_REPLICA_FAULTS) and _is_ledger(r["target"]) \
                 and "started_at" in r:
             end = r.get("listening_at") or r.get("ended_at") or r["started_at"]
-            per.setdefault(r["target"], []).append((float(r["started_at"]), float(end)))
+            per.setdefault(r["target"], []).extend(_down(r, float(end)))
     if not per or not all(per.values()):
         return []  # a replica never faulted was always there
     merged = [_merge(v) for v in per.values()]
@@ -138,8 +161,7 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
     replicas = len(names) > 1
     # With one ledger its own faults are excused; with replicas a fault on one is excused
     # only while it overlaps one on another (every replica down at once).
-    own_windows = _windows(records, lambda r: r["kind"] in _LEDGER_FAULTS
-                           and _is_ledger(r["target"]), end_key="listening_at")
+    own_windows = _own_windows(records, _LEDGER_FAULTS)
     ledger_faulted = [(lo, hi + LEDGER_RECOVERY_S) for lo, hi in own_windows]
     own_fault: dict[str, list[Interval]] = {}
     if replicas:
@@ -154,8 +176,8 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
             if r["kind"] in (*_LEDGER_FAULTS, *_REPLICA_FAULTS) and _is_ledger(r["target"]) \
                     and "started_at" in r:
                 end = r.get("listening_at") or r.get("ended_at") or r["started_at"]
-                own_fault.setdefault(r["target"], []).append(
-                    (float(r["started_at"]), float(end) + GRACE_S))
+                own_fault.setdefault(r["target"], []).extend(
+                    (lo, hi + GRACE_S) for lo, hi in _down(r, float(end)))
     broker_down = _windows(records, lambda r: r["kind"] in _BROKER_DOWN)
 
     acks.sort()

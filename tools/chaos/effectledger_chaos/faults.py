@@ -143,6 +143,17 @@ class FaultRunner:
         except (RuntimeError, TimeoutError) as exc:
             rec["listening_error"] = str(exc)[:300]
 
+    async def _note_armed_listening(self, s: Service, rec: dict[str, Any]) -> None:
+        """For the ledger: when the process armed with a crash point listened (it may reach
+        the point first, while starting: then nothing is noted and the whole window counts
+        as the fault's)."""
+        if s.kind != "ledger":
+            return
+        with contextlib.suppress(RuntimeError, TimeoutError):
+            await s.wait_ready(120)
+            if s.alive:
+                rec["armed_listening_at"] = self.now()
+
     async def _pause(self, f: TimedFault, rec: dict[str, Any]) -> dict[str, Any]:
         s = self._svc(f.target)
         async with self.stack.locks[f.target]:
@@ -170,10 +181,14 @@ class FaultRunner:
                 s.signal(signal.SIGKILL, "fault:crash_point_arm")
                 await self._wait_dead(s)
                 s.start(crash_points=armed)
+                await self._note_armed_listening(s, rec)
                 hit = await self._wait_armed(s)
                 if not hit:
                     s.signal(signal.SIGKILL, "fault:crash_point_disarm")
                     await self._wait_dead(s)
+                # Between the armed process's listening and its death it served as usual: the
+                # availability figures hold that time against it, not against the fault.
+                rec["died_at"] = self.now()
                 code = s.incarnations[-1].popen.returncode
                 await asyncio.sleep(f.params["restart_after_s"])
                 s.start()
