@@ -95,14 +95,18 @@ class FaultRunner:
     def dependencies_down(self) -> bool:
         return self.stack.broker_down() or self.pg_down
 
-    async def _wait_armed(self, s: Service) -> bool:
+    async def _wait_armed(self, s: Service, rec: dict[str, Any] | None = None) -> bool:
         """Wait for an armed process to hit its crash point: True if it died.
 
         The window (ARMED_TIMEOUT_S) counts only while the process is ready and the broker and
-        the database are up; no crash point can be reached during an outage.
+        the database are up; no crash point can be reached during an outage. `rec["died_at"]`
+        is the last moment the process was seen alive: it died after it, and the requests it
+        held failed after it (the time it was found dead is up to a poll later).
         """
         left, cap = ARMED_TIMEOUT_S, time.monotonic() + ARMED_CAP_S
         while time.monotonic() < cap:
+            if rec is not None:
+                rec["died_at"] = self.now()
             if not s.alive:
                 return await self._wait_dead(s)
             await asyncio.sleep(0.1)
@@ -182,13 +186,13 @@ class FaultRunner:
                 await self._wait_dead(s)
                 s.start(crash_points=armed)
                 await self._note_armed_listening(s, rec)
-                hit = await self._wait_armed(s)
-                if not hit:
-                    s.signal(signal.SIGKILL, "fault:crash_point_disarm")
-                    await self._wait_dead(s)
                 # Between the armed process's listening and its death it served as usual: the
                 # availability figures hold that time against it, not against the fault.
-                rec["died_at"] = self.now()
+                hit = await self._wait_armed(s, rec)
+                if not hit:
+                    rec["died_at"] = self.now()
+                    s.signal(signal.SIGKILL, "fault:crash_point_disarm")
+                    await self._wait_dead(s)
                 code = s.incarnations[-1].popen.returncode
                 await asyncio.sleep(f.params["restart_after_s"])
                 s.start()
