@@ -89,24 +89,22 @@ def _down(r: dict[str, Any], end: float) -> list[Interval]:
     return [(lo, end)]
 
 
-def _own_windows(records: list[dict[str, Any]], kinds: tuple[str, ...]) -> list[Interval]:
-    """Each ledger fault of `kinds` from its start until the process listened again."""
-    out: list[Interval] = []
+def _down_by_ledger(records: list[dict[str, Any]], kinds: tuple[str, ...]
+                    ) -> dict[str, list[Interval]]:
+    """Per ledger process, each of its faults of `kinds` from its start until it listened
+    again (see `_down`)."""
+    per: dict[str, list[Interval]] = {}
     for r in records:
         if r["kind"] in kinds and _is_ledger(r["target"]) and "started_at" in r:
             end = r.get("listening_at") or r.get("ended_at") or r["started_at"]
-            out += _down(r, float(end))
-    return out
+            per.setdefault(r["target"], []).extend(_down(r, float(end)))
+    return per
 
 
 def _all_down(records: list[dict[str, Any]], replicas: set[str]) -> list[Interval]:
     """Moments when every ledger replica was being faulted at once."""
-    per: dict[str, list[Interval]] = {name: [] for name in replicas}
-    for r in records:
-        if r["kind"] in (*_LEDGER_FAULTS, *_REPLICA_FAULTS) and _is_ledger(r["target"]) \
-                and "started_at" in r:
-            end = r.get("listening_at") or r.get("ended_at") or r["started_at"]
-            per.setdefault(r["target"], []).extend(_down(r, float(end)))
+    per: dict[str, list[Interval]] = {name: [] for name in replicas} | _down_by_ledger(
+        records, (*_LEDGER_FAULTS, *_REPLICA_FAULTS))
     if not per or not all(per.values()):
         return []  # a replica never faulted was always there
     merged = [_merge(v) for v in per.values()]
@@ -161,7 +159,7 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
     replicas = len(names) > 1
     # With one ledger its own faults are excused; with replicas a fault on one is excused
     # only while it overlaps one on another (every replica down at once).
-    own_windows = _own_windows(records, _LEDGER_FAULTS)
+    own_windows = [w for ws in _down_by_ledger(records, _LEDGER_FAULTS).values() for w in ws]
     ledger_faulted = [(lo, hi + LEDGER_RECOVERY_S) for lo, hi in own_windows]
     own_fault: dict[str, list[Interval]] = {}
     if replicas:
@@ -172,12 +170,8 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
         ledger_faulted = _merge(_all_down(records, names) + [
             (lo, hi + GRACE_S) for lo, hi in _windows(
                 records, lambda r: r["kind"] == "pause" and _is_ledger(r["target"]))])
-        for r in records:
-            if r["kind"] in (*_LEDGER_FAULTS, *_REPLICA_FAULTS) and _is_ledger(r["target"]) \
-                    and "started_at" in r:
-                end = r.get("listening_at") or r.get("ended_at") or r["started_at"]
-                own_fault.setdefault(r["target"], []).extend(
-                    (lo, hi + GRACE_S) for lo, hi in _down(r, float(end)))
+        own_fault = {name: [(lo, hi + GRACE_S) for lo, hi in windows] for name, windows in
+                     _down_by_ledger(records, (*_LEDGER_FAULTS, *_REPLICA_FAULTS)).items()}
     broker_down = _windows(records, lambda r: r["kind"] in _BROKER_DOWN)
 
     acks.sort()

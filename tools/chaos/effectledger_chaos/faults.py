@@ -95,7 +95,7 @@ class FaultRunner:
     def dependencies_down(self) -> bool:
         return self.stack.broker_down() or self.pg_down
 
-    async def _wait_armed(self, s: Service, rec: dict[str, Any] | None = None) -> bool:
+    async def _wait_armed(self, s: Service, rec: dict[str, Any]) -> bool:
         """Wait for an armed process to hit its crash point: True if it died.
 
         The window (ARMED_TIMEOUT_S) counts only while the process is ready and the broker and
@@ -105,8 +105,7 @@ class FaultRunner:
         """
         left, cap = ARMED_TIMEOUT_S, time.monotonic() + ARMED_CAP_S
         while time.monotonic() < cap:
-            if rec is not None:
-                rec["died_at"] = self.now()
+            rec["died_at"] = self.now()
             if not s.alive:
                 return await self._wait_dead(s)
             await asyncio.sleep(0.1)
