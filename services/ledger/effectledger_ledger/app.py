@@ -25,6 +25,7 @@ from .api import create_app
 from .auth import Authenticator
 from .db.outbox import StreamPosition
 from .db.store import Store
+from .db.warmup import warm
 from .gauges import DbGauges
 from .messaging import build_inbox, serve_requests
 from .migrate import upgrade_when_reachable
@@ -48,6 +49,13 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
                                 max_in_flight=settings.tenant_max_in_flight,
                                 max_awaiting_approval=settings.tenant_max_awaiting_approval),
                             wait_recheck_s=settings.wait_recheck_s)
+
+    # Before it listens: the first batches after a (re)start must not pay for cold connections
+    # and first compiles while agents wait (db/warmup.py). One connection per batch worker and
+    # one for the express lane; SQLite has one connection.
+    await warm(store, catalog, settings.subjects,
+               connections=min(settings.db_pool_size, (settings.db_batch_workers or 1) + 1)
+               if store.is_postgres else 1)
 
     # The database is the ledger's only hard dependency: it listens and accepts intents,
     # approvals and reads while NATS is down or not yet reachable. The outbox keeps every
