@@ -16,19 +16,15 @@ class FakeProcess:
 
 
 class FakeService:
-    """A process that dies after `polls` looks at it, and records when that happened."""
+    """A process that dies at `dies_at` (runner time), between two of the runner's looks."""
 
-    def __init__(self, runner: FaultRunner, polls: int) -> None:
-        self.runner, self.polls = runner, polls
+    def __init__(self, runner: FaultRunner, dies_at: float) -> None:
+        self.runner, self.dies_at = runner, dies_at
         self.current = FakeProcess()
-        self.died_at: float | None = None
 
     @property
     def alive(self) -> bool:
-        self.polls -= 1
-        if self.polls < 0 and self.current.alive:
-            self.current.alive = False
-            self.died_at = self.runner.now()
+        self.current.alive = self.runner.now() < self.dies_at
         return self.current.alive
 
     def ready(self) -> bool:
@@ -49,10 +45,20 @@ class FakeStack:
 async def test_died_at_is_no_later_than_the_death() -> None:
     runner = FaultRunner(cast(Stack, FakeStack()), cast(Schedule, None), log=lambda _m: None)
     runner.phase_start = asyncio.get_running_loop().time() - 100.0
-    service = FakeService(runner, polls=3)
-    rec: dict[str, Any] = {}
+    # Dies 0.25 s from now: between the runner's looks (every 0.1 s), never at one.
+    service = FakeService(runner, dies_at=runner.now() + 0.25)
+    rec: dict[str, Any] = {"armed_listening_at": runner.now()}
     assert await runner._wait_armed(cast(Any, service), rec)
-    assert service.died_at is not None
-    # Found dead up to a poll (0.1 s) later; the record says when it was last seen alive.
-    assert rec["died_at"] <= service.died_at
-    assert service.died_at - rec["died_at"] < 0.5
+    # The record says when it was last seen alive: before the death, by at most a poll.
+    assert rec["died_at"] < service.dies_at
+    assert service.dies_at - rec["died_at"] < 0.5
+
+
+async def test_a_process_dead_at_the_first_look_died_after_it_listened() -> None:
+    runner = FaultRunner(cast(Stack, FakeStack()), cast(Schedule, None), log=lambda _m: None)
+    runner.phase_start = asyncio.get_running_loop().time() - 100.0
+    listened = runner.now()
+    service = FakeService(runner, dies_at=listened)
+    rec: dict[str, Any] = {"armed_listening_at": listened}
+    assert await runner._wait_armed(cast(Any, service), rec)
+    assert rec["died_at"] == listened

@@ -104,10 +104,16 @@ class FaultRunner:
         held failed after it (the time it was found dead is up to a poll later).
         """
         left, cap = ARMED_TIMEOUT_S, time.monotonic() + ARMED_CAP_S
+        # Dead at the first look: last seen alive when it listened (or now, if it never did).
+        rec["died_at"] = rec.get("armed_listening_at", self.now())
         while time.monotonic() < cap:
-            rec["died_at"] = self.now()
+            looked = self.now()
             if not s.alive:
                 return await self._wait_dead(s)
+            # Taken before the look that found it alive: it died after this moment. (Set before
+            # the look, a look that found it dead left the time it was found dead, up to a poll
+            # after the death, and the requests the crash broke were counted as refusals.)
+            rec["died_at"] = looked
             await asyncio.sleep(0.1)
             if s.ready() and not self.dependencies_down():
                 left -= 0.1

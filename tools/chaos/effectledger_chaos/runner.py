@@ -112,6 +112,9 @@ class Run:
                                     + stack_faults.get("provider", []))
         data = await self._collect(stack)
         tap_result = await self._stop_tap(tap)
+        # The wall time the fault records' times count from: kept in the report, so the
+        # availability figures can be recomputed from the history exactly.
+        phase_start_wall = time.time() - (time.monotonic() - phase_start)
         result = checker.check(
             cfg=self.cfg, schedule=self.schedule,
             history=[json.loads(line) for line in
@@ -119,8 +122,9 @@ class Run:
             data=data, fault_records=faults.records, sandbox_faults=stack_faults,
             bad_webhooks=workload.bad_webhooks, bad_input=bad.results, exits=stack.exits,
             services=stack.services, canary_hits=data["canary_hits"] + tap_result["hits"],
-            phase_start_wall=time.time() - (time.monotonic() - phase_start))
+            phase_start_wall=phase_start_wall)
         result["timing"] = {"startup_s": round(self.startup_s, 1),
+                            "phase_start_wall": round(phase_start_wall, 3),
                             "fault_phase_s": round(quiet_start - phase_start, 1),
                             "quiet_s": round(quiet_end - quiet_start, 1),
                             "settled": settled, "total_s": round(time.monotonic() - self.t0, 1)}
