@@ -6,7 +6,8 @@ with its test-only switch and runs seed 1 again, with the faults that matter to 
 - `EFFECTLEDGER_UNSAFE_SKIP_CLAIM=1`: dispatchers call the provider even when the attempt is
   already claimed, so every redelivered command (a killed or paused dispatcher, a crash point)
   reaches the provider again: more than one request per operation epoch, and duplicate effects
-  on non-idempotent routes;
+  on non-idempotent routes (with the send deadline off as well, which would otherwise refuse
+  such a call whenever its claim was slow);
 - `EFFECTLEDGER_UNSAFE_SKIP_WEBHOOK_VERIFICATION=1`: reconcilers accept unsigned, forged and
   expired webhooks, so the harness's lying webhooks are stored as evidence and move operations;
 - `EFFECTLEDGER_UNSAFE_NO_SEND_DEADLINE=1`: a dispatcher frozen between its claim and its send
@@ -39,9 +40,15 @@ def _run(tmp_path: Any, **options: Any) -> dict[str, Any]:
 
 
 def test_without_claim_before_call_duplicate_requests_are_reported(tmp_path: Any) -> None:
-    """Seed 1 with claim-before-call disabled: redelivered commands call the provider again."""
+    """Seed 1 with claim-before-call disabled: redelivered commands call the provider again.
+
+    The send deadline is off too: it is a guard of its own, and on a loaded host (a CI run
+    beside a proving-ground run) a redelivered command's claim waited 4.4 s for a restarting
+    ledger, so the deadline refused the very call that would have been the duplicate, and no
+    fault of the short run was left to show the claim's absence.
+    """
     report = _run(tmp_path, ops=60, duration_s=15.0, unsafe_skip_claim=True,
-                  faults=parse_faults("kill,pause,crash_point"))
+                  unsafe_no_send_deadline=True, faults=parse_faults("kill,pause,crash_point"))
     inv = report["invariants"]
     assert inv["duplicate_requests_per_epoch"]["count"] > 0, inv
     assert not report["invariants_ok"]

@@ -16,6 +16,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from effectledger_bus.delivery import Delivery
 from effectledger_bus.pull import MessageHandler, PullConsumer
+from tests.support.cluster import wait_until
 
 
 @dataclass
@@ -124,8 +125,14 @@ async def test_stop_lets_running_handlers_finish(stream: Stream) -> None:
     finish.set()
     await asyncio.wait_for(stopping, 30)
     assert sorted(done) == [b"0", b"1"]
-    info = await stream.nc.jetstream().consumer_info(stream.name, "workers")
-    assert info.num_ack_pending == 0 and info.num_pending == 0
+
+    # An ack is a plain publish that JetStream applies on its own time: the consumer's state
+    # shows it soon after, not necessarily by the next request (seen once on a loaded host).
+    async def settled() -> bool:
+        info = await stream.nc.jetstream().consumer_info(stream.name, "workers")
+        return info.num_ack_pending == 0 and info.num_pending == 0
+
+    await wait_until(settled, 10.0, what="both acks applied by JetStream")
 
 
 async def test_stop_cancels_handlers_that_outlive_the_grace(stream: Stream) -> None:
