@@ -1,10 +1,15 @@
-"""The crash-point fault notes when its armed process was last seen alive (availability)."""
+"""The crash-point faults: when an armed process was last seen alive (availability), and when
+`pause_before_send` may arm."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any, cast
 
+import pytest
+
+from effectledger_chaos import faults
 from effectledger_chaos.faults import FaultRunner
 from effectledger_chaos.schedule import Schedule
 from effectledger_chaos.stack import Stack
@@ -34,12 +39,13 @@ class FakeService:
 class FakeStack:
     def __init__(self) -> None:
         self.exits: list[Any] = []
+        self.down = False
 
     def record_exit(self, s: Any) -> None:
         self.exits.append(s)
 
     def broker_down(self) -> bool:
-        return False
+        return self.down
 
 
 async def test_died_at_is_no_later_than_the_death() -> None:
@@ -62,3 +68,28 @@ async def test_a_process_dead_at_the_first_look_died_after_it_listened() -> None
     rec: dict[str, Any] = {"armed_listening_at": listened}
     assert await runner._wait_armed(cast(Any, service), rec)
     assert rec["died_at"] == listened
+
+
+async def test_pause_before_send_waits_until_the_broker_has_been_up_a_while(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(faults, "STEADY_S", 0.3)
+    stack = FakeStack()
+    stack.down = True
+    runner = FaultRunner(cast(Stack, stack), cast(Schedule, None), log=lambda _m: None)
+    runner.phase_start = asyncio.get_running_loop().time() - 100.0
+    waiting = asyncio.create_task(runner._wait_steady())
+    with pytest.raises(TimeoutError):  # the broker is down: it keeps waiting
+        await asyncio.wait_for(asyncio.shield(waiting), 0.6)
+    stack.down = False
+    back = time.monotonic()
+    await asyncio.wait_for(waiting, 10)
+    assert time.monotonic() - back >= 0.3  # up for STEADY_S first, not at once
+
+
+async def test_pause_before_send_arms_at_once_long_after_the_last_outage(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(faults, "STEADY_S", 30.0)
+    runner = FaultRunner(cast(Stack, FakeStack()), cast(Schedule, None), log=lambda _m: None)
+    runner.phase_start = asyncio.get_running_loop().time() - 100.0
+    runner.records.append({"kind": "nats_restart", "started_at": 10.0, "ended_at": 20.0})
+    await asyncio.wait_for(runner._wait_steady(), 5)  # up for 80 s already: no wait

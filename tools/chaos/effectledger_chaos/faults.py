@@ -30,6 +30,11 @@ from .stack import Stack
 
 ARMED_TIMEOUT_S = 10.0  # an armed crash point not reached by then is disarmed (and recorded)
 ARMED_CAP_S = 240.0  # ... however long outages keep it from being reached
+# `pause_before_send` arms only after the broker and the database have been up this long
+# (`FaultRunner._wait_steady`), waiting at most the cap.
+STEADY_S = 5.0
+STEADY_CAP_S = 180.0
+_OUTAGES = ("nats_restart", "nats_long_outage", "pg_restart")
 
 
 class FaultRunner:
@@ -212,6 +217,7 @@ class FaultRunner:
         the process instead of killing it), for longer than the horizon, then let it go on."""
         s = self._svc(f.target)
         armed = f"{f.params['point']}#{f.params['tool']}@{f.params['nth']}:stop"
+        await self._wait_steady()
         async with self.stack.locks[f.target]:
             rec["started_at"] = self.now()
             s.held_down = True
@@ -236,6 +242,31 @@ class FaultRunner:
         self.log(f"fault: {armed} on {f.target}: "
                  f"{'stopped ' + str(f.params['seconds']) + 's' if hit else 'not reached'}")
         return {"armed": armed, "hit": hit}
+
+    async def _wait_steady(self) -> None:
+        """Until the broker and the database have been up for `STEADY_S` (at most
+        `STEADY_CAP_S`).
+
+        SIGSTOP freezes the whole dispatcher, so every command it has claimed but not sent
+        freezes too: each becomes ambiguous, and those with no readback end in review without
+        ever reaching the provider. Armed during a broker outage, the stop came in the
+        backlog's burst when the broker returned: 56 of a CI seed's 200 operations were frozen
+        that way, among them every operation planned for two webhook faults, which therefore
+        never fired. In steady state a dispatcher holds a handful of commands.
+        """
+        # Up since the end of the last outage (phase-relative), or since the start.
+        ends = [float(r["ended_at"]) for r in self.records
+                if r["kind"] in _OUTAGES and r.get("ended_at") is not None]
+        up_since: float | None = max(ends, default=0.0)
+        cap = time.monotonic() + STEADY_CAP_S
+        while time.monotonic() < cap:
+            if self.dependencies_down():
+                up_since = None
+            elif up_since is None:
+                up_since = self.now()
+            elif self.now() - up_since >= STEADY_S:
+                return
+            await asyncio.sleep(0.1)  # polling: an outage's end signals nothing
 
     async def _wait_stopped(self, s: Service) -> bool:
         """Wait for an armed process to stop itself (SIGSTOP at its crash point)."""
