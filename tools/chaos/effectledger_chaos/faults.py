@@ -32,7 +32,7 @@ ARMED_TIMEOUT_S = 10.0  # an armed crash point not reached by then is disarmed (
 ARMED_CAP_S = 240.0  # ... however long outages keep it from being reached
 # `pause_before_send` arms only after the broker and the database have been up this long
 # (`FaultRunner._wait_steady`), waiting at most the cap.
-STEADY_S = 5.0
+STEADY_S = 2.0
 STEADY_CAP_S = 180.0
 _OUTAGES = ("nats_restart", "nats_long_outage", "pg_restart")
 
@@ -217,8 +217,11 @@ class FaultRunner:
         the process instead of killing it), for longer than the horizon, then let it go on."""
         s = self._svc(f.target)
         armed = f"{f.params['point']}#{f.params['tool']}@{f.params['nth']}:stop"
-        await self._wait_steady()
         async with self.stack.locks[f.target]:
+            # Inside the lock: waiting outside it let another fault on this dispatcher take it
+            # first and hold it for 40 s, after which the short CI workload had no more
+            # commands of the tool to reach the point with.
+            await self._wait_steady()
             rec["started_at"] = self.now()
             s.held_down = True
             try:
