@@ -38,10 +38,6 @@ log = logging.getLogger(__name__)
 WARMUP_TENANT = "effectledger-warmup"
 
 
-class _RolledBack(Exception):
-    """Raised inside the warm-up transaction so that it never commits."""
-
-
 async def warm(store: Store, catalog: Catalog, subjects: Subjects, *, connections: int,
                timeout_s: float = 5.0) -> int:
     """Run the hot path on `connections` pooled connections at once; how many were warmed."""
@@ -68,21 +64,20 @@ async def warm(store: Store, catalog: Catalog, subjects: Subjects, *, connection
 async def _dry_run(store: Store, catalog: Catalog, subjects: Subjects, tool: str) -> bool:
     now = utcnow()
     intent = SubmitIntent(tool=tool, idempotency_key=new_id(), tenant=WARMUP_TENANT)
-    try:
-        async with store.engine.connect() as conn, conn.begin():
-            # The shapes the service sends: an intent with a caller key and a lease (the direct
-            # path), its claim, and a success outcome (which also writes the inbox row).
-            submitted = await SubmitCall(catalog, intent, subjects, new_id(), new_id(), now,
-                                         lease_until=now).one(conn)
-            op = submitted.operation
-            attempt = new_id()
-            await ClaimCall(ClaimAttempt(
-                operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
-                tool=op["tool"], arguments_digest=op["arguments_digest"]), now).one(conn)
-            await OutcomeCall(AttemptSucceeded(
-                operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
-                at=now, response_digest="warmup"), consumer="warmup", message_id=new_id(),
-                subjects=subjects, now=now, ambiguous_outbox_id=new_id()).one(conn)
-            raise _RolledBack
-    except _RolledBack:
-        return True
+    async with store.engine.connect() as conn:
+        tx = await conn.begin()
+        # The shapes the service sends: an intent with a caller key and a lease (the direct
+        # path), its claim, and a success outcome (which also writes the inbox row).
+        submitted = await SubmitCall(catalog, intent, subjects, new_id(), new_id(), now,
+                                     lease_until=now).one(conn)
+        op = submitted.operation
+        attempt = new_id()
+        await ClaimCall(ClaimAttempt(
+            operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
+            tool=op["tool"], arguments_digest=op["arguments_digest"]), now).one(conn)
+        await OutcomeCall(AttemptSucceeded(
+            operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
+            at=now, response_digest="warmup"), consumer="warmup", message_id=new_id(),
+            subjects=subjects, now=now, ambiguous_outbox_id=new_id()).one(conn)
+        await tx.rollback()  # nothing of it persists; an error above rolls back on close
+    return True
