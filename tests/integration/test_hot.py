@@ -157,3 +157,85 @@ async def test_a_connection_lost_under_a_direct_statement_is_retried_on_a_new_on
     assert lost == 1
     async with store.transaction() as conn:
         assert (await conn.execute(sa.select(sa.func.count()).select_from(journal))).scalar() == 3
+
+
+# ---- deferred writes (hot.defer_writes) -------------------------------------------------------
+
+async def _statements(store: Store, calls: list[Any]) -> list[str]:
+    """What one transaction running `calls` as a batch sends to PostgreSQL, statement by
+    statement, as asyncpg's query logger sees them (BEGIN and COMMIT included)."""
+    seen: list[str] = []
+
+    def log(query: Any) -> None:
+        seen.append(query.query)
+
+    async with store.transaction() as conn:
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        driver.add_query_logger(log)
+        await type(calls[0]).many(conn, calls)
+    driver.remove_query_logger(log)  # after the block: its COMMIT is logged too
+    # Not ours: asyncpg's one-off introspection of a type it meets first (the id arrays).
+    return [q for q in seen if "typeinfo_tree" not in q and "'jit'" not in q]
+
+
+async def test_an_intent_alone_is_one_statement_without_begin_or_commit(store: Store) -> None:
+    """Its three INSERTs are fused, and a transaction of one statement needs no BEGIN."""
+    _postgres_only(store)
+    [sent] = await _statements(store, [submit_call(SubmitIntent(tool="create_ticket"), 1)])
+    assert [t for t in ("operations", "journal", "outbox") if f"INSERT INTO {t} " in sent] == [
+        "operations", "journal", "outbox"]
+    # Committed by itself: another connection sees all three rows.
+    rows = await _as_printed(store)
+    assert (len(rows["operations"]), len(rows["journal"]), len(rows["outbox"])) == (1, 1, 1)
+
+
+async def test_a_claim_sends_its_writes_as_one_statement_after_its_read(store: Store) -> None:
+    _postgres_only(store)
+    await store.run(submit_call(SubmitIntent(tool="create_ticket"), 1).one)
+    sent = await _statements(store, [claim_call("op1", "a1")])
+    # BEGIN, the locking read, every write at once, COMMIT (the logger sees BEGIN, so the
+    # intent's test above would see one too if it were sent).
+    assert sent[0] == "BEGIN;" and sent[-1] == "COMMIT;" and len(sent) == 4, sent
+    assert "FOR UPDATE" in sent[1]
+    assert "UPDATE operations" in sent[2] and "INSERT INTO attempts" in sent[2]
+    async with store.transaction() as conn:
+        state = (await conn.execute(sa.text("SELECT state FROM operations"))).scalar()
+    assert state == "in_flight"
+
+
+async def test_a_statement_through_sqlalchemy_sees_the_writes_deferred_before_it(
+        store: Store) -> None:
+    _postgres_only(store)
+    row = journal_row(operation_id=None, at=NOW, kind="note", actor="test")
+    async with store.transaction() as conn:
+        await hot.execute_rows(conn, journal.insert(), [row])
+        count = sa.select(sa.func.count()).select_from(journal)
+        assert (await conn.execute(count)).scalar() == 1
+
+
+async def test_a_second_write_to_a_table_runs_after_the_first_not_beside_it(
+        store: Store) -> None:
+    """Fused writes share one snapshot: an UPDATE beside an INSERT into the same table would
+    not see the inserted row. It must be sent after it, as written."""
+    _postgres_only(store)
+    row = journal_row(operation_id=None, at=NOW, kind="note", actor="test")
+    async with store.transaction() as conn:
+        await hot.execute_rows(conn, journal.insert(), [row, row])
+        await hot.execute_rows(conn, journal.update().where(journal.c.kind == "note")
+                               .values(actor="changed"), [{}])
+    async with store.transaction() as conn:
+        actors = (await conn.execute(sa.select(journal.c.actor))).scalars().all()
+    assert actors == ["changed", "changed"]
+
+
+async def test_a_failing_part_of_a_fused_statement_writes_nothing(store: Store) -> None:
+    """An intent whose outbox row collides: its operation and journal rows, fused into the same
+    statement (and transaction) as the outbox row, are not written either."""
+    _postgres_only(store)
+    await store.run(submit_call(SubmitIntent(tool="create_ticket"), 1).one)
+    clash = SubmitCall(catalog=CATALOG, intent=SubmitIntent(tool="create_ticket"),
+                       subjects=SUBJECTS, operation_id="op2", outbox_id="ob1", now=NOW)
+    with pytest.raises(IntegrityError):
+        await store.run(clash.one)
+    rows = await _as_printed(store)
+    assert (len(rows["operations"]), len(rows["journal"]), len(rows["outbox"])) == (1, 1, 1)

@@ -16,6 +16,8 @@ built (the UPDATE of `operations` in `transitions.py`); this module only execute
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -25,6 +27,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.compiler import SQLCompiler
+from sqlalchemy.util import await_
 
 from .rows import JournalRow
 
@@ -135,7 +138,9 @@ async def execute_rows(conn: AsyncConnection, stmt: sa.Executable, rows: Rows) -
     """Execute `stmt` once per row of `rows` (nothing for none), in one round trip.
 
     Every row has the same keys. One row on SQLite goes through a plain execute, not the
-    driver's executemany, which costs more for a single row.
+    driver's executemany, which costs more for a single row. Inside `Store.transaction` on
+    PostgreSQL a write may instead wait to be sent with the transaction's next statement
+    (see `defer_writes`).
     """
     if not rows:
         return
@@ -144,6 +149,17 @@ async def execute_rows(conn: AsyncConnection, stmt: sa.Executable, rows: Rows) -
         await conn.execute(stmt, params)
         return
     c = _compiled(stmt, conn.dialect, tuple(rows[0]))
+    target = _written(stmt)
+    pending: list[_Write] | None = conn.info.get(_PENDING)
+    if pending is not None and target is not None and (
+            len(rows) == 1 or (target[1] and len(rows) <= FUSE_ROWS)):
+        table, insert = target
+        if any(w.table == table and not (insert and w.insert) for w in pending):
+            await flush(conn)  # see `_Write`: only INSERTs share a statement with its writes
+        args = tuple(a for r in rows for a in _args(c, r))
+        pending.append(_Write(_rows_sql(c.sql, len(c.names), len(rows)), args, table, insert))
+        return
+    await flush(conn)
     adapter, driver = await _driver(conn)
     try:
         if len(rows) == 1:
@@ -152,6 +168,177 @@ async def execute_rows(conn: AsyncConnection, stmt: sa.Executable, rows: Rows) -
             await driver.executemany(c.sql, [_args(c, r) for r in rows])
     except Exception as exc:
         raise await _translated(conn, adapter, exc, c.sql) from exc
+
+
+# ---- deferred writes ---------------------------------------------------------------------
+#
+# A group-committed transaction on the hot path is a few reads followed by writes whose results
+# nobody reads (INSERTs of the operation, journal, outbox and attempt rows; the fenced UPDATEs
+# of operations and outbox). Sent one by one, each write was a round trip of its own, and at
+# moderate load, where a batch holds one or two calls, round trips are what a transaction is
+# made of: an intent was BEGIN, three INSERTs and COMMIT. So inside `Store.transaction` such
+# writes are kept and sent together as one statement (data-modifying CTEs), just before the
+# transaction's next statement of any other kind or its COMMIT. A transaction made only of
+# such writes (an intent without a caller key) sends no BEGIN and no COMMIT at all: its one
+# statement is its own transaction, committed (and flushed to the WAL) when it returns.
+
+_PENDING = "effectledger_pending_writes"  # conn.info: the writes not sent yet (list)
+# A multi-row INSERT up to this many rows is written as one VALUES list and may be fused;
+# larger ones (saturation: round trips are shared by many calls already) use executemany.
+FUSE_ROWS = 8
+
+
+class _Write(NamedTuple):
+    """A write waiting to be sent. Writes in one statement all see the snapshot from before
+    any of them, and PostgreSQL applies only one of two changes to the same row, so a write is
+    fused only with writes to other tables, or an INSERT with other INSERTs into its own
+    (each of those sees no row of the others either way); otherwise what waits goes first."""
+    sql: str  # parameters numbered from $1
+    args: tuple[Any, ...]
+    table: str
+    insert: bool
+
+
+def _written(stmt: sa.Executable) -> tuple[str, bool] | None:
+    """The table `stmt` writes and whether it only inserts; None for any other statement
+    (a read, or a write with RETURNING or ON CONFLICT, whose result someone reads)."""
+    if isinstance(stmt, sa.Insert):
+        if stmt._returning or stmt._post_values_clause is not None:
+            return None
+    elif not isinstance(stmt, (sa.Update, sa.Delete)) or stmt._returning:
+        return None
+    name = getattr(stmt.table, "name", None)
+    return (name, isinstance(stmt, sa.Insert)) if isinstance(name, str) else None
+
+
+_PARAM = re.compile(r"\$(\d+)")
+
+
+@functools.lru_cache(maxsize=512)
+def _shifted(sql: str, offset: int) -> str:
+    return sql if not offset else _PARAM.sub(lambda m: f"${int(m[1]) + offset}", sql)
+
+
+@functools.lru_cache(maxsize=512)
+def _rows_sql(sql: str, per_row: int, n: int) -> str:
+    """A one-row `INSERT ... VALUES (...)` as `n` rows, without the RETURNING SQLAlchemy adds
+    for a server-made key (nobody reads it); any other statement unchanged."""
+    head, sep, values = sql.rpartition(" VALUES ")
+    if not sep:
+        return sql
+    values = values.partition(" RETURNING ")[0]
+    if not (values.startswith("(") and values.endswith(")")):
+        raise ValueError(f"not a plain INSERT: {sql[:80]}")
+    return head + sep + ", ".join(_shifted(values, i * per_row) for i in range(n))
+
+
+@functools.lru_cache(maxsize=512)
+def _fused(parts: tuple[tuple[str, int], ...]) -> str:
+    """One statement of several (their SQL and parameter counts): all but the last as
+    data-modifying CTEs, which PostgreSQL runs whether or not anything reads them."""
+    out, offset = [], 0
+    for sql, n in parts:
+        out.append(_shifted(sql, offset))
+        offset += n
+    if len(out) == 1:
+        return out[0]
+    return "WITH " + ", ".join(f"w{i} AS ({s})" for i, s in enumerate(out[:-1])) + " " + out[-1]
+
+
+def defer_writes(conn: AsyncConnection) -> None:
+    """Let this transaction's writes wait for its next statement (PostgreSQL; see above)."""
+    if _direct(conn):
+        conn.info[_PENDING] = []
+
+
+def discard_writes(conn: AsyncConnection) -> None:
+    """Forget what waits (the transaction is rolled back) and stop deferring."""
+    with contextlib.suppress(Exception):  # an invalidated connection refuses even `info`
+        conn.info.pop(_PENDING, None)
+
+
+def forget_on_checkout(_dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+    """The pool's `checkout` event: a connection starts every checkout deferring nothing, even
+    when the transaction that last used it could not clean up (its connection was lost)."""
+    record.info.pop(_PENDING, None)
+
+
+def _take(conn: AsyncConnection | sa.Connection, tail: tuple[str, tuple[Any, ...]] | None = None
+          ) -> tuple[str, tuple[Any, ...]] | None:
+    pending: list[_Write] | None = conn.info.get(_PENDING)
+    writes = [(w.sql, w.args) for w in pending or ()]
+    if pending:
+        pending.clear()
+    if tail is not None:
+        writes.append(tail)
+    if not writes:
+        return None
+    sql = _fused(tuple((s, len(a)) for s, a in writes))
+    return sql, tuple(a for _s, args in writes for a in args)
+
+
+async def flush(conn: AsyncConnection) -> None:
+    """Send the writes that wait, as one statement, inside the transaction."""
+    taken = _take(conn)
+    if taken is not None:
+        await _send(conn, taken)
+
+
+async def _send(conn: AsyncConnection, taken: tuple[str, tuple[Any, ...]], *,
+                begin: bool = True) -> None:
+    """Run one statement; with `begin=False` and no transaction begun yet, as its own."""
+    sql, args = taken
+    if begin:
+        adapter, driver = await _driver(conn)
+    else:
+        raw = await conn.get_raw_connection()
+        adapter, driver = raw.dbapi_connection, raw.driver_connection
+    try:
+        await driver.execute(sql, *args)
+    except Exception as exc:
+        raise await _translated(conn, adapter, exc, sql) from exc
+
+
+async def finish(conn: AsyncConnection, tail: sa.Executable | None = None) -> None:
+    """Before the commit: send what waits, with `tail` (a statement run for its side effect,
+    the NOTIFY) as the last part of the same statement, and stop deferring.
+
+    When nothing else has been sent in this transaction, no BEGIN is sent either: the one
+    statement is a transaction of its own, and SQLAlchemy's COMMIT finds nothing to commit.
+    """
+    if not _direct(conn):
+        if tail is not None:
+            await conn.execute(tail)
+        return
+    end = None
+    if tail is not None:
+        c = _compiled(tail, conn.dialect, ())
+        end = (c.sql, _args(c, {}))
+    taken = _take(conn, end)
+    conn.info.pop(_PENDING, None)
+    if taken is not None:
+        await _send(conn, taken, begin=False)
+
+
+def flush_before_sqlalchemy(conn: sa.Connection, *_args: Any) -> None:
+    """SQLAlchemy's `before_cursor_execute`: a statement sent through SQLAlchemy's own execute
+    (a read, a write whose row count is checked) first sends the writes that wait, so it sees
+    them and runs after them, as written. It runs in SQLAlchemy's greenlet, hence `await_`;
+    an error is raised as the driver's, which SQLAlchemy's execute translates as its own."""
+    taken = _take(conn)
+    if taken is not None:
+        await_(_send_raw(conn.connection.dbapi_connection, taken))
+
+
+async def _send_raw(adapter: Any, taken: tuple[str, tuple[Any, ...]]) -> None:
+    try:
+        if getattr(adapter, "_transaction", None) is None:
+            await adapter._start_transaction()  # private: see `_driver`
+        await adapter._connection.execute(taken[0], *taken[1])
+    except Exception as exc:
+        if not isinstance(exc, adapter.dbapi.Error):
+            adapter._handle_exception(exc)  # raises the DBAPI-level error
+        raise
 
 
 async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, Any]
@@ -164,6 +351,7 @@ async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, An
     """
     if not _direct(conn):
         return (await conn.execute(stmt, params)).mappings().all()
+    await flush(conn)  # a read sees the writes before it
     c = _compiled(stmt, conn.dialect, tuple(params))
     adapter, driver = await _driver(conn)
     try:

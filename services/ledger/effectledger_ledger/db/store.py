@@ -95,6 +95,11 @@ class Store:
                 parsed, echo=echo, pool_size=pool_size, max_overflow=pool_size,
                 pool_recycle=1800,
                 connect_args={"server_settings": {"plan_cache_mode": "force_custom_plan"}})
+            # Writes the hot path defers (hot.defer_writes) go out before any statement
+            # sent through SQLAlchemy's own execute in the same transaction.
+            event.listen(self.engine.sync_engine, "before_cursor_execute",
+                         hot.flush_before_sqlalchemy)
+            event.listen(self.engine.sync_engine.pool, "checkout", hot.forget_on_checkout)
         else:
             raise ValueError(f"unsupported database {self.dialect!r}: use postgresql or sqlite")
         self.on_commit: OnCommit | None = None  # set by the ledger (observe.Observer)
@@ -110,9 +115,13 @@ class Store:
             async with self.engine.begin() as conn:
                 conn.info.pop(NOTIFY_FLAG, None)  # info outlives a checkout: start clean
                 conn.info.pop(TRANSITIONS_KEY, None)
-                yield conn
-                if conn.info.pop(NOTIFY_FLAG, False):
-                    await hot.execute_rows(conn, _NOTIFY, [{}])
+                hot.defer_writes(conn)
+                try:
+                    yield conn
+                    notify = conn.info.pop(NOTIFY_FLAG, False)
+                    await hot.finish(conn, _NOTIFY if notify else None)
+                finally:
+                    hot.discard_writes(conn)  # after an error: they are rolled back unsent
                 changed = conn.info.pop(TRANSITIONS_KEY, None)
             if changed and self.on_commit is not None:
                 try:

@@ -27,6 +27,7 @@ from effectledger_core.ids import new_id, utcnow
 from effectledger_core.messages import AttemptSucceeded, ClaimAttempt, SubmitIntent
 from effectledger_core.subjects import Subjects
 
+from . import hot
 from .claims import ClaimCall
 from .intents import SubmitCall
 from .outcomes import OutcomeCall
@@ -66,6 +67,7 @@ async def _dry_run(store: Store, catalog: Catalog, subjects: Subjects, tool: str
     intent = SubmitIntent(tool=tool, idempotency_key=new_id(), tenant=WARMUP_TENANT)
     async with store.engine.connect() as conn:
         tx = await conn.begin()
+        hot.defer_writes(conn)  # as `Store.transaction` does, so the fused writes are prepared
         # The shapes the service sends: an intent with a caller key and a lease (the direct
         # path), its claim, and a success outcome (which also writes the inbox row).
         submitted = await SubmitCall(catalog, intent, subjects, new_id(), new_id(), now,
@@ -79,5 +81,7 @@ async def _dry_run(store: Store, catalog: Catalog, subjects: Subjects, tool: str
             operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
             at=now, response_digest="warmup"), consumer="warmup", message_id=new_id(),
             subjects=subjects, now=now, ambiguous_outbox_id=new_id()).one(conn)
+        await hot.flush(conn)
+        hot.discard_writes(conn)
         await tx.rollback()  # nothing of it persists; an error above rolls back on close
     return True
