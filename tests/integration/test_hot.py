@@ -189,6 +189,21 @@ async def test_an_intent_alone_is_one_statement_without_begin_or_commit(store: S
     assert (len(rows["operations"]), len(rows["journal"]), len(rows["outbox"])) == (1, 1, 1)
 
 
+async def test_an_intent_with_a_caller_key_reads_then_writes_without_begin_or_commit(
+        store: Store) -> None:
+    """The key's read is lockless (the unique key re-checks it at the INSERT), so it needs no
+    transaction around it either: two statements, each its own transaction."""
+    _postgres_only(store)
+    keyed = SubmitIntent(tool="create_ticket", idempotency_key="k1")
+    read, write = await _statements(store, [submit_call(keyed, 1)])
+    assert read.startswith("SELECT") and "FOR UPDATE" not in read
+    assert "INSERT INTO operations " in write
+    # The same key again is found by that read and writes nothing.
+    [again] = await _statements(store, [submit_call(keyed, 2)])
+    assert again.startswith("SELECT")
+    assert len((await _as_printed(store))["operations"]) == 1
+
+
 async def test_a_claim_sends_its_writes_as_one_statement_after_its_read(store: Store) -> None:
     _postgres_only(store)
     await store.run(submit_call(SubmitIntent(tool="create_ticket"), 1).one)

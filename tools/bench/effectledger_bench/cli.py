@@ -68,6 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
     p.add_argument("--profile", action="store_true",
                    help="run the py-spy profile even with --quick")
+    p.add_argument("--profile-half", action="store_true",
+                   help="profile under open-loop load at the half rate (where an operation "
+                        "costs most) instead of closed-loop saturation; implies --profile")
     p.add_argument("--reconciler", action="store_true",
                    help="also run the reconciler service (resolves ambiguous outcomes)")
     p.add_argument("--time-budget", type=float,
@@ -116,8 +119,9 @@ def build_config(args: argparse.Namespace) -> object:
         cfg.observability_only = True
     if args.no_profile:
         cfg.profile = False
-    elif args.profile:
+    elif args.profile or args.profile_half:
         cfg.profile = True
+    cfg.profile_half = bool(args.profile_half)
     if args.reconciler:
         cfg.reconciler = True
     if args.no_progress:

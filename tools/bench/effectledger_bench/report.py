@@ -441,7 +441,8 @@ def render(results: dict[str, Any], out_dir: Path) -> str:
                   ""]
     profile = results.get("profile")
     if profile:
-        parts += ["## Where the time goes (py-spy, closed-loop load)", ""]
+        load = results.get("profile_load", "closed-loop load")
+        parts += [f"## Where the time goes (py-spy, {load})", ""]
         for name, s in profile.items() if isinstance(profile, dict) else []:
             if not isinstance(s, dict) or "samples" not in s:
                 parts += [f"- {name}: {s}"]

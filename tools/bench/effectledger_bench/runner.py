@@ -72,6 +72,7 @@ class Config:
     observability_only: bool = False
     profile: bool = True
     profile_s: float = 15.0
+    profile_half: bool = False  # profile at the half rate (open loop), not at saturation
     reconciler: bool = False
     database_url: str | None = None
     nats_url: str | None = None
@@ -443,7 +444,9 @@ class Runner:
 
     # -- profiling -----------------------------------------------------------------------
 
-    async def run_profile(self, lg: LoadGenerator) -> None:
+    async def run_profile(self, lg: LoadGenerator, rate: float | None = None) -> None:
+        """py-spy on the ledger, the dispatcher and the sandbox while load runs: closed-loop
+        saturation, or an open loop at `rate` (the half rate, with --profile-half)."""
         out: dict[str, Any] = {}
         targets = {n: s for n, s in self.stack.services.items()
                    if s.kind in ("ledger", "dispatcher", "sandbox")}
@@ -457,8 +460,14 @@ class Runner:
             self.results["profile"] = {"error": "py-spy not available"}
             return
         tag = self.tag("profile")
-        log(f"profiling {sorted(procs)} for {seconds:.0f} s under closed-loop load")
-        await lg.closed_loop(tag, self.cfg.window, seconds + 1)
+        if rate is None:
+            log(f"profiling {sorted(procs)} for {seconds:.0f} s under closed-loop load")
+            await lg.closed_loop(tag, self.cfg.window, seconds + 1)
+        else:
+            log(f"profiling {sorted(procs)} for {seconds:.0f} s at {rate:.0f} ops/s")
+            await lg.open_loop(tag, rate, seconds + 1)
+        self.results["profile_load"] = ("closed-loop load" if rate is None
+                                        else f"open loop at {rate:.1f} ops/s")
         for name, p in procs.items():
             try:
                 await asyncio.to_thread(p.wait, 60)
@@ -548,7 +557,7 @@ class Runner:
             if cfg.observability or cfg.observability_only:
                 await self.run_observability(lg)
             if cfg.profile and not cfg.observability_only:
-                await self.run_profile(lg)
+                await self.run_profile(lg, last_half if cfg.profile_half else None)
             for size in (b for b in cfg.backlogs
                          if b > cfg.large_backlog and not cfg.observability_only):
                 # queueing at ~2.5x and draining at ~1x the max rate, plus the offered load

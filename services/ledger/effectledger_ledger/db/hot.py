@@ -85,18 +85,19 @@ def _direct(conn: AsyncConnection) -> bool:
     return conn.dialect.name == "postgresql"
 
 
-async def _driver(conn: AsyncConnection) -> tuple[Any, Any]:
+async def _driver(conn: AsyncConnection, *, begin: bool = True) -> tuple[Any, Any]:
     """The asyncpg connection, inside the transaction SQLAlchemy has begun on it.
 
     SQLAlchemy's asyncpg adapter sends BEGIN lazily, with its first statement; a statement
     sent here first must start that same transaction, or it would run (and commit) on its own
-    and the adapter's COMMIT would find nothing to commit.
+    and the adapter's COMMIT would find nothing to commit. With `begin=False` a first statement
+    does run on its own, on purpose (see `finish` and `fetch`).
     """
     raw = await conn.get_raw_connection()
     adapter = raw.dbapi_connection
     if adapter is None:  # pragma: no cover - a checked-out connection always has one
         raise RuntimeError("no DBAPI connection")
-    if getattr(adapter, "_transaction", None) is None:
+    if begin and getattr(adapter, "_transaction", None) is None:
         try:
             await adapter._start_transaction()  # private: see the docstring
         except Exception as exc:  # BEGIN is the first thing to find a connection gone
@@ -288,11 +289,7 @@ async def _send(conn: AsyncConnection, taken: tuple[str, tuple[Any, ...]], *,
                 begin: bool = True) -> None:
     """Run one statement; with `begin=False` and no transaction begun yet, as its own."""
     sql, args = taken
-    if begin:
-        adapter, driver = await _driver(conn)
-    else:
-        raw = await conn.get_raw_connection()
-        adapter, driver = raw.dbapi_connection, raw.driver_connection
+    adapter, driver = await _driver(conn, begin=begin)
     try:
         await driver.execute(sql, *args)
     except Exception as exc:
@@ -341,19 +338,25 @@ async def _send_raw(adapter: Any, taken: tuple[str, tuple[Any, ...]]) -> None:
         raise
 
 
-async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, Any]
-                ) -> Sequence[Mapping[Any, Any]]:
+async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, Any], *,
+                lockless: bool = False) -> Sequence[Mapping[Any, Any]]:
     """The rows `stmt` returns for `params`, as mappings of column name to value.
 
     On PostgreSQL the values are asyncpg's (timestamps come back aware, in UTC, which is what
     the ledger's UTCDateTime makes of them too); expanding IN parameters are not supported
     there (see `one_of`).
+
+    `lockless`: a plain read (no FOR UPDATE) whose answer a constraint re-checks at the write
+    (the intent's read of caller keys: a key committed meanwhile fails the INSERT with a unique
+    violation, and the service retries). First in its transaction, it is sent without a BEGIN,
+    as a statement of its own: at READ COMMITTED every statement takes its own snapshot, so it
+    reads exactly what it would have read inside, and the round trip of the BEGIN is saved.
     """
     if not _direct(conn):
         return (await conn.execute(stmt, params)).mappings().all()
     await flush(conn)  # a read sees the writes before it
     c = _compiled(stmt, conn.dialect, tuple(params))
-    adapter, driver = await _driver(conn)
+    adapter, driver = await _driver(conn, begin=not lockless)
     try:
         return await driver.fetch(c.sql, *_args(c, params))  # type: ignore[no-any-return]
     except Exception as exc:

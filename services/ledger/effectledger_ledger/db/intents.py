@@ -81,8 +81,9 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
     caller_keys = [keys[i] for i in keys if items[i].intent.idempotency_key is not None]
     known: dict[str, OperationRow] = {}
     if caller_keys:
+        # Lockless: the unique key re-checks it at the INSERT (see the note below).
         known = {r["operation_key"]: OperationRow.of(r) for r in await hot.fetch(
-            conn, _BY_KEYS[conn.dialect.name], {"keys": caller_keys})}
+            conn, _BY_KEYS[conn.dialect.name], {"keys": caller_keys}, lockless=True)}
 
     relay = False  # whether any command is left to the relays (then wake them)
     new_ops: list[dict[str, Any]] = []
