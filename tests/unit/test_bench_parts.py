@@ -226,3 +226,24 @@ def test_proc_sampling_reads_this_process() -> None:
     assert 0 <= after.sys_s <= after.cpu_s
     assert sample(2**22 + 12345) is None
     assert machine()["nproc"] == os.cpu_count()
+
+
+def test_sql_capture_counts_a_statement_outside_begin_as_its_own_transaction() -> None:
+    """The ledger sends a keyed intent's read and its fused writes without BEGIN, each a
+    transaction PostgreSQL commits by itself: both belong to the operation's replay."""
+    op = "0f0e0d0c0b0a09080706050403020100"
+    log = f"""\
+2026-11-30 03:22:41.000 UTC [23077] 0 LOG:  execute __asyncpg_stmt_1__: SELECT operations.id \
+FROM operations WHERE operations.operation_key = ANY($1::VARCHAR[])
+2026-11-30 03:22:41.000 UTC [23077] 0 DETAIL:  parameters: $1 = '{{{KEY}}}'
+2026-11-30 03:22:41.001 UTC [23077] 742 LOG:  execute __asyncpg_stmt_2__: WITH w0 AS (INSERT \
+INTO operations (id, operation_key) VALUES ($1::VARCHAR, $2::VARCHAR)) INSERT INTO journal \
+(operation_id) VALUES ($3::VARCHAR)
+2026-11-30 03:22:41.001 UTC [23077] 742 DETAIL:  parameters: $1 = '{op}', $2 = '{KEY}', \
+$3 = '{op}'
+"""
+    ((_op, txns, _ids),) = extract(log, [op]).per_op
+    assert [len(t.statements) for t in txns] == [1, 1]
+    assert txns[0].text.startswith("SELECT") and f"'{op}'" in txns[1].text
+    script = pgbench_script(txns, _ids)
+    assert "BEGIN" not in script and script.count("INSERT INTO journal") == 1

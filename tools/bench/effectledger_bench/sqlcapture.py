@@ -110,7 +110,10 @@ def _verb(sql: str) -> str:
 
 
 def transactions(stmts: list[Statement]) -> list[Txn]:
-    """Group statements per backend into BEGIN..COMMIT transactions (pre-pings folded in)."""
+    """Group statements per backend into BEGIN..COMMIT transactions (pre-pings folded in).
+
+    A statement outside any BEGIN is a transaction of its own (PostgreSQL commits it when it
+    returns): the ledger sends a keyed intent's read and its fused writes that way."""
     open_txn: dict[int, Txn] = {}
     pinged: dict[int, bool] = {}
     done: list[Txn] = []
@@ -127,6 +130,8 @@ def transactions(stmts: list[Statement]) -> list[Txn]:
                 done.append(txn)
         elif st.pid in open_txn:
             open_txn[st.pid].statements.append(st)
+        else:
+            done.append(Txn(st.pid, st.at, [st], preping=pinged.pop(st.pid, False)))
     return sorted(done, key=lambda t: t.at)
 
 
@@ -155,7 +160,9 @@ def shape(txns: list[Txn]) -> list[str]:
     out = []
     for t in txns:
         parts = []
-        for s in t.statements[1:-1]:
+        for s in t.statements:
+            if _verb(s.sql) in ("BEGIN", "COMMIT", "ROLLBACK"):
+                continue
             words = re.findall(r"\b(INSERT INTO \w+|UPDATE \w+|SELECT pg_notify|FROM \w+)\b",
                                s.sql)
             parts.append(words[0] if words else s.sql.split()[0])
