@@ -79,6 +79,12 @@ class Settings(BaseSettings):
     # a lease this long written in that same transaction (0: leave it all to the relay). If the
     # ledger dies before publishing, the relay publishes it once the lease has run out.
     direct_publish_lease_s: float = Field(default=10.0, ge=0)
+    # How long the ledger waits, after JetStream has a directly published command, for the
+    # command's claim before it marks the row published. A claim granted meanwhile (by this
+    # ledger) consumed the row, so the mark would change nothing and is not written: at
+    # moderate load that is one write, often one transaction and WAL flush, less per operation.
+    # Must stay well below the lease; 0 marks at once.
+    direct_publish_mark_linger_s: float = Field(default=0.5, ge=0)
     sweep_after_s: float = 60.0
     sweep_interval_s: float = 5.0
     reconcile_sweep_after_s: float = 900.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -10,7 +11,7 @@ import sqlalchemy as sa
 from effectledger_bus.testing import FakeJetStream
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import DEMO_CATALOG
-from effectledger_core.messages import SubmitIntent
+from effectledger_core.messages import ClaimAttempt, ClaimStatus, SubmitIntent
 from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.outbox import lease_batch_txn
 from effectledger_ledger.db.schema import outbox
@@ -28,10 +29,10 @@ async def outbox_rows(store: Store) -> list[dict[str, Any]]:
         return [dict(r) for r in (await conn.execute(sa.select(outbox))).mappings()]
 
 
-def service(store: Store, js: FakeJetStream) -> LedgerService:
+def service(store: Store, js: FakeJetStream, *, mark_linger_s: float = 0.0) -> LedgerService:
     svc = LedgerService(store=store, catalog=CATALOG, subjects=SUBJECTS, clock=lambda: NOW)
     svc.publisher = DirectPublisher(js, svc.writes, store, svc.outbox_wake,  # type: ignore[arg-type]
-                                    clock=lambda: NOW)
+                                    mark_linger_s=mark_linger_s, clock=lambda: NOW)
     return svc
 
 
@@ -56,7 +57,7 @@ async def test_a_new_intent_is_published_at_once_and_marked(store: Store) -> Non
 async def test_while_leased_no_relay_takes_the_row(store: Store) -> None:
     js = FakeJetStream()
     svc = service(store, js)
-    svc.publisher.submit = lambda item: None  # type: ignore[method-assign, union-attr]
+    svc.publisher.submit = lambda item, **_: None  # type: ignore[method-assign, union-attr]
     try:
         await svc.submit(SubmitIntent(tool="create_ticket", arguments={"t": 2}))
     finally:
@@ -82,3 +83,44 @@ async def test_a_failed_publish_is_handed_to_the_relay_at_once(store: Store) -> 
     assert svc.outbox_wake.is_set()
     [item] = await store.run(lease_batch_txn, now=NOW, limit=10, lease_s=30)
     assert item.id == row["id"]
+
+
+async def test_a_claim_granted_before_the_mark_is_due_spares_the_mark(store: Store) -> None:
+    """The claim consumed the row; marking it published would change nothing, so it is not
+    written. The publisher's wait for the claim ends when the claim is in, not at its linger
+    (an hour here: the drain below would time out)."""
+    js = FakeJetStream()
+    svc = service(store, js, mark_linger_s=3600)
+    publisher = svc.publisher
+    assert publisher is not None
+    try:
+        sub = await svc.submit(SubmitIntent(tool="create_ticket", arguments={"t": 4}))
+        op = sub.operation
+        reply = await svc.claim(ClaimAttempt(
+            operation_id=op["id"], epoch=1, attempt_id="a1", dispatcher_id="d1",
+            tool=op["tool"], arguments_digest=op["arguments_digest"]))
+        assert reply.status is ClaimStatus.GRANTED
+        async with asyncio.timeout(10):
+            await publisher.drain()
+    finally:
+        await svc.close()
+    [row] = await outbox_rows(store)
+    assert (row["status"], row["stream_seq"]) == ("consumed", None)  # never marked
+    assert (publisher.published, publisher.marks_skipped) == (1, 1)
+    assert not publisher._commands and not publisher._claimed and not publisher._operation_of
+
+
+async def test_a_command_nobody_claims_is_marked_once_the_linger_is_over(store: Store) -> None:
+    js = FakeJetStream()
+    svc = service(store, js, mark_linger_s=0.05)
+    publisher = svc.publisher
+    assert publisher is not None
+    try:
+        await svc.submit(SubmitIntent(tool="create_ticket", arguments={"t": 5}))
+        await publisher.drain()
+    finally:
+        await svc.close()
+    [row] = await outbox_rows(store)
+    assert (row["status"], row["stream_seq"]) == ("published", 1)
+    assert (publisher.published, publisher.marks_skipped) == (1, 0)
+    assert not publisher._commands and not publisher._claimed and not publisher._operation_of

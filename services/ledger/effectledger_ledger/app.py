@@ -127,7 +127,10 @@ class NatsPlane:
         self.requests = await serve_requests(self.nc, settings, service)
         if settings.direct_publish_lease_s > 0:
             service.direct_lease_s = settings.direct_publish_lease_s
-            service.publisher = DirectPublisher(js, service.writes, store, service.outbox_wake)
+            service.publisher = DirectPublisher(
+                js, service.writes, store, service.outbox_wake,
+                mark_linger_s=min(settings.direct_publish_mark_linger_s,
+                                  settings.direct_publish_lease_s / 4))
         relay = Relay(store, js, service.outbox_wake, batch_size=settings.relay_batch_size,
                       lease_s=settings.relay_lease_s,
                       poll_interval_s=settings.relay_poll_interval_s)

@@ -133,10 +133,17 @@ class DirectPublisher:
 
     def __init__(self, js: JetStreamContext, writes: GroupCommit, store: Store, wake: asyncio.Event,
                  *, publish_timeout_s: float = 5.0, max_batch: int = 256,
-                 clock: Clock = utcnow) -> None:
+                 mark_linger_s: float = 0.0, clock: Clock = utcnow) -> None:
         self.js, self.writes, self.store, self.wake = js, writes, store, wake
         self.publish_timeout_s, self.max_batch, self.clock = publish_timeout_s, max_batch, clock
+        self.mark_linger_s = mark_linger_s
         self.published = 0
+        self.marks_skipped = 0  # rows a granted claim had consumed before their mark was due
+        # A submitted command's (operation id, epoch) -> its outbox id, and the outbox ids a
+        # claim granted here has consumed (see `consumed`); both kept only until its settle.
+        self._commands: dict[tuple[str, int], str] = {}
+        self._operation_of: dict[str, tuple[str, int]] = {}
+        self._claimed: dict[str, asyncio.Future[None]] = {}
         self._queue: asyncio.Queue[OutboxItem] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
         self._worker: asyncio.Task[None] | None = None
@@ -144,12 +151,26 @@ class DirectPublisher:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def submit(self, item: OutboxItem) -> None:
+    def submit(self, item: OutboxItem, *, operation: tuple[str, int] | None = None) -> None:
+        """Publish `item`; `operation` (its operation id and epoch) lets a claim granted for
+        it spare its mark (see `consumed`)."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._work(), name="direct-publisher")
         self._outstanding += 1
         self._idle.clear()
+        if operation is not None and self.mark_linger_s > 0:
+            self._commands[operation] = item.id
+            self._operation_of[item.id] = operation
+            self._claimed[item.id] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(item)
+
+    def consumed(self, operation_id: str, epoch: int) -> None:
+        """A claim for this operation and epoch was granted and committed: it marked the
+        epoch's dispatch command consumed, so marking it published would change nothing."""
+        outbox_id = self._commands.pop((operation_id, epoch), None)
+        waiter = self._claimed.get(outbox_id) if outbox_id is not None else None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def drain(self) -> None:
         """Wait until everything submitted so far is published and marked (or handed back)."""
@@ -176,24 +197,48 @@ class DirectPublisher:
         failed = [i.id for i, r in zip(items, results, strict=True)
                   if isinstance(r, BaseException)]
         try:
-            if seqs:
-                await self.writes.call(MarkPublished(list(seqs), now=self.clock(), seqs=seqs))
-                self.published += len(seqs)
-                _count_published(items, set(seqs), "direct")
-            if failed:
+            if failed:  # first: the relay should not wait for the marks' linger
                 metrics.child(metrics.RELAY_PUBLISH_FAILURES, "direct").inc(len(failed))
                 log.warning("direct publish: %d failed (%r); handed to the relay", len(failed),
                             next(r for r in results if isinstance(r, BaseException)))
                 await self.store.run(release_txn, failed, now=self.clock(),
                                      error="direct publish failed", retry_after_s=0.0)
                 self.wake.set()
+            if seqs:
+                self.published += len(seqs)
+                _count_published(items, set(seqs), "direct")
+                unclaimed = await self._unclaimed(seqs)
+                if unclaimed:
+                    await self.writes.call(MarkPublished(list(unclaimed), now=self.clock(),
+                                                         seqs=unclaimed))
         except Exception:
             # Unmarked rows keep their lease; the relay takes them over when it runs out.
             log.exception("direct publish: could not record %d publishes", len(items))
         finally:
+            for item in items:
+                self._claimed.pop(item.id, None)
+                operation = self._operation_of.pop(item.id, None)
+                if operation is not None and self._commands.get(operation) == item.id:
+                    del self._commands[operation]
             self._outstanding -= len(items)
             if self._outstanding == 0:
                 self._idle.set()
+
+    async def _unclaimed(self, seqs: dict[str, int]) -> dict[str, int]:
+        """The published rows still to mark: waits up to `mark_linger_s` for their claims and
+        leaves out the rows a granted claim consumed meanwhile. Not a pause: the wait ends as
+        soon as every claim is in, and rows without a waiter are marked at once."""
+        waiters = [w for w in (self._claimed.get(i) for i in seqs) if w is not None]
+        if waiters and not all(w.done() for w in waiters):
+            await asyncio.wait(waiters, timeout=self.mark_linger_s)
+        out = {}
+        for outbox_id, seq in seqs.items():
+            waiter = self._claimed.get(outbox_id)
+            if waiter is not None and waiter.done():
+                self.marks_skipped += 1
+            else:
+                out[outbox_id] = seq
+        return out
 
     async def close(self, grace_s: float = 5.0) -> None:
         # Finish what is in hand; anything left keeps its lease and goes to the relay later.

@@ -155,7 +155,8 @@ class LedgerService:
             if result.created:
                 crash_point("ledger.after_intent_commit")
                 if result.command is not None and self.publisher is not None:
-                    self.publisher.submit(result.command)
+                    self.publisher.submit(result.command, operation=(
+                        result.operation["id"], result.operation["epoch"]))
                 else:
                     self.outbox_wake.set()
             return result
@@ -197,6 +198,8 @@ class LedgerService:
                 metrics.child(metrics.CLAIMS, reply.status.value).inc()
                 if reply.status is ClaimStatus.GRANTED:
                     self.waiters.changed(claim.operation_id, State.IN_FLIGHT)
+                    if self.publisher is not None:
+                        self.publisher.consumed(claim.operation_id, claim.epoch)
                 return reply
             except IntegrityError:
                 continue  # a concurrent claim for this epoch won; re-read answers "already"
