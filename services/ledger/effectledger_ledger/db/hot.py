@@ -317,7 +317,7 @@ async def finish(conn: AsyncConnection, tail: sa.Executable | None = None) -> No
         await _send(conn, taken, begin=False)
 
 
-def flush_before_sqlalchemy(conn: sa.Connection, *_args: Any) -> None:
+def flush_before_sqlalchemy(conn: sa.Connection, *_event: Any) -> None:
     """SQLAlchemy's `before_cursor_execute`: a statement sent through SQLAlchemy's own execute
     (a read, a write whose row count is checked) first sends the writes that wait, so it sees
     them and runs after them, as written. It runs in SQLAlchemy's greenlet, hence `await_`;
