@@ -307,7 +307,14 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def run_loop(main: Coroutine[Any, Any, None]) -> None:
-    """Run a service on uvloop when it is installed (EFFECTLEDGER_EVENT_LOOP=asyncio opts out)."""
+    """Run a service on uvloop when it is installed (EFFECTLEDGER_EVENT_LOOP=asyncio opts out).
+
+    What the imports made lives as long as the process: it is frozen out of the garbage
+    collector's full passes first (`effectledger_core.heap`).
+    """
+    from effectledger_core.heap import freeze_long_lived
+
+    freeze_long_lived()
     if os.environ.get("EFFECTLEDGER_EVENT_LOOP", "uvloop").strip().lower() != "asyncio":
         try:
             import uvloop

@@ -18,6 +18,7 @@ from effectledger_bus.rpc import RequestServer
 from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
+from effectledger_core.heap import freeze_long_lived
 from effectledger_core.quotas import QuotaLimits
 from effectledger_obs.logs import announce
 
@@ -187,6 +188,7 @@ async def _announce(server: uvicorn.Server, settings: Settings, plane: asyncio.T
     log.info("ledger listening on %s", url)
     announce(f"ledger listening: {url}")
     await plane
+    freeze_long_lived(collect=False)  # what start-up made lives as long as the process
     announce(f"ledger ready: {url}")
     if started is not None:
         started.set()

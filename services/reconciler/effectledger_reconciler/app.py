@@ -21,6 +21,7 @@ from effectledger_bus.streams import ensure_streams
 from effectledger_core import unsafe
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
+from effectledger_core.heap import freeze_long_lived
 from effectledger_obs.logs import announce
 from effectledger_providers.adapters import load_adapter
 from effectledger_providers.calls import make_client
@@ -133,6 +134,7 @@ async def _announce(settings: Settings, listening: asyncio.Event,
     await listening.wait()
     await nats_side
     url = f"http://{settings.reconciler_host}:{settings.reconciler_port}"
+    freeze_long_lived(collect=False)  # what start-up made lives as long as the process
     announce(f"reconciler ready: {url} ({settings.reconciler_id})")
     if started is not None:
         started.set()
