@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from collections.abc import Iterator
 
@@ -38,3 +39,25 @@ def test_a_service_loop_starts_with_its_imports_frozen() -> None:
 
     run_loop(service())
     assert seen and seen[0] > 1000
+
+
+async def test_a_growing_process_freezes_what_survives_each_full_collection() -> None:
+    from effectledger_core.heap import freeze_survivors_of_full_collections
+
+    before = list(gc.callbacks)
+    freeze_survivors_of_full_collections()
+    try:
+        assert gc.get_freeze_count() == 0
+        gc.collect(1)  # not a full collection: nothing is scheduled
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = loop.create_future()
+        loop.call_soon(turn.set_result, None)  # runs after anything scheduled before it
+        await turn
+        assert gc.get_freeze_count() == 0
+        gc.collect()  # a full one: its survivors are frozen on the loop's next turn
+        turn = loop.create_future()
+        loop.call_soon(turn.set_result, None)
+        await turn
+        assert gc.get_freeze_count() > 1000
+    finally:
+        gc.callbacks[:] = before

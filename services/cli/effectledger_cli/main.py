@@ -274,7 +274,14 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(f"effectledger sandbox: {exc}", file=sys.stderr)
             return 2
         app = sandbox_app(api_key=args.api_key or None, **hooks)
-        run_loop(serve_sandbox(args.host, args.port, app=app))
+
+        async def sandbox() -> None:
+            from effectledger_core.heap import freeze_survivors_of_full_collections
+
+            freeze_survivors_of_full_collections()  # it keeps every effect: see there
+            await serve_sandbox(args.host, args.port, app=app)
+
+        run_loop(sandbox())
         return 0
     settings = _settings(args)
     _logging_or_exit(settings, cmd)
