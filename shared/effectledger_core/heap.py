@@ -13,7 +13,9 @@ since. Nothing is disabled: cycles made while serving are collected as before.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Callable
 
 
 def freeze_long_lived(*, collect: bool = True) -> int:
@@ -28,23 +30,22 @@ def freeze_long_lived(*, collect: bool = True) -> int:
     return gc.get_freeze_count()
 
 
-def freeze_survivors_of_full_collections() -> None:
+def freeze_survivors_of_full_collections(schedule: Callable[[Callable[[], None]], object]
+                                         ) -> None:
     """After every full collection, freeze what survived it (for a process whose state only
     grows: the sandbox keeps every effect it applied, for the effects check).
 
     Such a process's full collections walk its whole, ever larger state: the sandbox's grew from
     30 to 73 ms within one quick benchmark, and a provider that stalls is every client's latency
     tail. What survived a full collection is live, and the sandbox keeps it; frozen, it is not
-    walked again. The freeze is scheduled on the running event loop, not done inside the
-    collector's callback. Objects freed later by reference counting are freed as usual; only
-    a cycle made of frozen objects would stay (the sandbox's state holds none).
+    walked again. The freeze is handed to `schedule` (the event loop's `call_soon_threadsafe`),
+    not done inside the collector's callback. Objects freed later by reference counting are
+    freed as usual; only a cycle made of frozen objects would stay (the sandbox's state holds
+    none).
     """
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-
     def after(phase: str, info: dict[str, int]) -> None:
-        if phase == "stop" and info.get("generation") == 2 and not loop.is_closed():
-            loop.call_soon_threadsafe(gc.freeze)
+        if phase == "stop" and info.get("generation") == 2:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: nothing to do
+                schedule(gc.freeze)
 
     gc.callbacks.append(after)

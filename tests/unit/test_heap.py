@@ -45,11 +45,11 @@ async def test_a_growing_process_freezes_what_survives_each_full_collection() ->
     from effectledger_core.heap import freeze_survivors_of_full_collections
 
     before = list(gc.callbacks)
-    freeze_survivors_of_full_collections()
+    loop = asyncio.get_running_loop()
+    freeze_survivors_of_full_collections(loop.call_soon_threadsafe)
     try:
         assert gc.get_freeze_count() == 0
         gc.collect(1)  # not a full collection: nothing is scheduled
-        loop = asyncio.get_running_loop()
         turn: asyncio.Future[None] = loop.create_future()
         loop.call_soon(turn.set_result, None)  # runs after anything scheduled before it
         await turn

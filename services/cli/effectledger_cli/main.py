@@ -278,7 +278,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         async def sandbox() -> None:
             from effectledger_core.heap import freeze_survivors_of_full_collections
 
-            freeze_survivors_of_full_collections()  # it keeps every effect: see there
+            # It keeps every effect: see there.
+            freeze_survivors_of_full_collections(asyncio.get_running_loop().call_soon_threadsafe)
             await serve_sandbox(args.host, args.port, app=app)
 
         run_loop(sandbox())
