@@ -139,8 +139,9 @@ class DirectPublisher:
         self.mark_linger_s = mark_linger_s
         self.published = 0
         self.marks_skipped = 0  # rows a granted claim had consumed before their mark was due
-        # A submitted command's (operation id, epoch) -> its outbox id, and the outbox ids a
-        # claim granted here has consumed (see `consumed`); both kept only until its settle.
+        # A submitted command's (operation id, epoch) -> its outbox id, the reverse, and per
+        # outbox id a future a claim granted here completes (see `consumed`); all three kept
+        # only until the command's settle.
         self._commands: dict[tuple[str, int], str] = {}
         self._operation_of: dict[str, tuple[str, int]] = {}
         self._claimed: dict[str, asyncio.Future[None]] = {}

@@ -161,12 +161,12 @@ async def execute_rows(conn: AsyncConnection, stmt: sa.Executable, rows: Rows) -
         pending.append(_Write(_rows_sql(c.sql, len(c.names), len(rows)), args, table, insert))
         return
     await flush(conn)
+    if len(rows) == 1:
+        await _send(conn, (c.sql, _args(c, rows[0])))
+        return
     adapter, driver = await _driver(conn)
     try:
-        if len(rows) == 1:
-            await driver.execute(c.sql, *_args(c, rows[0]))
-        else:
-            await driver.executemany(c.sql, [_args(c, r) for r in rows])
+        await driver.executemany(c.sql, [_args(c, r) for r in rows])
     except Exception as exc:
         raise await _translated(conn, adapter, exc, c.sql) from exc
 
@@ -298,7 +298,8 @@ async def _send(conn: AsyncConnection, taken: tuple[str, tuple[Any, ...]], *,
 
 async def finish(conn: AsyncConnection, tail: sa.Executable | None = None) -> None:
     """Before the commit: send what waits, with `tail` (a statement run for its side effect,
-    the NOTIFY) as the last part of the same statement, and stop deferring.
+    the NOTIFY) as the last part of the same statement (`Store.transaction` then stops
+    deferring, with `discard_writes`, whether or not this raised).
 
     When nothing else has been sent in this transaction, no BEGIN is sent either: the one
     statement is a transaction of its own, and SQLAlchemy's COMMIT finds nothing to commit.
@@ -312,7 +313,6 @@ async def finish(conn: AsyncConnection, tail: sa.Executable | None = None) -> No
         c = _compiled(tail, conn.dialect, ())
         end = (c.sql, _args(c, {}))
     taken = _take(conn, end)
-    conn.info.pop(_PENDING, None)
     if taken is not None:
         await _send(conn, taken, begin=False)
 
