@@ -247,3 +247,64 @@ $3 = '{op}'
     assert txns[0].text.startswith("SELECT") and f"'{op}'" in txns[1].text
     script = pgbench_script(txns, _ids)
     assert "BEGIN" not in script and script.count("INSERT INTO journal") == 1
+
+
+def test_wakeups_count_every_thread_that_slept() -> None:
+    """A thread of ours that blocks and is woken five times adds at least five wake-ups."""
+    import os
+    import threading
+
+    from effectledger_bench.procs import sample, self_wakeups
+
+    before = sample(os.getpid())
+    own = self_wakeups()
+    go, done = threading.Event(), threading.Event()
+
+    def sleeper() -> None:
+        for _ in range(5):
+            go.wait()  # blocks in the kernel: one voluntary switch per wait that sleeps
+            go.clear()
+            done.set()
+
+    t = threading.Thread(target=sleeper)
+    t.start()
+    for _ in range(5):
+        go.set()
+        done.wait(5)
+        done.clear()
+    t.join(5)
+    after = sample(os.getpid())
+    assert before is not None and after is not None
+    # The thread has exited, so its own count went with it; the main thread blocked in
+    # done.wait (or join) at least once per round.
+    assert after.wakeups - before.wakeups >= 5
+    assert self_wakeups() - own >= 5
+
+
+def test_wakeup_probe_reports_each_rate_in_a_fresh_process() -> None:
+    from effectledger_bench import wakeprobe
+
+    found = wakeprobe.measure((400, 200))
+    assert set(found["rates"]) == {"400", "200"}
+    assert found["work_us_hot"] > 0
+    for row in found["rates"].values():
+        # Every message was handled, each costing at least the work itself
+        assert row["cpu_us_per_message"] >= found["work_us_hot"] * 0.5
+        assert 0 < row["wakeups_per_message"] <= 3
+
+
+def test_report_puts_wakeups_beside_the_probe(tmp_path: Path) -> None:
+    phase = {"scenario": "max", "params": {}, "ops_per_s": 400.0, "system_cpu_ms_per_op": 3.0,
+             "cpu_ms_per_op": {"ledger": 1.0},
+             "wakeups_per_op": {"ledger": 0.8, "nats": 5.4, "loadgen": 0.3}}
+    half = {**phase, "scenario": "half", "wakeups_per_op": {"ledger": 5.7, "nats": 27.4}}
+    probe = {"work_us_hot": 20.0, "rates": {
+        "150": {"cpu_us_per_message": 124.6, "wakeups_per_message": 1.01},
+        "20000": {"cpu_us_per_message": 31.1, "wakeups_per_message": 0.29}}}
+    text = render({"phases": [phase, half], "wakeup_cost": probe}, tmp_path)
+    assert "| max | 1 | 0.8 | n/a | n/a | 5.4 | n/a | 0.3 |" in text
+    assert "| half | 1 | 5.7 | n/a | n/a | 27.4 | n/a | n/a |" in text
+    # Fastest rate first; the last column is the cost over the tight loop's
+    assert text.index("| 20,000 | 31.1 | 0.29 | 1.6 |") < text.index("| 150 | 124.6 | 1.01 | 6.2 |")
+    failed = render({"phases": [phase], "wakeup_cost": {"error": "no fork"}}, tmp_path)
+    assert "Wake-up probe failed: no fork" in failed

@@ -4,6 +4,10 @@
   descendants' times plus the `cutime`/`cstime` that exited children left in their parent
   (the postmaster reaps its backends), so a backend that ended during a phase still counts.
 - memory: `/proc/<pid>/status` VmRSS (now) and VmHWM (the peak resident set).
+- wake-ups: the voluntary context switches of every thread (`/proc/<pid>/task/*/status`), i.e.
+  how often the process went to sleep waiting for something and had to be woken again. On a
+  virtual machine each wake-up of an idle process costs CPU of its own (`wakeprobe`), which is
+  why a process that handles messages one at a time pays more per message than a busy one.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ class CpuSample:
     rss_bytes: int
     hwm_bytes: int
     sys_s: float = 0.0  # the kernel's share of cpu_s (syscalls: sockets, fsync, ...)
+    wakeups: int = 0  # voluntary context switches, all threads (and, for a tree, live processes)
 
 
 def _stat(pid: int) -> tuple[int, list[str]] | None:
@@ -55,6 +60,22 @@ def _status(pid: int) -> tuple[int, int]:
     return rss, hwm
 
 
+def _wakeups(pid: int) -> int:
+    """Voluntary context switches summed over the process's threads (0 if it is gone).
+
+    A thread that exited takes its count with it; the services' threads live as long as they do.
+    """
+    total = 0
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        total += int(line.split()[1])
+                        break
+    return total
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
@@ -76,6 +97,7 @@ def sample(pid: int, *, tree: bool = False) -> CpuSample | None:
         return None
     cpu, sys_s = _times(st[1], children=tree)
     rss, hwm = _status(pid)
+    wakeups = _wakeups(pid)
     if tree:
         for child in _descendants(pid):
             cst = _stat(child)
@@ -84,12 +106,18 @@ def sample(pid: int, *, tree: bool = False) -> CpuSample | None:
                 cpu += c_cpu
                 sys_s += c_sys
                 rss += _status(child)[0]
-    return CpuSample(cpu, rss, hwm, sys_s)
+                wakeups += _wakeups(child)
+    return CpuSample(cpu, rss, hwm, sys_s, wakeups)
 
 
 def self_cpu() -> float:
     t = os.times()
     return t.user + t.system
+
+
+def self_wakeups() -> int:
+    """This process's wake-ups (the load generator's, counted like the services')."""
+    return _wakeups(os.getpid())
 
 
 def machine() -> dict[str, object]:

@@ -80,6 +80,14 @@ COST: list[tuple[str, str, int]] = [
     ("xact_commit/op", "pg.xact_commit_per_op", 2),
     ("WAL bytes/op", "pg.wal_bytes_per_op", 0),
 ]
+WAKEUPS: list[tuple[str, str, int]] = [
+    ("ledger", "wakeups_per_op.ledger", 1),
+    ("dispatchers", "wakeups_per_op.dispatcher", 1),
+    ("postgres", "wakeups_per_op.postgres", 1),
+    ("nats", "wakeups_per_op.nats", 1),
+    ("sandbox", "wakeups_per_op.sandbox", 1),
+    ("loadgen", "wakeups_per_op.loadgen", 1),
+]
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:
@@ -297,6 +305,34 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+def wakeup_section(phases: list[Phase], probe: dict[str, Any] | None) -> list[str]:
+    """Wake-ups per operation by process, beside what one wake-up costs on this machine."""
+    if not any("wakeups_per_op" in p for p in phases):
+        return []
+    parts = ["Wake-ups per operation by process (voluntary context switches, all threads; "
+             "for PostgreSQL its live processes): how often a process went to sleep waiting and "
+             "had to be woken. A busy process finds its next message waiting; one that handles "
+             "messages as they come sleeps and wakes for each.", "",
+             multi_table(phases, ("max", "half", "failure_mix"), WAKEUPS), ""]
+    rates = (probe or {}).get("rates")
+    if rates:
+        hot = probe.get("work_us_hot") if probe else None
+        rows = [[f"{int(r):,}", fmt(v.get("cpu_us_per_message"), 1),
+                 fmt(v.get("wakeups_per_message"), 2),
+                 fmt(v["cpu_us_per_message"] / hot, 1) if hot else "n/a"]
+                for r, v in sorted(rates.items(), key=lambda kv: -int(kv[0]))]
+        parts += [f"What a wake-up costs on this machine (`python -m effectledger_bench.wakeprobe`"
+                  f", before the run): an event loop handling one-byte messages another process "
+                  f"writes at a fixed rate, each with the same {fmt(hot, 1)} µs of work (its cost "
+                  f"in a tight loop). The work does not change with the rate; what it costs "
+                  f"does.", "",
+                  table(rows, ["messages/s", "CPU µs/message", "wake-ups/message",
+                               "÷ tight loop"]), ""]
+    elif probe and probe.get("error"):
+        parts += [f"Wake-up probe failed: {probe['error']}", ""]
+    return parts
+
+
 def render(results: dict[str, Any], out_dir: Path) -> str:
     phases = results.get("phases", [])
     mach = results.get("machine", {})
@@ -349,6 +385,7 @@ def render(results: dict[str, Any], out_dir: Path) -> str:
               "bytes per operation (pg_waldump / pg_current_wal_lsn); `xact_commit` from "
               "pg_stat_database (flushed lazily, indicative).", ""]
     parts += [multi_table(phases, ("max", "half", "failure_mix"), COST), ""]
+    parts += wakeup_section(phases, results.get("wakeup_cost"))
     from .obscost import section as observability_section
 
     parts += observability_section(phases)

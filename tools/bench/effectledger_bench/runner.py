@@ -19,7 +19,7 @@ from typing import Any
 import asyncpg
 import httpx
 
-from . import peer_direct, peers
+from . import peer_direct, peers, wakeprobe
 from . import profile as prof
 from .load import LoadGenerator, LoadResult, Progress
 from .measure import (
@@ -31,7 +31,7 @@ from .measure import (
     stage_latencies,
 )
 from .pg import PgCounters, read_counters, wal_commit_records
-from .procs import CpuSample, self_cpu
+from .procs import CpuSample, self_cpu, self_wakeups
 from .sqlcapture import extract, pgbench_script
 from .stack import TOOL, Stack
 
@@ -186,11 +186,13 @@ class Runner:
                     *, rep: int, settle_s: float = 300.0) -> dict[str, Any]:
         log(f"{scenario} {params} (rep {rep + 1})")
         c0, me0, t0 = self.counters(), self_cpu(), time.monotonic()
+        w0 = self_wakeups()
         s0, r0 = self.stack.samples_by_pid(), len(self.stack.retired)
         loads: list[LoadResult] = await body()
         moving = await self.wait_rest(tags, settle_s)
         t1 = time.monotonic()
         s1, me1, c1 = self.stack.samples_by_pid(), self_cpu(), self.counters()
+        w1 = self_wakeups()
         self.remember_peaks({name: smp for (name, _pid), (_k, smp) in s1.items()})
         for ld in loads:
             self.submitted_ids.extend(ld.op_ids)
@@ -200,12 +202,16 @@ class Runner:
         n = max(1, stats["operations"])
         cpu: dict[str, float] = {}
         kernel: dict[str, float] = {}
+        wakeups: dict[str, int] = {}
         ended = [((name, pid), (kind, smp)) for name, pid, kind, smp in self.stack.retired[r0:]]
         for key, (kind, smp) in [*s1.items(), *ended]:
             b = s0[key][1] if key in s0 else None  # started during the phase: count it all
             cpu[kind] = cpu.get(kind, 0.0) + (smp.cpu_s - (b.cpu_s if b else 0.0))
             kernel[kind] = kernel.get(kind, 0.0) + (smp.sys_s - (b.sys_s if b else 0.0))
+            # A PostgreSQL backend that ended during the phase takes its count with it.
+            wakeups[kind] = wakeups.get(kind, 0) + max(0, smp.wakeups - (b.wakeups if b else 0))
         cpu["loadgen"] = me1 - me0
+        wakeups["loadgen"] = w1 - w0
         system = sum(v for k, v in cpu.items()
                      if k in ("ledger", "dispatcher", "nats", "postgres", "reconciler"))
         pg: dict[str, Any] = {}
@@ -224,6 +230,7 @@ class Runner:
             "cpu_ms_per_op": {k: round(1000 * v / n, 3) for k, v in sorted(cpu.items())},
             "system_cpu_ms_per_op": round(1000 * system / n, 3),
             "kernel_share": {k: round(kernel[k] / cpu[k], 2) for k in kernel if cpu.get(k)},
+            "wakeups_per_op": {k: round(v / n, 1) for k, v in sorted(wakeups.items())},
             "rss_mib": {name: round(smp.rss_bytes / 2**20, 1)
                         for (name, _pid), (_k, smp) in s1.items()},
             "pg": pg, "load": [ld.to_json() for ld in loads],
@@ -494,6 +501,10 @@ class Runner:
         self.results["config"] = {k: (str(v) if isinstance(v, Path) else v)
                                   for k, v in asdict(cfg).items()}
         self.results["machine"] = machine()
+        try:  # before anything of ours runs: the machine's own price of a wake-up
+            self.results["wakeup_cost"] = await asyncio.to_thread(wakeprobe.measure)
+        except (RuntimeError, OSError, ValueError) as exc:
+            self.results["wakeup_cost"] = {"error": str(exc)[:300]}
         self.results["started_at"] = time.strftime("%Y-%m-%d %H:%M:%S %Z")
         self.results["git"] = _git()
         log(f"starting PostgreSQL, nats-server, sandbox, ledger, {cfg.dispatchers} dispatcher(s)"
