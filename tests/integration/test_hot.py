@@ -254,3 +254,36 @@ async def test_a_failing_part_of_a_fused_statement_writes_nothing(store: Store) 
         await store.run(clash.one)
     rows = await _as_printed(store)
     assert (len(rows["operations"]), len(rows["journal"]), len(rows["outbox"])) == (1, 1, 1)
+
+
+async def test_an_outcome_dedups_and_locks_in_one_statement(store: Store) -> None:
+    """BEGIN, the inbox INSERT fused with the locking read, the writes, COMMIT; a redelivered
+    message is found a duplicate by that same statement and changes nothing."""
+    _postgres_only(store)
+    await store.run(submit_call(SubmitIntent(tool="create_ticket"), 1).one)
+    await store.run(claim_call("op1", "a1").one)
+    call = OutcomeCall(success("op1", "a1"), consumer="c", message_id="m1", subjects=SUBJECTS,
+                       now=LATER, ambiguous_outbox_id="amb-m1")
+    sent = await _statements(store, [call])
+    assert sent[0] == "BEGIN;" and sent[-1] == "COMMIT;" and len(sent) == 4, sent
+    assert "INSERT INTO inbox" in sent[1] and "FOR UPDATE" in sent[1]
+    assert "UPDATE operations" in sent[2]
+    again = await _statements(store, [call])
+    assert again[0] == "BEGIN;" and len(again) == 3, again  # read, nothing to write, COMMIT
+    async with store.transaction() as conn:
+        state = (await conn.execute(sa.text("SELECT state FROM operations"))).scalar()
+    assert state == "succeeded"
+    [duplicate] = await store.run(OutcomeCall.many, [call])
+    assert duplicate.status == "duplicate"
+
+
+async def test_an_outcome_for_an_unknown_operation_is_rejected_not_dropped(store: Store) -> None:
+    """The fused statement finds no operation to lock: its one row still says the message was
+    new, so the outcome is rejected (and journaled) rather than taken for a duplicate."""
+    _postgres_only(store)
+    call = OutcomeCall(success("nope", "a1"), consumer="c", message_id="m9", subjects=SUBJECTS,
+                       now=LATER, ambiguous_outbox_id="amb-m9")
+    [result] = await store.run(OutcomeCall.many, [call])
+    assert (result.status, result.reason) == ("rejected", "unknown_operation")
+    [again] = await store.run(OutcomeCall.many, [call])
+    assert again.status == "duplicate"

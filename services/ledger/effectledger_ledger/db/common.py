@@ -110,8 +110,7 @@ class LockedOp(NamedTuple):
     arguments_digest: str = ""
 
 
-async def lock_with_attempts(conn: AsyncConnection, op_ids: list[str]
-                             ) -> tuple[dict[str, LockedOp], dict[tuple[str, int], _Attempt]]:
+async def lock_with_attempts(conn: AsyncConnection, op_ids: list[str]) -> Locked:
     """Lock operations (in id order) and read their attempts, in one statement.
 
     Returns the operations by id (id, state, epoch) and their attempts by (operation, epoch)
@@ -119,11 +118,19 @@ async def lock_with_attempts(conn: AsyncConnection, op_ids: list[str]
     attempt locks its operation first, so the attempts cannot change under us either. Locking
     in id order makes concurrent batches queue instead of deadlocking.
     """
-    stmt = _LOCK_WITH_ATTEMPTS[conn.dialect.name]
+    return locked_rows(await hot.fetch(conn, _LOCK_WITH_ATTEMPTS[conn.dialect.name],
+                                       {"ids": op_ids}))
+
+
+def locked_rows(rows: Sequence[Any]) -> Locked:
+    """`lock_with_attempts`'s answer from its rows (a row without an operation is skipped:
+    the outcome inbox's fused form returns one when it locked nothing)."""
     ops: dict[str, LockedOp] = {}
     held: dict[tuple[str, int], _Attempt] = {}
-    for r in await hot.fetch(conn, stmt, {"ids": op_ids}):
+    for r in rows:
         op_id = r["id"]
+        if op_id is None:
+            continue
         ops[op_id] = LockedOp(op_id, r["state"], r["epoch"], r["tool"], r["arguments_digest"])
         if r["attempt_id"] is not None:
             held[(op_id, r["attempt_epoch"])] = _Attempt(
@@ -133,7 +140,7 @@ async def lock_with_attempts(conn: AsyncConnection, op_ids: list[str]
 
 # Hot-path statements are built once: constructing and cache-keying a statement on every call
 # was a visible share of the ledger's CPU.
-def _lock_with_attempts(ids: sa.ColumnElement[bool]) -> sa.Select[Any]:
+def lock_with_attempts_stmt(ids: sa.ColumnElement[bool]) -> sa.Select[Any]:
     return (
         sa.select(operations.c.id, operations.c.state, operations.c.epoch, operations.c.tool,
                   operations.c.arguments_digest, attempts.c.id.label("attempt_id"),
@@ -146,7 +153,7 @@ def _lock_with_attempts(ids: sa.ColumnElement[bool]) -> sa.Select[Any]:
         .with_for_update(of=operations))
 
 
-_LOCK_WITH_ATTEMPTS = {d: _lock_with_attempts(hot.one_of(operations.c.id, "ids", d))
+_LOCK_WITH_ATTEMPTS = {d: lock_with_attempts_stmt(hot.one_of(operations.c.id, "ids", d))
                        for d in hot.DIALECTS}
 
 
@@ -155,3 +162,7 @@ class _Attempt(NamedTuple):
     status: str
     claimed_at: datetime | None
     dispatcher_id: str | None = None  # the claim's holder, compared with an outcome's sender
+
+
+# The locked operations by id, and their attempts by (operation, epoch).
+Locked = tuple[dict[str, LockedOp], dict[tuple[str, int], _Attempt]]

@@ -1,7 +1,8 @@
 """The outcome inbox: dedup by message id, guarded state change and journal, one transaction.
 
 Outcomes are set-based like claims: a group-committed batch of outcomes is deduplicated with
-one INSERT, its operations locked (in id order) with their attempts in one statement, and
+one INSERT, its operations locked (in id order) with their attempts in one statement (on
+PostgreSQL the INSERT and the locking read are one statement together), and
 decided in order against the state the earlier outcomes of the batch left. Changes that only
 touch the operation (a success, a failure without retry) are written together through a
 `transitions.Batch`; the rarer ones that write commands (ambiguous, accepted, retry) go through
@@ -10,7 +11,7 @@ touch the operation (a success, a failure without retry) are written together th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -34,7 +35,16 @@ from effectledger_core.subjects import Subjects
 
 from . import hot
 from .batch import BatchCall
-from .common import LockedOp, append_journal, execute_rows, journal_row, lock_with_attempts
+from .common import (
+    Locked,
+    LockedOp,
+    append_journal,
+    execute_rows,
+    journal_row,
+    lock_with_attempts,
+    lock_with_attempts_stmt,
+    locked_rows,
+)
 from .resolution import RetryDecider, WebhookBinding, settle_from_stored_webhooks
 from .rows import JournalRow, OperationRow, Recorded
 from .schema import UTCDateTime, attempts, dead_letters, inbox, operations
@@ -122,6 +132,20 @@ _INBOX_INSERT_PG = (postgresql.insert(inbox)
                                  sa.select(_INBOX_ROWS))
                     .on_conflict_do_nothing()
                     .returning(inbox.c.consumer, inbox.c.message_id))
+# PostgreSQL: the inbox INSERT and the locking read in one statement (one round trip fewer per
+# outcome transaction). The INSERT is a data-modifying CTE whose new keys come back in every row;
+# the locking read is a LATERAL subquery on the nullable side of a join with one row, so that
+# row comes back (with no operation) even when the batch names no known operation.
+_INSERTED = _INBOX_INSERT_PG.cte("inserted")
+_LOCKED = lock_with_attempts_stmt(hot.one_of(operations.c.id, "ids", "postgresql")
+                                  ).subquery("locked").lateral()
+_ONE = sa.select(sa.literal_column("1").label("one")).subquery("one")
+_INBOX_THEN_LOCK = sa.select(
+    sa.select(sa.func.array_agg(postgresql.array([_INSERTED.c.consumer,
+                                                  _INSERTED.c.message_id])))
+    .scalar_subquery().label("inserted"),
+    *_LOCKED.c,
+).select_from(_ONE.outerjoin(_LOCKED, sa.true()))
 _FULL_ROWS = {d: sa.select(operations).where(hot.one_of(operations.c.id, "ids", d))
               for d in hot.DIALECTS}
 
@@ -132,9 +156,9 @@ class _Op:
     epoch: int
 
 
-async def _dedup(conn: AsyncConnection, items: Sequence[OutcomeCall]
-                 ) -> list[Recorded | None]:
-    """Duplicates (in the inbox already, or earlier in this batch) get their result here."""
+def _firsts(items: Sequence[OutcomeCall]
+            ) -> tuple[list[Recorded | None], dict[tuple[str, str], int]]:
+    """Each message's first occurrence in the batch; a repeat is a duplicate already."""
     results: list[Recorded | None] = [None] * len(items)
     first: dict[tuple[str, str], int] = {}
     for i, it in enumerate(items):
@@ -142,21 +166,47 @@ async def _dedup(conn: AsyncConnection, items: Sequence[OutcomeCall]
             results[i] = Recorded("duplicate")
         else:
             first[(it.consumer, it.message_id)] = i
-    inserted: Sequence[Mapping[Any, Any]]
-    if conn.dialect.name == "postgresql":
-        inserted = await hot.fetch(conn, _INBOX_INSERT_PG, {
-            "consumers": [c for c, _m in first], "message_ids": [m for _c, m in first],
-            "received": [items[i].now for i in first.values()]})
-    else:
-        rows = [dict(consumer=c, message_id=m, received_at=items[i].now)
-                for (c, m), i in first.items()]
-        inserted = (await conn.execute(
-            _INBOX_INSERT, rows[0] if len(rows) == 1 else rows)).mappings().all()
-    new = {(r["consumer"], r["message_id"]) for r in inserted}
+    return results, first
+
+
+def _inbox_rows(items: Sequence[OutcomeCall], first: dict[tuple[str, str], int]
+                ) -> dict[str, Any]:
+    return {"consumers": [c for c, _m in first], "message_ids": [m for _c, m in first],
+            "received": [items[i].now for i in first.values()]}
+
+
+def _mark_duplicates(results: list[Recorded | None], first: dict[tuple[str, str], int],
+                     new: set[tuple[str, str]]) -> None:
     for key, i in first.items():
         if key not in new:
             results[i] = Recorded("duplicate")
+
+
+async def _dedup(conn: AsyncConnection, items: Sequence[OutcomeCall]
+                 ) -> list[Recorded | None]:
+    """Duplicates (in the inbox already, or earlier in this batch) get their result here
+    (SQLite; PostgreSQL's is `_dedup_and_lock`)."""
+    results, first = _firsts(items)
+    rows = [dict(consumer=c, message_id=m, received_at=items[i].now)
+            for (c, m), i in first.items()]
+    inserted = (await conn.execute(
+        _INBOX_INSERT, rows[0] if len(rows) == 1 else rows)).mappings().all()
+    _mark_duplicates(results, first, {(r["consumer"], r["message_id"]) for r in inserted})
     return results
+
+
+async def _dedup_and_lock(conn: AsyncConnection, items: Sequence[OutcomeCall]
+                          ) -> tuple[list[Recorded | None], Locked]:
+    """PostgreSQL: `_dedup` and `lock_with_attempts` in one statement. It locks the operations
+    of every message new to this batch, a duplicate's too (a duplicate in the inbox is rare: a
+    redelivery; locking its operation as well changes nothing but who waits)."""
+    results, first = _firsts(items)
+    params = _inbox_rows(items, first)
+    params["ids"] = sorted({items[i].outcome.operation_id for i in first.values()})
+    rows = await hot.fetch(conn, _INBOX_THEN_LOCK, params)
+    new = {(c, m) for c, m in (rows[0]["inserted"] or ())} if rows else set()
+    _mark_duplicates(results, first, new)
+    return results, locked_rows(rows)
 
 
 class _Decider:
@@ -290,11 +340,16 @@ def _retry_entry(change: Change, decision: RetryDecision) -> JournalRow:
 
 async def _record(conn: AsyncConnection, items: Sequence[OutcomeCall]
                   ) -> list[Recorded | Exception]:
-    results = await _dedup(conn, items)
+    fused = conn.dialect.name == "postgresql"
+    if fused:
+        results, (locked, attempts_by_epoch) = await _dedup_and_lock(conn, items)
+    else:
+        results = await _dedup(conn, items)
     live = [i for i, r in enumerate(results) if r is None]
     if live:
-        op_ids = sorted({items[i].outcome.operation_id for i in live})
-        locked, attempts_by_epoch = await lock_with_attempts(conn, op_ids)
+        if not fused:
+            op_ids = sorted({items[i].outcome.operation_id for i in live})
+            locked, attempts_by_epoch = await lock_with_attempts(conn, op_ids)
         # Whole rows only where a decision needs them (retry policy, commands): the common
         # outcome, a success, does without.
         wanted = sorted({items[i].outcome.operation_id for i in live
