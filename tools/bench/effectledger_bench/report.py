@@ -68,26 +68,24 @@ STAGES: list[tuple[str, str, int]] = [
     ("outcome → recorded p50", "stages_ms.outcome_to_recorded.p50", 1),
     ("p99", "stages_ms.outcome_to_recorded.p99", 1),
 ]
+# The processes measured one by one: column heading, key in a phase's per-process figures.
+PROCESSES = [("ledger", "ledger"), ("dispatchers", "dispatcher"), ("postgres", "postgres"),
+             ("nats", "nats"), ("sandbox", "sandbox"), ("loadgen", "loadgen")]
+
+
+def per_process(figure: str, digits: int) -> list[tuple[str, str, int]]:
+    """One column per process of the phase's `figure` (a dict by process kind)."""
+    return [(heading, f"{figure}.{kind}", digits) for heading, kind in PROCESSES]
+
+
 COST: list[tuple[str, str, int]] = [
     ("system CPU ms/op", "system_cpu_ms_per_op", 2),
-    ("ledger", "cpu_ms_per_op.ledger", 2),
-    ("dispatchers", "cpu_ms_per_op.dispatcher", 2),
-    ("postgres", "cpu_ms_per_op.postgres", 2),
-    ("nats", "cpu_ms_per_op.nats", 2),
-    ("sandbox", "cpu_ms_per_op.sandbox", 2),
-    ("loadgen", "cpu_ms_per_op.loadgen", 2),
+    *per_process("cpu_ms_per_op", 2),
     ("WAL commits/op", "pg.wal_commits_per_op", 2),
     ("xact_commit/op", "pg.xact_commit_per_op", 2),
     ("WAL bytes/op", "pg.wal_bytes_per_op", 0),
 ]
-WAKEUPS: list[tuple[str, str, int]] = [
-    ("ledger", "wakeups_per_op.ledger", 1),
-    ("dispatchers", "wakeups_per_op.dispatcher", 1),
-    ("postgres", "wakeups_per_op.postgres", 1),
-    ("nats", "wakeups_per_op.nats", 1),
-    ("sandbox", "wakeups_per_op.sandbox", 1),
-    ("loadgen", "wakeups_per_op.loadgen", 1),
-]
+WAKEUPS = per_process("wakeups_per_op", 1)
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:
@@ -314,9 +312,10 @@ def wakeup_section(phases: list[Phase], probe: dict[str, Any] | None) -> list[st
              "had to be woken. A busy process finds its next message waiting; one that handles "
              "messages as they come sleeps and wakes for each.", "",
              multi_table(phases, ("max", "half", "failure_mix"), WAKEUPS), ""]
-    rates = (probe or {}).get("rates")
+    probe = probe or {}
+    rates = probe.get("rates")
     if rates:
-        hot = probe.get("work_us_hot") if probe else None
+        hot = probe.get("work_us_hot")
         rows = [[f"{int(r):,}", fmt(v.get("cpu_us_per_message"), 1),
                  fmt(v.get("wakeups_per_message"), 2),
                  fmt(v["cpu_us_per_message"] / hot, 1) if hot else "n/a"]
@@ -328,7 +327,7 @@ def wakeup_section(phases: list[Phase], probe: dict[str, Any] | None) -> list[st
                   f"does.", "",
                   table(rows, ["messages/s", "CPU µs/message", "wake-ups/message",
                                "÷ tight loop"]), ""]
-    elif probe and probe.get("error"):
+    elif probe.get("error"):
         parts += [f"Wake-up probe failed: {probe['error']}", ""]
     return parts
 

@@ -5,10 +5,10 @@ A process that sleeps until its next message and is then woken pays for the wake
 cost is charged to it as CPU time. A busy process finds its next message already waiting and
 pays nothing of the kind. The probe is the services' situation with nothing else in it: an
 event loop (uvloop, as the services run) reading one-byte messages that another process writes
-to a socket at a fixed rate, doing nothing with them. It reports the reader's CPU time per
-message at each rate; the benchmark puts it in the report beside each service's wake-ups per
-operation (`procs`), which is where the difference between the cost per operation at half rate
-and at saturation comes from.
+to a socket at a fixed rate, doing the same small piece of work for each. It reports the
+reader's CPU time per message at each rate; the benchmark puts it in the report beside each
+service's wake-ups per operation (`procs`), which is where the difference between the cost per
+operation at half rate and at saturation comes from.
 
     python -m effectledger_bench.wakeprobe [RATE ...]   # one line per rate
 """
@@ -43,7 +43,7 @@ def _write_at(sock: socket.socket, rate: float, n: int) -> None:
 
 
 # A message's worth of work, the same at every rate: decode, hash and re-encode a document
-# the size of a dispatch command (about 40 µs on an idle 2-core EPYC).
+# the size of a dispatch command (about 20 µs on the 2-core Xeon VM the benchmark ran on).
 _DOC = json.dumps({"operation_id": "0" * 32, "tool": "sandbox.effect", "epoch": 1,
                    "arguments": {f"k{i}": "v" * 24 for i in range(40)}})
 

@@ -182,31 +182,30 @@ def _mark_duplicates(results: list[Recorded | None], first: dict[tuple[str, str]
             results[i] = Recorded("duplicate")
 
 
-async def _dedup(conn: AsyncConnection, items: Sequence[OutcomeCall]
-                 ) -> list[Recorded | None]:
-    """Duplicates (in the inbox already, or earlier in this batch) get their result here
-    (SQLite; PostgreSQL's is `_dedup_and_lock`)."""
-    results, first = _firsts(items)
-    rows = [dict(consumer=c, message_id=m, received_at=items[i].now)
-            for (c, m), i in first.items()]
-    inserted = (await conn.execute(
-        _INBOX_INSERT, rows[0] if len(rows) == 1 else rows)).mappings().all()
-    _mark_duplicates(results, first, {(r["consumer"], r["message_id"]) for r in inserted})
-    return results
-
-
 async def _dedup_and_lock(conn: AsyncConnection, items: Sequence[OutcomeCall]
                           ) -> tuple[list[Recorded | None], Locked]:
-    """PostgreSQL: `_dedup` and `lock_with_attempts` in one statement. It locks the operations
-    of every message new to this batch, a duplicate's too (a duplicate in the inbox is rare: a
-    redelivery; locking its operation as well changes nothing but who waits)."""
+    """Duplicates (in the inbox already, or earlier in this batch) get their result; the
+    operations of the others are locked with their attempts (`lock_with_attempts`).
+
+    On PostgreSQL both are one statement, which locks a duplicate's operation too (a duplicate
+    in the inbox is rare: a redelivery; locking its operation as well changes nothing but who
+    waits). On SQLite they are two, and only new messages' operations are read.
+    """
     results, first = _firsts(items)
-    params = _inbox_rows(items, first)
-    params["ids"] = sorted({items[i].outcome.operation_id for i in first.values()})
-    rows = await hot.fetch(conn, _INBOX_THEN_LOCK, params)
-    new = {(c, m) for c, m in (rows[0]["inserted"] or ())} if rows else set()
-    _mark_duplicates(results, first, new)
-    return results, locked_rows(rows)
+    if conn.dialect.name == "postgresql":
+        params = _inbox_rows(items, first)
+        params["ids"] = sorted({items[i].outcome.operation_id for i in first.values()})
+        rows = await hot.fetch(conn, _INBOX_THEN_LOCK, params)
+        _mark_duplicates(results, first,
+                         {(c, m) for c, m in (rows[0]["inserted"] or ())} if rows else set())
+        return results, locked_rows(rows)
+    inbox_rows = [dict(consumer=c, message_id=m, received_at=items[i].now)
+                  for (c, m), i in first.items()]
+    inserted = (await conn.execute(
+        _INBOX_INSERT, inbox_rows[0] if len(inbox_rows) == 1 else inbox_rows)).mappings().all()
+    _mark_duplicates(results, first, {(r["consumer"], r["message_id"]) for r in inserted})
+    op_ids = sorted({items[i].outcome.operation_id for i, r in enumerate(results) if r is None})
+    return results, (await lock_with_attempts(conn, op_ids) if op_ids else ({}, {}))
 
 
 class _Decider:
@@ -340,16 +339,9 @@ def _retry_entry(change: Change, decision: RetryDecision) -> JournalRow:
 
 async def _record(conn: AsyncConnection, items: Sequence[OutcomeCall]
                   ) -> list[Recorded | Exception]:
-    fused = conn.dialect.name == "postgresql"
-    if fused:
-        results, (locked, attempts_by_epoch) = await _dedup_and_lock(conn, items)
-    else:
-        results = await _dedup(conn, items)
+    results, (locked, attempts_by_epoch) = await _dedup_and_lock(conn, items)
     live = [i for i, r in enumerate(results) if r is None]
     if live:
-        if not fused:
-            op_ids = sorted({items[i].outcome.operation_id for i in live})
-            locked, attempts_by_epoch = await lock_with_attempts(conn, op_ids)
         # Whole rows only where a decision needs them (retry policy, commands): the common
         # outcome, a success, does without.
         wanted = sorted({items[i].outcome.operation_id for i in live
