@@ -101,6 +101,11 @@ class Settings(BaseSettings):
     inbox_ack_wait_s: float = Field(default=30.0, gt=0)
     inbox_retention_s: float = 8 * 86400  # beyond the streams' max age: no redelivery after
     webhook_retention_s: float = 30 * 86400  # webhook ids deduplicated at least this long
+    # Consumed and obsolete outbox rows (their payload is never read again) are deleted this
+    # long after they were written; the journal stays the audit record. 0 keeps them forever.
+    outbox_retention_s: float = Field(default=7 * 86400, ge=0)
+    # How often the janitor purges expired dedup state and outbox rows.
+    janitor_interval_s: float = Field(default=3600.0, gt=0)
     # {"<token>": "<tenant>"} and {"<token>": "<operator name>"}; none set = open API
     agent_tokens: dict[str, str] = Field(default_factory=dict)
     operator_tokens: dict[str, str] = Field(default_factory=dict)

@@ -99,6 +99,8 @@ class OutboxStatus(StrEnum):
 # Rows that may still reach a consumer: what a cancellation makes obsolete.
 OUTBOX_LIVE: frozenset[OutboxStatus] = frozenset(
     {OutboxStatus.PENDING, OutboxStatus.PUBLISHING, OutboxStatus.PUBLISHED})
+# Rows nothing will publish again: what outbox retention may delete (ledger db/retention.py).
+OUTBOX_SETTLED: frozenset[OutboxStatus] = frozenset(OutboxStatus) - OUTBOX_LIVE
 
 
 class AttemptStatus(StrEnum):

@@ -124,6 +124,9 @@ SWEEPER_REPUBLISHED = Counter(
     "effectledger_sweeper_republished_total",
     "Published commands the sweeper sent again because nobody took them (broker message "
     "loss), by kind (dispatch, reconcile).", ["kind"])
+OUTBOX_PURGED = Counter(
+    "effectledger_outbox_purged_total",
+    "Consumed and obsolete outbox rows deleted by the janitor once their retention passed.")
 LOST_OUTCOMES = Counter(
     "effectledger_lost_outcomes_total",
     "Claimed attempts that never reported an outcome, handed to reconciliation as ambiguous.")

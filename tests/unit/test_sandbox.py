@@ -321,7 +321,7 @@ async def test_truth_counts_requests_that_arrived_separately_from_effects_applie
     body = (await client.get("/_truth")).json()
     assert body == {"keys": {"k": {"applied": 1, "requests": 3, "routes": ["idempotent"],
                                    "fencing_tokens": []}},
-                    "total_applied": 2, "total_requests": 4}
+                    "total_applied": 2, "total_requests": 4, "forgotten_keys": 0}
     assert await truth(client, "unknown") == {"applied": 0, "requests": 0, "routes": [],
                                               "fencing_tokens": []}
 
@@ -344,7 +344,7 @@ async def test_reset_clears_effects_truth_faults_and_route_config(
     await client.post("/_config/routes/idempotent", json={"idempotent": False})
     assert (await client.post("/_reset")).json() == {"ok": True}
     assert (await client.get("/_truth")).json() == {"keys": {}, "total_applied": 0,
-                                                    "total_requests": 0}
+                                                    "total_requests": 0, "forgotten_keys": 0}
     assert (await client.get("/_faults")).json()["faults"] == []
     assert sandbox_state(app).is_idempotent("idempotent")
     assert (await client.post(IDEM, json={}, headers={"Idempotency-Key": "k"})).json()["id"] \

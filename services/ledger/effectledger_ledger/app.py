@@ -195,21 +195,41 @@ async def _announce(server: uvicorn.Server, settings: Settings, plane: asyncio.T
 
 
 async def _janitor(store: Store, settings: Settings) -> None:
-    """Drops deduplication state once no redelivery can need it (hourly)."""
-    from effectledger_core.ids import utcnow
-
-    from .db.reviews import purge_expired_txn
-
+    """Drops deduplication state once no redelivery can need it, and settled outbox rows once
+    their retention has passed (every `janitor_interval_s`, hourly by default)."""
     while True:
         try:
-            purged = await store.run(purge_expired_txn, now=utcnow(),
-                                     inbox_retention_s=settings.inbox_retention_s,
-                                     webhook_retention_s=settings.webhook_retention_s)
+            purged = await janitor_pass(store, settings)
             if any(purged.values()):
                 log.info("janitor purged %s", purged)
         except Exception:
             log.exception("janitor failed; will retry")
-        await asyncio.sleep(3600)  # a period, not synchronisation
+        await asyncio.sleep(settings.janitor_interval_s)  # a period, not synchronisation
+
+
+async def janitor_pass(store: Store, settings: Settings, *, batch: int = 1000
+                       ) -> dict[str, int]:
+    """One pass of the janitor; the outbox goes in bounded transactions of `batch` rows."""
+    from effectledger_core.ids import utcnow
+    from effectledger_obs import metrics
+
+    from .db.retention import purge_outbox_txn
+    from .db.reviews import purge_expired_txn
+
+    now = utcnow()
+    purged = await store.run(purge_expired_txn, now=now,
+                             inbox_retention_s=settings.inbox_retention_s,
+                             webhook_retention_s=settings.webhook_retention_s)
+    outbox_rows = 0
+    if settings.outbox_retention_s > 0:
+        while True:
+            n = await store.run(purge_outbox_txn, now=now,
+                                retention_s=settings.outbox_retention_s, limit=batch)
+            outbox_rows += n
+            if n < batch:
+                break
+    metrics.OUTBOX_PURGED.inc(outbox_rows)
+    return {**purged, "outbox": outbox_rows}
 
 
 async def _positions(js: JetStreamContext, settings: Settings

@@ -39,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 
 from .faults import FaultError, Phase, parse_fault
 from .responses import RAW_SEND, DropConnection, SlowBodyResponse
-from .state import Claim, Effect, SandboxState, body_digest
+from .state import MAX_KEYS, Claim, Effect, SandboxState, body_digest
 from .webhooks import SCHEMES, SEND_MODES, WebhookSender, parse_webhook_fault
 
 
@@ -442,15 +442,17 @@ async def _http_error(request: Request, exc: Exception) -> Response:
 def create_app(*, api_key: str | None = None, webhook_secret: str | None = None,
                webhook_url: str | None = None, webhook_routes: Iterable[str] = (),
                webhooks: WebhookSender | None = None, retention_s: float = 86400.0,
-               clock: Callable[[], float] = time.monotonic) -> SandboxApp:
+               clock: Callable[[], float] = time.monotonic,
+               max_keys: int = MAX_KEYS) -> SandboxApp:
     """Build the sandbox app; its state is `app.state.sandbox` (or `sandbox_state(app)`).
 
     `clock` drives the idempotency retention window, readback lag and request log times;
     injected delays always use real time (asyncio.sleep). Webhooks are sent when both
     `webhook_url` and `webhook_secret` are given, for the routes in `webhook_routes` ("*": all)
     and those enabled later; `webhooks` replaces the sender (tests: transport, clock, retries).
+    `max_keys` bounds what it remembers: past it the oldest key's effects are forgotten.
     """
-    state = SandboxState(retention_s=retention_s, clock=clock)
+    state = SandboxState(retention_s=retention_s, clock=clock, max_keys=max_keys)
     hooks = webhooks or WebhookSender(url=webhook_url, secret=webhook_secret,
                                       default_routes=webhook_routes)
     api = _Api(state, api_key, hooks)

@@ -20,6 +20,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from .app import create_app
+from .state import MAX_KEYS
 from .webhooks import check_secret
 
 API_KEY_ENV = "EFFECTLEDGER_SANDBOX_API_KEY"
@@ -111,6 +112,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"bearer token required on /v1 (default: ${API_KEY_ENV})")
     parser.add_argument("--retention-s", type=float, default=86400.0,
                         help="how long idempotency keys are remembered")
+    parser.add_argument("--max-keys", type=int, default=MAX_KEYS,
+                        help="keys remembered before the oldest is forgotten, with its effects "
+                             f"(default {MAX_KEYS:,}): bounds the sandbox's memory")
     add_webhook_arguments(parser)
     args = parser.parse_args(argv)
     try:
@@ -118,7 +122,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    app = create_app(api_key=args.api_key or None, retention_s=args.retention_s, **hooks)
+    if args.max_keys < 1:
+        print(f"error: --max-keys must be at least 1, not {args.max_keys}", file=sys.stderr)
+        return 2
+    app = create_app(api_key=args.api_key or None, retention_s=args.retention_s,
+                     max_keys=args.max_keys, **hooks)
 
     def announce(host: str, port: int) -> None:
         # A parseable line, so scripts using --port 0 can learn the port.

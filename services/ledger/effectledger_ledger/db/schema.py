@@ -145,6 +145,10 @@ outbox = sa.Table(
              postgresql_where=sa.text("status = 'published'"),
              sqlite_where=sa.text("status = 'published'")),
     sa.Index("ix_outbox_operation", "operation_id", "epoch"),
+    # Retention (db/retention.py) finds what it may delete without scanning live rows.
+    sa.Index("ix_outbox_settled", "created_at",
+             postgresql_where=sa.text("status IN ('consumed', 'obsolete')"),
+             sqlite_where=sa.text("status IN ('consumed', 'obsolete')")),
 )
 
 inbox = sa.Table(
