@@ -154,3 +154,18 @@ def test_an_armed_ledger_serving_before_its_crash_point_is_held_to_account() -> 
     # A report from before these moments were recorded: the whole span, as it was measured.
     old = {k: v for k, v in armed.items() if k not in ("armed_listening_at", "died_at")}
     assert availability(history, [old], T0)["unavailable_db_up_s"] == 0
+
+
+def test_with_replicas_a_killed_replica_is_timed_to_its_first_answer_once_back() -> None:
+    """Two replicas; ledger-2 killed at 2 s, listening again at 3 s, first answers at 3.5 s:
+    the clustered report's "back to first ack" is filled (0.5 s), not left empty."""
+    history: list[dict[str, Any]] = []
+    for i, t in enumerate([0.0, 1.0, 4.0, 5.0]):
+        history += [{**line, "ledger": "ledger"} for line in submit(i, t, t + 0.01)]
+    for i, t in enumerate([0.5, 1.5, 3.49, 4.5]):
+        history += [{**line, "ledger": "ledger-2"} for line in submit(100 + i, t, t + 0.01)]
+    records = [{"kind": "ledger_replica_kill", "target": "ledger-2", "started_at": 2.0,
+                "ended_at": 3.0, "restarted_at": 2.5, "listening_at": 3.0}]
+    a = availability(sorted(history, key=lambda h: h["wall"]), records, T0)
+    assert a["resumed_to_first_ack_s"]["n"] == 1
+    assert a["resumed_to_first_ack_s"]["max"] == pytest.approx(0.5, abs=0.001)

@@ -20,7 +20,9 @@ faults (phase-relative times) a run reports:
   ledger from acknowledging intents;
 - `resumed_to_first_ack_s`: for every fault on a single ledger that held attempts, the seconds
   from its end (the process continued, or listening again) to the first of them acknowledged,
-  so the recovery window above hides nothing: its max is reported beside it;
+  so the recovery window above hides nothing: its max is reported beside it. With replicas,
+  for every fault on one of them, the seconds from its end to that replica's first answer
+  (a killed replica holds nothing when it is back: its callers moved on);
 - `ledger_restarts`: for every fault that restarted the ledger, the seconds until the new
   process listened, and whether the broker was down then (the restart inside the long NATS
   outage is part of every schedule that has the outage);
@@ -125,6 +127,7 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
     attempts: dict[tuple[str, int], float] = {}  # (caller process, op) -> invoke time
     sent_to: dict[tuple[str, int], str] = {}  # ... -> the ledger replica it went to
     latencies: list[tuple[float, float]] = []  # (invoke time, seconds to its 2xx)
+    answered_by: list[str] = []  # ... and the ledger replica that gave it, index for index
     for h in history:
         if h.get("f") != "submit":
             continue
@@ -141,6 +144,7 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
         if h["type"] == "ok":
             acks.append(t)
             latencies.append((sent, t - sent))
+            answered_by.append(sent_to.get(key, "ledger"))
         else:
             refused.append((t, sent_to.get(key, "ledger")))
     for sent in attempts.values():  # never answered (the run ended first)
@@ -215,6 +219,16 @@ def availability(history: list[dict[str, Any]], records: list[dict[str, Any]],
             held = [s + d for s, d in latencies if s < hi <= s + d]
             if held:
                 first_acks.append(round(min(held) - hi, 3))
+    else:
+        # A killed replica's callers got an error and moved on, so it holds nothing when it
+        # is back: what tells is its first answer at all once back (a held one or a new one).
+        for name, windows in _down_by_ledger(records, (*_LEDGER_FAULTS,
+                                                       *_REPLICA_FAULTS)).items():
+            for _lo, hi in windows:
+                after = [s + d for (s, d), by in zip(latencies, answered_by, strict=True)
+                         if by == name and s + d >= hi]
+                if after:
+                    first_acks.append(round(min(after) - hi, 3))
     restarts = []
     for r in records:
         if (r["kind"] in (*_LEDGER_FAULTS, *_REPLICA_FAULTS) and _is_ledger(r["target"])

@@ -133,6 +133,9 @@ def run(args: argparse.Namespace) -> int:
                           file=sys.stderr)
             if r["bad_input"].get("ran") and not r["bad_input"]["ok"]:
                 print(f"  bad input: {json.dumps(r['bad_input']['checks'])}", file=sys.stderr)
+            if r.get("faults_never_injected"):
+                print(f"  planned but never injected: {', '.join(r['faults_never_injected'])}",
+                      file=sys.stderr)
             for e in r["process_exits"]["unexpected"][:3]:
                 print(f"  unexpected exit: {e['service']} ({e['exit_code']})", file=sys.stderr)
     return 0 if all(r["ok"] for r in reports) else 1

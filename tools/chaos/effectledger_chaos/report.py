@@ -28,10 +28,23 @@ def build(cfg: ChaosConfig, schedule: Schedule, result: dict[str, Any],
           workdir: Path) -> dict[str, Any]:
     bad = result["bad_input"]
     exits = result["process_exits"]
-    ok = result["ok"] and (not bad.get("ran") or bad["ok"]) and not exits["unexpected"]
-    return {"ok": ok, "invariants_ok": result["ok"], "seed": cfg.seed,
+    never = never_injected(result["faults_injected"])
+    # A full run that never injected a planned kind proved nothing about it: it fails. A CI
+    # run's short workload may leave a kind without a target; it reports, and passes.
+    ok = (result["ok"] and (not bad.get("ran") or bad["ok"]) and not exits["unexpected"]
+          and (cfg.ci or not never))
+    # The result first: its own "ok" is the invariants' alone, and the verdict above must win
+    # (after it, it overrode the verdict, so a failed bad-input batch or an unexpected exit
+    # still exited 0).
+    return {**result, "ok": ok, "invariants_ok": result["ok"], "seed": cfg.seed,
+            "faults_never_injected": never,
             "config": cfg.to_json(), "workdir": str(workdir),
-            "summary": summary_rows(result), **result, "schedule": schedule.to_json()}
+            "summary": summary_rows(result), "schedule": schedule.to_json()}
+
+
+def never_injected(faults: dict[str, Any]) -> list[str]:
+    """Fault kinds planned at least once and injected never."""
+    return sorted(k for k, v in faults.items() if v["planned"] > 0 and v["injected"] == 0)
 
 
 def summary_rows(result: dict[str, Any]) -> dict[str, Any]:
@@ -106,6 +119,8 @@ def table(reports: list[dict[str, Any]]) -> str:
             t = r["metrics"].get("time_to_rest_by_fault_s", {}).get(kind, {})
             vals.append(f"{_num(t.get('p50'))}/{_num(t.get('p99'))}")
         lines.append(row(f"  {'no fault' if kind == '(none)' else kind}", vals))
+    lines.append(row("planned, never injected",
+                     [", ".join(r.get("faults_never_injected", [])) or "none" for r in reports]))
     skipped = sorted({k for r in reports for k in r["config"].get("faults_skipped", [])})
     if skipped:
         lines.append(f"skipped (no cluster in this run): {', '.join(skipped)}")
