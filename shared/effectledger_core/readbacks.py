@@ -18,14 +18,27 @@ from typing import Any
 
 from .catalog import Readback
 from .jsonpaths import find_all, find_first, scalar_text
+from .results import ProviderResult
 
 
 @dataclass(frozen=True, slots=True)
-class ReadbackReading:
-    found: bool | None  # None: the answer does not tell
+class ReadbackResult:
+    """What one readback showed, from the reading of its answer (`read_answer`) through the
+    provider call (`effectledger_providers.calls.readback`, an adapter's `readback_found`) to
+    the reconciler's decision: one type all the way.
+
+    `found` None means the provider could not tell (error, unexpected answer).
+    """
+
+    found: bool | None
     provider_ref: str | None = None
-    matches: int | None = None  # effects listed for this key, when count_path is set
+    evidence_digest: str | None = None  # "sha256:..." of every byte of the answer
+    http_status: int | None = None
     error: str | None = None
+    # How many effects the answer lists for this key (`readback.count_path`); > 1: duplicate.
+    matches: int | None = None
+    # The readback's answer, kept for the agent when it found the effect (calls.readback).
+    result: ProviderResult | None = None
 
 
 def _json(content: bytes) -> tuple[bool, Any]:
@@ -52,20 +65,20 @@ def _empty(value: Any) -> bool:
 
 
 def read_answer(rb: Readback, status: int, content: bytes,
-                headers: Mapping[str, str]) -> ReadbackReading:
+                headers: Mapping[str, str]) -> ReadbackResult:
     if status == rb.not_found_status:
-        return ReadbackReading(False)
+        return ReadbackResult(False)
     is_json, body = _json(content)
     if rb.found_when.status is not None:
         if status != rb.found_when.status:
-            return ReadbackReading(None, error=f"unexpected readback status {status}")
+            return ReadbackResult(None, error=f"unexpected readback status {status}")
     elif not 200 <= status < 300:
-        return ReadbackReading(None, error=f"unexpected readback status {status}")
+        return ReadbackResult(None, error=f"unexpected readback status {status}")
     needs_json = rb.found_when.json_path is not None or rb.count_path is not None
     if needs_json and not is_json:
-        return ReadbackReading(None, error="readback answer is not JSON")
+        return ReadbackResult(None, error="readback answer is not JSON")
     if rb.found_when.json_path is not None and _empty(find_first(body, rb.found_when.json_path)):
-        return ReadbackReading(False)
+        return ReadbackResult(False)
     matches = None
     if rb.count_path is not None:
         selected = find_all(body, rb.count_path)
@@ -74,5 +87,5 @@ def read_answer(rb: Readback, status: int, content: bytes,
             selected = selected[0]
         matches = len(selected)
         if matches == 0:
-            return ReadbackReading(False, matches=0)
-    return ReadbackReading(True, reference(rb, body, headers), matches)
+            return ReadbackResult(False, matches=0)
+    return ReadbackResult(True, reference(rb, body, headers), matches=matches)

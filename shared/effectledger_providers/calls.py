@@ -58,10 +58,11 @@ from effectledger_core.messages import (
     OutcomeAmbiguous,
     storable,
 )
+from effectledger_core.readbacks import ReadbackResult
 from effectledger_core.results import ProviderResult, keep_result
 from effectledger_obs import tracing
 
-from .adapters import Classified, ProviderAdapter, ReadbackResult, load_adapter
+from .adapters import Classified, ProviderAdapter, load_adapter
 from .session import CONNECT_SHARE, PoolTimeout, ProviderClient, ProviderSession
 
 __all__ = ["CONNECT_SHARE", "ProviderClient", "ProviderSession", "ReadbackResult", "SendRefused",
