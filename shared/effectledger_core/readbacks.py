@@ -6,7 +6,10 @@ Pure: the caller hands over the status, the (bounded) body and the headers. The 
   path means found (missing, null, false, "", [] and {} mean not found), on a 2xx answer;
 - `count_path` counts the effects the answer lists for this key (e.g. a search): 0 is not
   found, 1 is found, more than one is a duplicate the caller must report;
-- the reference comes from `ref_path` when set, else the top-level `id`, else `X-Request-Id`.
+- the reference comes from `ref_path` when set, else the top-level `id`, else `X-Request-Id`;
+- with `count_path`, every listed effect's reference is kept too (its `id`, or the value itself
+  when the path selects references): a duplicate names all of them, so an operator can tell
+  what to refund or delete.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 from .catalog import Readback
 from .jsonpaths import find_all, find_first, scalar_text
+from .limits import MAX_DUPLICATE_REFS
 from .results import ProviderResult
 
 
@@ -39,6 +43,8 @@ class ReadbackResult:
     matches: int | None = None
     # The readback's answer, kept for the agent when it found the effect (calls.readback).
     result: ProviderResult | None = None
+    # The reference of every effect listed for the key (`count_path`), `provider_ref` first.
+    provider_refs: tuple[str, ...] = ()
 
 
 def _json(content: bytes) -> tuple[bool, Any]:
@@ -88,4 +94,15 @@ def read_answer(rb: Readback, status: int, content: bytes,
         matches = len(selected)
         if matches == 0:
             return ReadbackResult(False, matches=0)
+        ref = reference(rb, body, headers)
+        return ReadbackResult(True, ref, matches=matches,
+                              provider_refs=listed_references(ref, selected))
     return ReadbackResult(True, reference(rb, body, headers), matches=matches)
+
+
+def listed_references(first: str | None, selected: list[Any]) -> tuple[str, ...]:
+    """The references of the effects a counting readback listed: each one's `id` (or the
+    selected value itself), `first` (the answer's reference) leading; distinct, bounded."""
+    refs = [first] + [scalar_text(e.get("id")) if isinstance(e, dict) else scalar_text(e)
+                      for e in selected]
+    return tuple(dict.fromkeys(r for r in refs if r is not None))[:MAX_DUPLICATE_REFS]

@@ -10,6 +10,7 @@ import pytest
 from effectledger_core.catalog import Capabilities, Readback, Tool
 from effectledger_core.messages import ReconcileOperation
 from effectledger_core.readbacks import ReadbackResult
+from effectledger_core.states import State
 from effectledger_reconciler.decisions import (
     Decide,
     Done,
@@ -76,10 +77,33 @@ def after(answer: ReadbackResult, when: float = DUE + 1) -> Any:
 
 def test_two_effects_are_reported_as_duplicate_detected() -> None:
     d = after(ReadbackResult(True, provider_ref="cus_1", evidence_digest="sha256:d",
-                             http_status=200, matches=2))
+                             http_status=200, matches=2, provider_refs=("cus_1", "cus_2")))
     assert isinstance(d, Decide) and d.verdict == "undecidable"
     assert d.evidence is not None and d.evidence.matches == 2
+    assert d.evidence.provider_refs == ["cus_1", "cus_2"]
     assert d.reason.startswith("duplicate_detected")
+
+
+def test_a_retry_decided_applied_is_audited_from_its_own_claim() -> None:
+    """The retry's own request may land after the first epoch's audit looked: the ledger
+    audits the retry's epoch too, and that audit waits for the retry's horizon, not the
+    first claim's, then counts; an effect landing between the two audits is seen."""
+    retried_at = 25.0  # epoch 2 claimed; epoch 1's audit is due at DUE (30 s)
+    retry = CMD.model_copy(update={"epoch": 2, "attempt_id": "audit:op1:2",
+                                   "claimed_at": at(retried_at)})
+    view = OperationView(id="op1", state=State.SUCCEEDED, epoch=2)
+    first_due = decide(CMD, view, tool(), now=at(DUE), deliveries=1, timing=TIMING)
+    assert isinstance(first_due, NeedReadback)  # epoch 1's audit reads at 30 s: one effect
+    early = decide(retry, view, tool(), now=at(DUE), deliveries=1, timing=TIMING)
+    assert isinstance(early, Wait)  # the retry's audit is not due before 25 + 10 + 20 s
+    due = decide(retry, view, tool(), now=at(retried_at + DUE), deliveries=1, timing=TIMING)
+    assert isinstance(due, NeedReadback)
+    late = after_readback(retry, tool(), ReadbackResult(
+        True, provider_ref="cus_1", matches=2, provider_refs=("cus_1", "cus_2")),
+        sent_at=at(retried_at + DUE), answered_at=at(retried_at + DUE), deliveries=1,
+        timing=TIMING)
+    assert isinstance(late, Decide) and late.verdict == "undecidable"
+    assert late.evidence is not None and late.evidence.provider_refs == ["cus_1", "cus_2"]
 
 
 @pytest.mark.parametrize("matches", [0, 1])

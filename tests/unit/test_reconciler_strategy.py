@@ -361,12 +361,13 @@ def test_two_matches_are_a_duplicate_for_review_never_a_quiet_applied(sent: floa
     """A readback listing two effects for one key: undecidable (the review queue), with the
     count in the evidence, whenever the readback ran."""
     dup = ReadbackResult(True, provider_ref="cus_1", evidence_digest="sha256:cc", http_status=200,
-                         matches=2)
+                         matches=2, provider_refs=("cus_1", "cus_2"))
     d = run_after(make_tool(readback=True), dup, sent)
     assert isinstance(d, Decide) and d.verdict == "undecidable"
     assert d.reason.startswith("duplicate_detected")
     assert d.evidence is not None and d.evidence.matches == 2
-    assert d.evidence.provider_ref == "cus_1"
+    # Every effect listed, not only the first: what an operator refunds or deletes.
+    assert (d.evidence.provider_ref, d.evidence.provider_refs) == ("cus_1", ["cus_1", "cus_2"])
 
 
 def test_one_match_is_applied() -> None:

@@ -79,4 +79,5 @@ def after_readback(cmd: ReconcileOperation, tool: Tool, answer: ReadbackResult, 
                   f"{matches} effects for this operation key", Evidence(
                       source="readback", at=answered_at, provider_ref=answer.provider_ref,
                       digest=answer.evidence_digest, matches=matches,
+                      provider_refs=list(answer.provider_refs) or None,
                       detail=f"audit readback found {matches} effects for one key"))

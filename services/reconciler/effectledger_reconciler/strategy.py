@@ -137,6 +137,7 @@ def after_readback(cmd: ReconcileOperation, tool: Tool, answer: ReadbackResult, 
             f"this operation key"), Evidence(
                 source="readback", at=answered_at, provider_ref=answer.provider_ref,
                 digest=answer.evidence_digest, matches=answer.matches,
+                provider_refs=list(answer.provider_refs) or None,
                 detail=f"readback found {answer.matches} effects for one key ({status})"))
     if answer.found is True:
         return Decide("applied", "the provider's readback shows the effect", Evidence(
