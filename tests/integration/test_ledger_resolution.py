@@ -697,6 +697,37 @@ async def test_a_retry_decided_applied_gets_its_own_duplicate_audit(store: Store
     assert entry["epoch"] == 2 and entry["detail"]["provider_refs"] == ["ch_1", "ch_2"]
 
 
+async def test_two_epochs_audits_seeing_the_same_effects_are_one_finding(store: Store) -> None:
+    """Epoch 1's and epoch 2's audits both count the same two effects: one duplicate_detected
+    (the second verdict is rejected and journaled as such); a third effect seen later is a new
+    finding."""
+    ledger = Ledger(store)
+    op_id = await ledger.submit("charge")
+    await ledger.ambiguous(op_id)
+    await ledger.verdict(op_id, "not_applied")
+    await ledger.ambiguous(op_id, 2)
+    await ledger.verdict(op_id, "applied", 2)
+
+    async def audit(epoch: int, *refs: str) -> Recorded:
+        return await ledger.svc.record_verdict(VerdictReached(
+            operation_id=op_id, epoch=epoch, verdict="undecidable", reconciler_id="r1",
+            reason="duplicate_detected: audit", at=ledger.now, evidence=Evidence(
+                source="readback", at=ledger.now, provider_ref=refs[0], matches=len(refs),
+                provider_refs=list(refs))),
+            consumer="ledger", message_id=ledger.mid())
+
+    assert (await audit(1, "ch_1", "ch_2")).reason == "duplicate_detected"
+    again = await audit(2, "ch_1", "ch_2")
+    assert (again.status, again.reason) == ("rejected", "duplicate_already_recorded")
+    assert len(await ledger.entries(op_id, "duplicate_detected")) == 1
+    [rejected] = await ledger.entries(op_id, "verdict_rejected")
+    assert rejected["detail"]["reason"] == "duplicate_already_recorded"
+    assert (await audit(2, "ch_1", "ch_2", "ch_3")).reason == "duplicate_detected"
+    entries = await ledger.entries(op_id, "duplicate_detected")
+    assert [e["detail"]["provider_refs"] for e in entries] == [
+        ["ch_1", "ch_2"], ["ch_1", "ch_2", "ch_3"]]
+
+
 async def test_a_first_attempt_decided_applied_queues_no_audit(store: Store) -> None:
     """Only a retry can duplicate its own epoch's effect: epoch 1 applied queues nothing."""
     ledger = Ledger(store)

@@ -197,6 +197,18 @@ def open_duplicate(evidence: dict[str, Any] | None) -> bool:
         and not duplicate.get("reviewed")
 
 
+def already_recorded(current: dict[str, Any] | None, finding: dict[str, Any]) -> bool:
+    """Whether an open (unreviewed) duplicate mark already says everything `finding` says:
+    no more effects, no reference it does not name. Two epochs' audits of one key see the
+    same effects; that is one finding, journaled once."""
+    if not open_duplicate(current):
+        return False
+    mark = (current or {})["duplicate"]
+    named = mark.get("provider_refs")
+    return matches_of(finding) <= matches_of(mark) and set(found_refs(finding)) <= set(
+        named if isinstance(named, list) else [])
+
+
 async def review_duplicate_txn(conn: AsyncConnection, *, op: OperationRow, review_id: str,
                                operator: str, evidence_ref: str, now: datetime) -> None:
     """An operator dealt with a succeeded operation's extra effect (refund, cancellation): the

@@ -22,6 +22,7 @@ from effectledger_core.subjects import Subjects
 
 from .common import append_journal, insert_ignore
 from .duplicates import (
+    already_recorded,
     is_duplicate,
     note_duplicate_txn,
     record_audit_duplicate_txn,
@@ -132,7 +133,10 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
     evidence = (v.evidence.model_dump(mode="json") if v.evidence else {})
     evidence |= {"reason": v.reason, "reconciler_id": v.reconciler_id}
     verdict = v.verdict
-    if op is not None and op.state is State.SUCCEEDED and is_duplicate(evidence):
+    audit_finding = op is not None and op.state is State.SUCCEEDED and is_duplicate(evidence)
+    repeat = audit_finding and op is not None and already_recorded(op.evidence, evidence)
+    if audit_finding and not repeat:
+        assert op is not None
         # A duplicate audit's finding: recorded on the succeeded operation, state unchanged.
         if await record_audit_duplicate_txn(conn, op=op, epoch=v.epoch, evidence=evidence,
                                             actor=f"reconciler:{v.reconciler_id}", now=now):
@@ -142,6 +146,8 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
         # applied" is a guess, and a guess goes to a human, never to success or a retry.
         evidence["claimed_verdict"], verdict = verdict, "undecidable"
     result = (Recorded("rejected", reason="unknown_operation") if op is None else
+              # Another epoch's audit of the key found the same effects: journaled once.
+              Recorded("rejected", reason="duplicate_already_recorded") if repeat else
               await apply_verdict(conn, op=op, epoch=v.epoch, verdict=verdict,
                                   evidence=evidence, actor=f"reconciler:{v.reconciler_id}",
                                   now=now, subjects=subjects, outbox_id=outbox_id,
