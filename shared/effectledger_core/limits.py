@@ -6,4 +6,6 @@ MAX_JSON_DEPTH = 32
 MAX_MESSAGE_BYTES = 256 * 1024
 MAX_HTTP_BODY_BYTES = 256 * 1024
 MAX_PROVIDER_REF_BYTES = 256
+# Provider references one duplicate finding names (every effect listed for one key).
+MAX_DUPLICATE_REFS = 100
 MAX_ERROR_TEXT_BYTES = 1024

@@ -25,7 +25,12 @@ from pydantic import (
 )
 
 from .errors import PayloadTooLarge, PoisonMessage
-from .limits import MAX_IDENTIFIER_BYTES, MAX_MESSAGE_BYTES, MAX_PROVIDER_REF_BYTES
+from .limits import (
+    MAX_DUPLICATE_REFS,
+    MAX_IDENTIFIER_BYTES,
+    MAX_MESSAGE_BYTES,
+    MAX_PROVIDER_REF_BYTES,
+)
 from .results import ProviderResult
 
 
@@ -311,6 +316,8 @@ class Evidence(Message):
     detail: ShortText = ""
     # Effects the provider lists for the operation key (readback.count_path); > 1: duplicate.
     matches: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    # The references of every effect listed (a duplicate's: what to refund or delete).
+    provider_refs: Annotated[list[ProviderRef], Field(max_length=MAX_DUPLICATE_REFS)] | None = None
 
 
 class VerdictReached(Message):

@@ -19,7 +19,7 @@ import hashlib
 import importlib
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -30,27 +30,12 @@ from effectledger_core.catalog import TemplateError, Tool, render, resolve_env
 from effectledger_core.errors import CatalogError
 from effectledger_core.failures import classify_http_status
 from effectledger_core.messages import DispatchAttempt, FailureClass
+from effectledger_core.readbacks import ReadbackResult as ReadbackResult  # adapters return it
 from effectledger_core.readbacks import read_answer
-from effectledger_core.results import ProviderResult
 
 ENTRY_POINT_GROUP = "effectledger.adapters"
 AmbiguousReason = Literal["timeout", "connection_lost", "server_error", "invalid_response",
                           "request_in_progress"]
-
-
-@dataclass(frozen=True)
-class ReadbackResult:
-    """What a readback showed. `found` None means "could not tell" (error, unexpected answer)."""
-
-    found: bool | None
-    provider_ref: str | None
-    evidence_digest: str | None
-    http_status: int | None
-    error: str | None
-    # How many effects the answer lists for this key (`readback.count_path`); > 1: duplicate.
-    matches: int | None = None
-    # The readback's answer, kept for the agent when it found the effect (calls.readback).
-    result: ProviderResult | None = None
 
 
 @dataclass(frozen=True)
@@ -248,8 +233,7 @@ class DeclarativeAdapter:
                                   "the tool has no readback")
         r = read_answer(tool.readback, response.status_code, response.content,
                         response.headers)
-        return ReadbackResult(r.found, r.provider_ref, evidence, response.status_code, r.error,
-                              r.matches)
+        return replace(r, evidence_digest=evidence, http_status=response.status_code)
 
 
 # --- loading ---

@@ -58,10 +58,11 @@ from effectledger_core.messages import (
     OutcomeAmbiguous,
     storable,
 )
+from effectledger_core.readbacks import ReadbackResult
 from effectledger_core.results import ProviderResult, keep_result
 from effectledger_obs import tracing
 
-from .adapters import Classified, ProviderAdapter, ReadbackResult, load_adapter
+from .adapters import Classified, ProviderAdapter, load_adapter
 from .session import CONNECT_SHARE, PoolTimeout, ProviderClient, ProviderSession
 
 __all__ = ["CONNECT_SHARE", "ProviderClient", "ProviderSession", "ReadbackResult", "SendRefused",
@@ -370,9 +371,11 @@ async def readback(
             f"the adapter could not read the answer: {_describe(exc)}", secrets,
             MAX_MESSAGE_CHARS))
     ref = _clean_ref(result.provider_ref, secrets)
+    refs = tuple(dict.fromkeys(r for r in (_clean_ref(x, secrets) for x in result.provider_refs)
+                               if r is not None))
     error = _clean(result.error, secrets, MAX_MESSAGE_CHARS) if result.error else None
     # A readback that found the effect answers what the lost response would have: keep it.
     kept = _kept(tool, ex, secrets) if result.found is True else None
     # The digest is of every byte received, whatever the adapter computed from its bounded view.
     return replace(result, provider_ref=ref, evidence_digest=ex.body.digest, http_status=status,
-                   error=error, result=kept)
+                   error=error, result=kept, provider_refs=refs)

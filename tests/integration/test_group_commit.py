@@ -12,7 +12,8 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from effectledger_ledger.db.batch import EXPRESS_AFTER, URGENT_TOP_UP, BatchCall, GroupCommit
+from effectledger_ledger.db.batch import EXPRESS_AFTER, URGENT_TOP_UP, GroupCommit
+from effectledger_ledger.db.calls import BatchCall
 from effectledger_ledger.db.common import append_journal
 from effectledger_ledger.db.outbox import mark_published_txn
 from effectledger_ledger.db.schema import OUTBOX_PUBLISHING, journal, outbox

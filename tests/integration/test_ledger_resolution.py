@@ -664,3 +664,161 @@ async def test_an_audit_finding_one_effect_changes_nothing(store: Store) -> None
     assert result.status == "rejected"
     assert await ledger.entries(op_id, "duplicate_detected") == []
     assert await ledger.svc.review_queue() == []
+
+
+# --- issue 28: duplicate detection gaps --------------------------------------------------------
+
+async def test_a_retry_decided_applied_gets_its_own_duplicate_audit(store: Store) -> None:
+    """Epoch 1 verified not applied, epoch 2 ambiguous and then decided applied: epoch 2's own
+    request may still land late, after epoch 1's audit has looked, so epoch 2 is audited too,
+    from its own claim; that audit's finding is recorded like any other."""
+    ledger = Ledger(store)
+    op_id = await ledger.submit("charge")
+    await ledger.ambiguous(op_id)
+    await ledger.verdict(op_id, "not_applied")
+    ledger.now = NOW + timedelta(seconds=40)  # the retry is claimed later than epoch 1
+    await ledger.ambiguous(op_id, 2)
+    assert (await ledger.verdict(op_id, "applied", 2)).to_state == "succeeded"
+    audits = [parse(ReconcileOperation, r["payload"].encode())
+              for r in await ledger.outbox_rows(op_id, "audit")]
+    assert [(c.cause, c.epoch, c.claimed_at) for c in audits] == [
+        ("audit", 1, NOW), ("audit", 2, NOW + timedelta(seconds=40))]
+    assert audits[1].reason == "a retry decided applied"
+
+    # What that audit finds after epoch 2's horizon: two effects, both named.
+    result = await ledger.svc.record_verdict(VerdictReached(
+        operation_id=op_id, epoch=2, verdict="undecidable", reconciler_id="r1",
+        reason="duplicate_detected: audit", at=ledger.now, evidence=Evidence(
+            source="readback", at=ledger.now, provider_ref="ch_1", matches=2,
+            provider_refs=["ch_1", "ch_2"])),
+        consumer="ledger", message_id=ledger.mid())
+    assert (result.status, result.reason) == ("applied", "duplicate_detected")
+    [entry] = await ledger.entries(op_id, "duplicate_detected")
+    assert entry["epoch"] == 2 and entry["detail"]["provider_refs"] == ["ch_1", "ch_2"]
+
+
+async def test_two_epochs_audits_seeing_the_same_effects_are_one_finding(store: Store) -> None:
+    """Epoch 1's and epoch 2's audits both count the same two effects: one duplicate_detected
+    (the second verdict is rejected and journaled as such); a third effect seen later is a new
+    finding."""
+    ledger = Ledger(store)
+    op_id = await ledger.submit("charge")
+    await ledger.ambiguous(op_id)
+    await ledger.verdict(op_id, "not_applied")
+    await ledger.ambiguous(op_id, 2)
+    await ledger.verdict(op_id, "applied", 2)
+
+    async def audit(epoch: int, *refs: str) -> Recorded:
+        return await ledger.svc.record_verdict(VerdictReached(
+            operation_id=op_id, epoch=epoch, verdict="undecidable", reconciler_id="r1",
+            reason="duplicate_detected: audit", at=ledger.now, evidence=Evidence(
+                source="readback", at=ledger.now, provider_ref=refs[0], matches=len(refs),
+                provider_refs=list(refs))),
+            consumer="ledger", message_id=ledger.mid())
+
+    assert (await audit(1, "ch_1", "ch_2")).reason == "duplicate_detected"
+    again = await audit(2, "ch_1", "ch_2")
+    assert (again.status, again.reason) == ("rejected", "duplicate_already_recorded")
+    assert len(await ledger.entries(op_id, "duplicate_detected")) == 1
+    [rejected] = await ledger.entries(op_id, "verdict_rejected")
+    assert rejected["detail"]["reason"] == "duplicate_already_recorded"
+    assert (await audit(2, "ch_1", "ch_2", "ch_3")).reason == "duplicate_detected"
+    entries = await ledger.entries(op_id, "duplicate_detected")
+    assert [e["detail"]["provider_refs"] for e in entries] == [
+        ["ch_1", "ch_2"], ["ch_1", "ch_2", "ch_3"]]
+
+
+async def test_a_first_attempt_decided_applied_queues_no_audit(store: Store) -> None:
+    """Only a retry can duplicate its own epoch's effect: epoch 1 applied queues nothing."""
+    ledger = Ledger(store)
+    op_id = await ledger.submit("charge")
+    await ledger.ambiguous(op_id)
+    await ledger.verdict(op_id, "applied")
+    assert await ledger.outbox_rows(op_id, "audit") == []
+
+
+async def test_every_duplicate_detected_names_all_the_references_found(store: Store) -> None:
+    """A readback listing three effects for one key: the journal entry names all three, the
+    operation's own reference apart, so an operator can tell what to refund or delete."""
+    ledger = Ledger(store)
+    op_id = await ledger.submit("charge")
+    await ledger.ambiguous(op_id)
+    await ledger.svc.record_verdict(VerdictReached(
+        operation_id=op_id, epoch=1, verdict="undecidable", reconciler_id="r1",
+        reason="duplicate_detected: 3 effects", at=ledger.now, evidence=Evidence(
+            source="readback", at=ledger.now, provider_ref="cus_1", matches=3,
+            provider_refs=["cus_1", "cus_2", "cus_3"])),
+        consumer="ledger", message_id=ledger.mid())
+    [entry] = await ledger.entries(op_id, "duplicate_detected")
+    assert entry["detail"]["provider_refs"] == ["cus_1", "cus_2", "cus_3"]
+    assert entry["detail"]["matches"] == 3
+
+
+async def _signed(ledger: Ledger, webhook_id: str, key: str, ref: str) -> Recorded:
+    return await ledger.svc.record_webhook(WebhookReceived(
+        provider="sandbox", webhook_id=webhook_id, event_type="effect.applied",
+        operation_key=key, provider_ref=ref, outcome="applied", final=True,
+        body_digest=f"sha256:{webhook_id}", signed_at=ledger.now, received_at=ledger.now))
+
+
+async def test_a_second_signed_webhook_naming_another_object_is_a_duplicate(
+        store: Store) -> None:
+    """The first verified event settles the operation; a second one for the same key naming
+    another provider object is duplicate_detected at once (not merely kept), naming both
+    objects; a resend of an object already named is no new finding."""
+    from effectledger_ledger.db import duplicates
+
+    seen: list[tuple[str, int]] = []
+
+    def observe(tool: str, n: int) -> None:
+        seen.append((tool, n))
+
+    ledger = Ledger(store)
+    op_id = await ledger.submit("charge")
+    key = await ledger.key(op_id)
+    await ledger.ambiguous(op_id)
+    assert (await _signed(ledger, "wh1", key, "ch_1")).to_state == "succeeded"
+    duplicates.observers.append(observe)
+    try:
+        result = await _signed(ledger, "wh2", key, "ch_2")
+    finally:
+        duplicates.observers.remove(observe)
+    assert result.reason == "duplicate_detected" and seen == [("charge", 2)]
+    [entry] = await ledger.entries(op_id, "duplicate_detected")
+    assert entry["detail"]["provider_refs"] == ["ch_1", "ch_2"]
+    assert (entry["detail"]["source"], entry["actor"]) == ("webhook", "webhook:sandbox")
+    assert await ledger.entries(op_id, "webhook_kept") == []
+    op = await ledger.op(op_id)
+    assert op["state"] == "succeeded" and op["evidence"]["duplicate"]["matches"] == 2
+    assert op["evidence"]["duplicate"]["provider_refs"] == ["ch_1", "ch_2"]
+    assert [i["operation"]["id"] for i in await ledger.svc.review_queue()] == [op_id]
+    [hook] = await ledger.rows(webhook_events, webhook_events.c.webhook_id == "wh2")
+    assert hook["applied"] == "duplicate_detected"
+
+    # The same object again under a new webhook id: kept, no second finding.
+    assert (await _signed(ledger, "wh3", key, "ch_2")).reason == "state_succeeded"
+    assert len(await ledger.entries(op_id, "duplicate_detected")) == 1
+
+
+async def test_two_objects_while_in_flight_are_a_duplicate_at_once_and_marked_when_settled(
+        store: Store) -> None:
+    """Both verified events arrive while the attempt is in flight: the second one's other
+    object is duplicate_detected on arrival; when the ambiguity then settles from the first,
+    the succeeded operation's evidence carries the finding (the receipt lists it), and the
+    journal has it once."""
+    ledger = Ledger(store)
+    op_id = await ledger.submit("charge")
+    key = await ledger.key(op_id)
+    await ledger.claim(op_id)
+    assert (await _signed(ledger, "wh1", key, "ch_1")).reason == "state_in_flight"
+    assert (await _signed(ledger, "wh2", key, "ch_2")).reason == "duplicate_detected"
+    result = await ledger.ambiguous(op_id, claimed=True)
+    assert result.to_state == "succeeded"
+    [entry] = await ledger.entries(op_id, "duplicate_detected")
+    assert entry["detail"]["provider_refs"] == ["ch_1", "ch_2"]
+    op = await ledger.op(op_id)
+    assert (op["provider_ref"], op["evidence"]["duplicate"]["provider_refs"]) == (
+        "ch_1", ["ch_1", "ch_2"])
+    assert any(u.startswith("duplicate_detected")
+               for u in (await ledger.svc.receipt(op_id))["open_uncertainties"])
+    assert [i["operation"]["id"] for i in await ledger.svc.review_queue()] == [op_id]

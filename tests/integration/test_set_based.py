@@ -30,7 +30,7 @@ from effectledger_core.messages import (
 )
 from effectledger_core.retry_policy import RetryDecision
 from effectledger_core.subjects import Subjects
-from effectledger_ledger.db.batch import BatchCall
+from effectledger_ledger.db.calls import BatchCall
 from effectledger_ledger.db.claims import ClaimCall
 from effectledger_ledger.db.intents import SubmitCall
 from effectledger_ledger.db.outcomes import OutcomeCall, record_outcome_txn

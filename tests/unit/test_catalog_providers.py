@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -131,6 +132,17 @@ def test_count_path_counts_duplicates_and_zero_means_not_found() -> None:
     none = read_answer(rb(count_path="$.data"), 200, NONE, {})
     assert (none.found, none.matches) == (False, 0)
     assert read_answer(rb(count_path="$.data"), 200, TWO, {}).matches == 2
+
+
+def test_a_counting_answer_names_every_effect_it_lists() -> None:
+    """A duplicate must say what to refund or delete: every listed effect's reference (its
+    `id`, or the value itself when the path selects references), distinct and bounded."""
+    two = read_answer(rb(ref_path="$.data[0].id", count_path="$.data[*]"), 200, TWO, {})
+    assert two.provider_refs == ("cus_1", "cus_2")
+    ids = read_answer(rb(count_path="$.data[*].id"), 200, TWO, {})
+    assert (ids.matches, ids.provider_refs) == (2, ("cus_1", "cus_2"))
+    many = json.dumps({"data": [{"id": f"c{i % 150}"} for i in range(300)]}).encode()
+    assert len(read_answer(rb(count_path="$.data[*]"), 200, many, {}).provider_refs) == 100
 
 
 def test_unexpected_answers_cannot_tell() -> None:

@@ -12,7 +12,7 @@ from effectledger_core.catalog import Tool
 from effectledger_core.digest import digest
 from effectledger_core.messages import AttemptAccepted, AttemptFailed, AttemptSucceeded
 from effectledger_core.results import REDACTED, ProviderResult
-from effectledger_reconciler.strategy import Decide
+from effectledger_reconciler.decisions import Decide
 from tests.unit.test_provider_call import SECRET, call, make_tool, status
 from tests.unit.test_reconciler_strategy import FOUND, NOT_FOUND, run_after
 from tests.unit.test_reconciler_strategy import make_tool as reconciler_tool

@@ -670,6 +670,17 @@ async def test_readback_says_found_not_found_or_cannot_tell(
     assert (result.error is None) == (found is not None)
 
 
+async def test_a_counting_readback_names_every_effect_with_credentials_redacted() -> None:
+    """Every listed effect's reference reaches the verdict (a duplicate names them all), each
+    scrubbed like `provider_ref`: a key echoed in one never reaches the journal."""
+    listing = {"data": [{"id": "t-1"}, {"id": f"t-{SECRET}"}, {"id": "t-1"}]}
+    result, _ = await do_readback(readback_tool(count_path="$.data[*]"), status(200, listing),
+                                  {"ref": "r"})
+    assert result.matches == 3 and result.provider_refs[0] == "t-1"
+    assert len(result.provider_refs) == 2 and SECRET not in "".join(result.provider_refs)
+    assert "[redacted]" in result.provider_refs[1]
+
+
 async def test_readback_without_configuration_cannot_tell() -> None:
     result, provider = await do_readback(make_tool(), status(200))
     assert result.found is None and result.error == "the tool has no readback"

@@ -9,18 +9,18 @@ import pytest
 
 from effectledger_core.catalog import Capabilities, Readback, Tool
 from effectledger_core.messages import ReconcileOperation
-from effectledger_reconciler.strategy import (
+from effectledger_core.readbacks import ReadbackResult
+from effectledger_core.states import State
+from effectledger_reconciler.decisions import (
     Decide,
     Done,
     NeedReadback,
     OperationView,
-    ReadbackAnswer,
     Reject,
     Timing,
     Wait,
-    after_readback,
-    decide,
 )
+from effectledger_reconciler.strategy import after_readback, decide
 
 T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 TIMING = Timing(reconcile_deadline_s=600.0, audit_slack_s=20.0)
@@ -70,25 +70,48 @@ def test_a_tool_whose_readback_cannot_count_is_not_audited() -> None:
     assert isinstance(run(None, DUE + 1), Reject)
 
 
-def after(answer: ReadbackAnswer, when: float = DUE + 1) -> Any:
+def after(answer: ReadbackResult, when: float = DUE + 1) -> Any:
     return after_readback(CMD, tool(), answer, sent_at=at(when), answered_at=at(when),
                           deliveries=1, timing=TIMING)
 
 
 def test_two_effects_are_reported_as_duplicate_detected() -> None:
-    d = after(ReadbackAnswer(True, provider_ref="cus_1", digest="sha256:d", http_status=200,
-                             matches=2))
+    d = after(ReadbackResult(True, provider_ref="cus_1", evidence_digest="sha256:d",
+                             http_status=200, matches=2, provider_refs=("cus_1", "cus_2")))
     assert isinstance(d, Decide) and d.verdict == "undecidable"
     assert d.evidence is not None and d.evidence.matches == 2
+    assert d.evidence.provider_refs == ["cus_1", "cus_2"]
     assert d.reason.startswith("duplicate_detected")
+
+
+def test_a_retry_decided_applied_is_audited_from_its_own_claim() -> None:
+    """The retry's own request may land after the first epoch's audit looked: the ledger
+    audits the retry's epoch too, and that audit waits for the retry's horizon, not the
+    first claim's, then counts; an effect landing between the two audits is seen."""
+    retried_at = 25.0  # epoch 2 claimed; epoch 1's audit is due at DUE (30 s)
+    retry = CMD.model_copy(update={"epoch": 2, "attempt_id": "audit:op1:2",
+                                   "claimed_at": at(retried_at)})
+    view = OperationView(id="op1", state=State.SUCCEEDED, epoch=2)
+    first_due = decide(CMD, view, tool(), now=at(DUE), deliveries=1, timing=TIMING)
+    assert isinstance(first_due, NeedReadback)  # epoch 1's audit reads at 30 s: one effect
+    early = decide(retry, view, tool(), now=at(DUE), deliveries=1, timing=TIMING)
+    assert isinstance(early, Wait)  # the retry's audit is not due before 25 + 10 + 20 s
+    due = decide(retry, view, tool(), now=at(retried_at + DUE), deliveries=1, timing=TIMING)
+    assert isinstance(due, NeedReadback)
+    late = after_readback(retry, tool(), ReadbackResult(
+        True, provider_ref="cus_1", matches=2, provider_refs=("cus_1", "cus_2")),
+        sent_at=at(retried_at + DUE), answered_at=at(retried_at + DUE), deliveries=1,
+        timing=TIMING)
+    assert isinstance(late, Decide) and late.verdict == "undecidable"
+    assert late.evidence is not None and late.evidence.provider_refs == ["cus_1", "cus_2"]
 
 
 @pytest.mark.parametrize("matches", [0, 1])
 def test_one_effect_or_none_is_nothing_to_report(matches: int) -> None:
-    assert isinstance(after(ReadbackAnswer(matches > 0, matches=matches)), Done)
+    assert isinstance(after(ReadbackResult(matches > 0, matches=matches)), Done)
 
 
 def test_a_failing_audit_readback_retries_then_gives_up_without_a_verdict() -> None:
-    err = ReadbackAnswer(None, error="HTTP 500")
+    err = ReadbackResult(None, error="HTTP 500")
     assert isinstance(after(err), Wait)
     assert isinstance(after(err, DUE + TIMING.reconcile_deadline_s + 1), Done)

@@ -16,21 +16,20 @@ import pytest
 from effectledger_core.catalog import Capabilities, Readback, Tool
 from effectledger_core.digest import digest
 from effectledger_core.messages import ReconcileOperation
+from effectledger_core.readbacks import ReadbackResult
 from effectledger_core.states import State
-from effectledger_reconciler import strategy
-from effectledger_reconciler.strategy import (
+from effectledger_reconciler import decisions, strategy
+from effectledger_reconciler.decisions import (
     Decide,
     Done,
     NeedReadback,
     OperationView,
-    ReadbackAnswer,
     Reject,
     Timing,
     Wait,
-    after_readback,
     backoff,
-    decide,
 )
+from effectledger_reconciler.strategy import after_readback, decide
 
 T0 = datetime(2026, 11, 1, 12, 0, 0, tzinfo=UTC)
 HORIZON = 10.0
@@ -38,9 +37,9 @@ NOTICED = 6.0  # the ambiguity was noticed 6 s after the attempt started
 TIMING = Timing(reconcile_deadline_s=600.0, webhook_wait_s=30.0, backoff_base_s=0.5,
                 backoff_cap_s=30.0)
 OPEN = ("ambiguous", "awaiting_confirmation")
-FOUND = ReadbackAnswer(True, provider_ref="eff_1", digest="sha256:aa", http_status=200)
-NOT_FOUND = ReadbackAnswer(False, digest="sha256:bb", http_status=404)
-ERROR = ReadbackAnswer(None, http_status=500, error="unexpected readback status 500")
+FOUND = ReadbackResult(True, provider_ref="eff_1", evidence_digest="sha256:aa", http_status=200)
+NOT_FOUND = ReadbackResult(False, evidence_digest="sha256:bb", http_status=404)
+ERROR = ReadbackResult(None, http_status=500, error="unexpected readback status 500")
 
 
 def at(seconds: float) -> datetime:
@@ -71,7 +70,7 @@ def run_decide(tool: Tool | None, now: float, *, op: OperationView | None = None
                   deliveries=deliveries, timing=TIMING)
 
 
-def run_after(tool: Tool, answer: ReadbackAnswer, sent: float, answered: float | None = None,
+def run_after(tool: Tool, answer: ReadbackResult, sent: float, answered: float | None = None,
               deliveries: int = 1) -> Decide | Wait:
     return after_readback(make_cmd(), tool, answer, sent_at=at(sent),
                           answered_at=at(answered if answered is not None else sent),
@@ -99,9 +98,9 @@ def test_an_operation_no_longer_waiting_for_a_verdict_is_done(state: str) -> Non
 
 
 @pytest.mark.parametrize("ledger", [
-    OperationView(id="op1", state="ambiguous", epoch=2, operation_key="k1", tool="other"),
-    OperationView(id="op1", state="ambiguous", epoch=2, operation_key="k9", tool="t"),
-    OperationView(id="op1", state="ambiguous", epoch=2, operation_key="k1", tool="t",
+    OperationView(id="op1", state=State.AMBIGUOUS, epoch=2, operation_key="k1", tool="other"),
+    OperationView(id="op1", state=State.AMBIGUOUS, epoch=2, operation_key="k9", tool="t"),
+    OperationView(id="op1", state=State.AMBIGUOUS, epoch=2, operation_key="k1", tool="t",
                   arguments_digest=digest({"amount": 1})),
 ])
 def test_a_command_that_is_not_the_ledgers_operation_is_rejected_before_any_readback(
@@ -113,7 +112,7 @@ def test_a_command_that_is_not_the_ledgers_operation_is_rejected_before_any_read
 
 
 def test_a_command_matching_the_ledgers_digest_is_read_back() -> None:
-    ledger = OperationView(id="op1", state="ambiguous", epoch=2, operation_key="k1", tool="t",
+    ledger = OperationView(id="op1", state=State.AMBIGUOUS, epoch=2, operation_key="k1", tool="t",
                            arguments_digest=digest({}))
     assert isinstance(run_decide(make_tool(readback=True), 20, op=ledger), NeedReadback)
 
@@ -141,7 +140,7 @@ def test_webhook_tool_waits_for_a_webhook_until_noticed_plus_the_wait(readback: 
         assert isinstance(d, Wait) and "webhook" in d.reason
         # Never past the end of the wait (plus slack), never longer than the backoff.
         assert 0 < d.delay_s <= min(backoff(deliveries, TIMING),
-                                    until - now + strategy.BOUNDARY_SLACK_S) + 1e-9
+                                    until - now + decisions.BOUNDARY_SLACK_S) + 1e-9
 
 
 def test_webhook_tool_with_readback_falls_back_to_readback_after_the_wait() -> None:
@@ -159,7 +158,7 @@ def test_a_tool_missing_from_the_catalog_waits_until_the_deadline_then_needs_rev
     d = run_decide(None, 20.0, deliveries=3)
     assert isinstance(d, Wait) and d.delay_s == backoff(3, TIMING)
     d = run_decide(None, TIMING.reconcile_deadline_s - 0.01, deliveries=30)
-    assert isinstance(d, Wait) and d.delay_s <= 0.01 + strategy.BOUNDARY_SLACK_S + 1e-9
+    assert isinstance(d, Wait) and d.delay_s <= 0.01 + decisions.BOUNDARY_SLACK_S + 1e-9
     d = run_decide(None, TIMING.reconcile_deadline_s)
     assert isinstance(d, Decide) and d.verdict == "undecidable" and "catalog" in d.reason
 
@@ -179,14 +178,14 @@ def test_found_is_applied_with_the_readback_evidence_at_any_time(sent: float) ->
 def test_not_found_before_the_horizon_waits_for_the_horizon(sent: float) -> None:
     d = run_after(make_tool(readback=True), NOT_FOUND, sent)
     assert isinstance(d, Wait) and "horizon" in d.reason
-    assert d.delay_s <= HORIZON - sent + strategy.BOUNDARY_SLACK_S + 1e-9
+    assert d.delay_s <= HORIZON - sent + decisions.BOUNDARY_SLACK_S + 1e-9
 
 
 def test_not_found_sent_before_but_answered_after_the_horizon_still_waits() -> None:
     """The readback must be *sent* after the horizon; a slow answer does not count."""
     d = run_after(make_tool(readback=True), NOT_FOUND, HORIZON - 1, HORIZON + 5)
     assert isinstance(d, Wait)
-    assert d.delay_s == strategy.MIN_DELAY_S
+    assert d.delay_s == decisions.MIN_DELAY_S
 
 
 @pytest.mark.parametrize("sent", [HORIZON, HORIZON + 0.001, 400.0, 1e6])
@@ -204,7 +203,7 @@ def test_readback_errors_are_retried_until_the_deadline_then_need_review() -> No
     assert isinstance(d, Wait) and d.delay_s == backoff(4, TIMING)
     assert "unexpected readback status 500" in d.reason
     d = run_after(tool, ERROR, 599.9, deliveries=40)
-    assert isinstance(d, Wait) and d.delay_s <= 0.1 + strategy.BOUNDARY_SLACK_S + 1e-9
+    assert isinstance(d, Wait) and d.delay_s <= 0.1 + decisions.BOUNDARY_SLACK_S + 1e-9
     d = run_after(tool, ERROR, 590.0, 600.0)
     assert isinstance(d, Decide) and d.verdict == "undecidable"
     assert "reconciliation deadline" in d.reason and "status 500" in d.reason
@@ -219,11 +218,11 @@ def test_the_deadline_is_never_before_the_horizon() -> None:
 
 
 def test_reasons_are_bounded() -> None:
-    long_error = ReadbackAnswer(None, error="x" * 5000)
+    long_error = ReadbackResult(None, error="x" * 5000)
     d = run_after(make_tool(readback=True), long_error, 1e6)
-    assert isinstance(d, Decide) and len(d.reason) <= strategy.MAX_REASON
+    assert isinstance(d, Decide) and len(d.reason) <= decisions.MAX_REASON
     d = run_after(make_tool(readback=True), long_error, 20.0)
-    assert isinstance(d, Wait) and len(d.reason) <= strategy.MAX_REASON
+    assert isinstance(d, Wait) and len(d.reason) <= decisions.MAX_REASON
 
 
 def test_backoff_grows_from_the_base_and_is_capped() -> None:
@@ -246,7 +245,7 @@ class FakeProvider:
         self.fails_until = fails_until
         self.readbacks: list[float] = []
 
-    def readback(self, now: float) -> ReadbackAnswer:
+    def readback(self, now: float) -> ReadbackResult:
         self.readbacks.append(now)
         if now < self.fails_until:
             return ERROR
@@ -287,7 +286,7 @@ def test_never_applied_is_not_applied_only_by_a_readback_sent_after_the_horizon(
     assert provider.readbacks[-1] >= HORIZON
     assert all(t < HORIZON for t in provider.readbacks[:-1])
     # The wait ends just after the horizon, not a full backoff later.
-    assert provider.readbacks[-1] <= HORIZON + strategy.BOUNDARY_SLACK_S + 0.1
+    assert provider.readbacks[-1] <= HORIZON + decisions.BOUNDARY_SLACK_S + 0.1
 
 
 def test_readback_outage_then_recovery_decides_by_the_readback() -> None:
@@ -332,19 +331,19 @@ def test_decide_invariants_over_states_epochs_and_times(readback: bool, webhooks
             assert not webhooks or now >= NOTICED + TIMING.webhook_wait_s
         if isinstance(d, Wait):
             assert webhooks and now < NOTICED + TIMING.webhook_wait_s
-            assert strategy.MIN_DELAY_S <= d.delay_s <= TIMING.backoff_cap_s
+            assert decisions.MIN_DELAY_S <= d.delay_s <= TIMING.backoff_cap_s
         if isinstance(d, Decide):
             assert not readback
             assert not webhooks or now >= NOTICED + TIMING.webhook_wait_s
 
 
 @pytest.mark.parametrize("answer", [FOUND, NOT_FOUND, ERROR], ids=["found", "absent", "error"])
-def test_after_readback_invariants(answer: ReadbackAnswer) -> None:
+def test_after_readback_invariants(answer: ReadbackResult) -> None:
     tool = make_tool(readback=True)
     for sent, took, deliveries in itertools.product(TIMES, (0.0, 0.5, 30.0), (1, 3, 80)):
         d = run_after(tool, answer, sent, sent + took, deliveries)
         if isinstance(d, Wait):
-            assert strategy.MIN_DELAY_S <= d.delay_s <= TIMING.backoff_cap_s
+            assert decisions.MIN_DELAY_S <= d.delay_s <= TIMING.backoff_cap_s
             assert answer is not FOUND
             continue
         if d.verdict == "applied":
@@ -361,17 +360,18 @@ def test_after_readback_invariants(answer: ReadbackAnswer) -> None:
 def test_two_matches_are_a_duplicate_for_review_never_a_quiet_applied(sent: float) -> None:
     """A readback listing two effects for one key: undecidable (the review queue), with the
     count in the evidence, whenever the readback ran."""
-    dup = ReadbackAnswer(True, provider_ref="cus_1", digest="sha256:cc", http_status=200,
-                         matches=2)
+    dup = ReadbackResult(True, provider_ref="cus_1", evidence_digest="sha256:cc", http_status=200,
+                         matches=2, provider_refs=("cus_1", "cus_2"))
     d = run_after(make_tool(readback=True), dup, sent)
     assert isinstance(d, Decide) and d.verdict == "undecidable"
     assert d.reason.startswith("duplicate_detected")
     assert d.evidence is not None and d.evidence.matches == 2
-    assert d.evidence.provider_ref == "cus_1"
+    # Every effect listed, not only the first: what an operator refunds or deletes.
+    assert (d.evidence.provider_ref, d.evidence.provider_refs) == ("cus_1", ["cus_1", "cus_2"])
 
 
 def test_one_match_is_applied() -> None:
-    one = ReadbackAnswer(True, provider_ref="cus_1", digest="sha256:cc", http_status=200,
+    one = ReadbackResult(True, provider_ref="cus_1", evidence_digest="sha256:cc", http_status=200,
                          matches=1)
     d = run_after(make_tool(readback=True), one, NOTICED)
     assert isinstance(d, Decide) and d.verdict == "applied"

@@ -28,11 +28,13 @@ from effectledger_core.messages import (
     encode,
     parse,
 )
+from effectledger_core.readbacks import ReadbackResult
+from effectledger_core.states import State
 from effectledger_core.subjects import Subjects
 from effectledger_obs import logs, tracing
 from effectledger_providers.testing import FakeProviderClient
+from effectledger_reconciler.decisions import OperationView, Timing
 from effectledger_reconciler.ledger_client import LedgerUnavailable, parse_operation_reply
-from effectledger_reconciler.strategy import OperationView, ReadbackAnswer, Timing
 from effectledger_reconciler.worker import Reconciler, http_readback
 
 T0 = datetime(2026, 11, 1, 12, 0, 0, tzinfo=UTC)
@@ -72,16 +74,17 @@ class FakeProvider:
         self.calls = 0
         self.delay_s = 0.0
 
-    async def readback(self, tool: Tool, cmd: ReconcileOperation) -> ReadbackAnswer:
+    async def readback(self, tool: Tool, cmd: ReconcileOperation) -> ReadbackResult:
         self.calls += 1
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         if self.error is not None:
-            return ReadbackAnswer(None, error=self.error)
+            return ReadbackResult(None, error=self.error)
         elapsed = (self.clock() - T0).total_seconds()
         if self.applies_at is not None and elapsed >= self.applies_at:
-            return ReadbackAnswer(True, provider_ref="eff_9", digest="sha256:f0", http_status=200)
-        return ReadbackAnswer(False, digest="sha256:0f", http_status=404)
+            return ReadbackResult(True, provider_ref="eff_9", evidence_digest="sha256:f0",
+                                  http_status=200)
+        return ReadbackResult(False, evidence_digest="sha256:0f", http_status=404)
 
 
 def command(tool: str = "rb", epoch: int = 1, **extra: Any) -> ReconcileOperation:
@@ -105,7 +108,7 @@ class World:
 @pytest.fixture
 def world() -> World:
     clock = FakeClock()
-    ledger = FakeLedger({"op1": OperationView(id="op1", state="ambiguous", epoch=1)}, now=T0)
+    ledger = FakeLedger({"op1": OperationView(id="op1", state=State.AMBIGUOUS, epoch=1)}, now=T0)
     publisher = FakePublisher()
     provider = FakeProvider(clock)
     reconciler = Reconciler(ledger=ledger, publisher=publisher, catalog=CATALOG,
@@ -175,7 +178,7 @@ async def test_webhook_tool_rechecks_the_ledger_each_delivery_and_stops_once_dec
     await world.reconciler.handle(d)
     assert d.naks and not d.acked and world.ledger.reads == 1
     # Meanwhile the ledger applied a webhook: the next delivery just acks.
-    world.ledger.operations["op1"] = OperationView(id="op1", state="succeeded", epoch=1)
+    world.ledger.operations["op1"] = OperationView(id="op1", state=State.SUCCEEDED, epoch=1)
     d = delivery(encode(command("hook")), deliveries=2)
     await world.reconciler.handle(d)
     assert d.acked and not world.publisher.messages and world.ledger.reads == 2
@@ -189,9 +192,9 @@ async def test_webhook_only_tool_needs_review_after_the_wait(world: World) -> No
     assert verdict.verdict == "undecidable" and "webhook" in verdict.reason and d.acked
 
 
-@pytest.mark.parametrize("op", [OperationView(id="op1", state="ambiguous", epoch=2),
-                                OperationView(id="op1", state="succeeded", epoch=1),
-                                OperationView(id="op1", state="needs_review", epoch=1)])
+@pytest.mark.parametrize("op", [OperationView(id="op1", state=State.AMBIGUOUS, epoch=2),
+                                OperationView(id="op1", state=State.SUCCEEDED, epoch=1),
+                                OperationView(id="op1", state=State.NEEDS_REVIEW, epoch=1)])
 async def test_stale_or_decided_commands_are_acked_without_work(world: World,
                                                                 op: OperationView) -> None:
     world.ledger.operations["op1"] = op
@@ -259,7 +262,7 @@ async def test_a_dead_letter_that_cannot_be_stored_is_not_acked(world: World) ->
 
 
 async def test_an_unexpected_error_naks_instead_of_losing_the_command(world: World) -> None:
-    async def broken(tool: Tool, cmd: ReconcileOperation) -> ReadbackAnswer:
+    async def broken(tool: Tool, cmd: ReconcileOperation) -> ReadbackResult:
         raise RuntimeError("adapter bug")
 
     world.reconciler.readback = broken
@@ -297,7 +300,7 @@ async def test_http_readback_maps_the_provider_answer() -> None:
         absent = await run(tool, command().model_copy(update={"operation_key": "ck_2"}))
         broken = await run(tool, command().model_copy(update={"operation_key": "ck_3"}))
     assert (found.found, found.provider_ref, found.http_status) == (True, "eff_3", 200)
-    assert found.digest is not None and found.digest.startswith("sha256:")
+    assert found.evidence_digest is not None and found.evidence_digest.startswith("sha256:")
     assert (absent.found, absent.http_status) == (False, 404)
     assert broken.found is None and broken.error
     assert seen[0].headers["authorization"] == "Bearer sekrit"
@@ -308,12 +311,16 @@ async def test_http_readback_maps_the_provider_answer() -> None:
 def test_operation_reply_parsing() -> None:
     ok = {"ok": True, "operation": {"id": "op1", "state": "ambiguous", "epoch": 3,
                                     "operation_key": "k", "tool": "rb", "provider_ref": None}}
-    assert parse_operation_reply(json.dumps(ok).encode()) == OperationView(
-        id="op1", state="ambiguous", epoch=3, operation_key="k", tool="rb")
+    view = parse_operation_reply(json.dumps(ok).encode())
+    assert view == OperationView(
+        id="op1", state=State.AMBIGUOUS, epoch=3, operation_key="k", tool="rb")
+    assert view is not None and view.state is State.AMBIGUOUS  # the core's member, not a string
     missing = {"ok": False, "error": {"code": "not_found", "message": "no such operation"}}
     assert parse_operation_reply(json.dumps(missing).encode()) is None
     for bad in (b"nope", b"[]", b'{"ok": true}', b'{"ok": true, "operation": {"id": "x"}}',
                 b'{"ok": true, "operation": {"id": "x", "state": "a", "epoch": true}}',
+                # A state this reconciler does not know: nothing is decided on it.
+                b'{"ok": true, "operation": {"id": "x", "state": "vanished", "epoch": 1}}',
                 b'{"ok": false, "error": {"code": "store_unavailable"}}', b'{"ok": false}'):
         with pytest.raises(LedgerUnavailable):
             parse_operation_reply(bad)

@@ -215,6 +215,9 @@ class LedgerService:
             webhook_binding=self.catalog.webhook_speaks_for, traceparent=traceparent))
         crash_point("ledger.inbox.after_commit")
         metrics.child(metrics.OUTCOMES, outcome.type, result.status).inc()
+        if result.duplicate is not None:  # stored webhooks that settled it named two objects
+            duplicates.announce(result.duplicate.tool, result.duplicate.matches,
+                                result.duplicate.operation_id)
         if result.status == "duplicate":
             metrics.child(metrics.INBOX_DUPLICATES, "outcome").inc()
         else:
@@ -261,6 +264,9 @@ class LedgerService:
         metrics.child(metrics.WEBHOOKS_RECORDED, result.status).inc()
         if result.status == "duplicate":
             metrics.child(metrics.INBOX_DUPLICATES, "webhook").inc()
+        if result.duplicate is not None:
+            duplicates.announce(result.duplicate.tool, result.duplicate.matches,
+                                result.duplicate.operation_id)
         if result.to_state == State.PENDING:
             await self._keep_trace(follow_up, traceparent)
             self.outbox_wake.set()

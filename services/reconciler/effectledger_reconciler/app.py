@@ -26,10 +26,10 @@ from effectledger_obs.logs import announce
 from effectledger_providers.adapters import load_adapter
 from effectledger_providers.calls import make_client
 
+from .decisions import Timing
 from .ledger_client import NatsLedgerClient
 from .native import NativeWebhooks
 from .signatures import WebhookVerifier
-from .strategy import Timing
 from .webhooks import create_app
 from .worker import ACK_WAIT_S, CONSUMER, Reconciler, http_readback
 

@@ -1,5 +1,5 @@
 """The duplicate detector: one re-read after the provider's horizon, when a retry was decided
-on "not found" evidence. Pure decisions, like strategy.py.
+on "not found" evidence. Pure decisions, like strategy.py, in the types of decisions.py.
 
 A readback that found nothing after the declared horizon lets the ledger retry a
 non-idempotent call under a new epoch. If the provider breaks its horizon and applies the
@@ -19,25 +19,25 @@ from datetime import datetime, timedelta
 
 from effectledger_core.catalog import Tool
 from effectledger_core.messages import Evidence, ReconcileOperation
+from effectledger_core.readbacks import ReadbackResult
+from effectledger_core.states import AT_REST, State
 
-from .strategy import (
+from .decisions import (
     AfterReadback,
     Decide,
     Decision,
     Done,
     NeedReadback,
     OperationView,
-    ReadbackAnswer,
     Reject,
     Timing,
     Wait,
-    _wait_until,
     backoff,
+    wait_until,
 )
 
 # States in which the operation is still moving: the audit waits for it to come to rest.
-MOVING = frozenset({"pending", "in_flight", "ambiguous", "awaiting_confirmation",
-                    "awaiting_approval"})
+MOVING = frozenset(State) - AT_REST
 
 
 def due_at(cmd: ReconcileOperation, tool: Tool, timing: Timing) -> datetime:
@@ -57,15 +57,15 @@ def decide(cmd: ReconcileOperation, op: OperationView | None, tool: Tool | None,
         return Done("no audit: the tool's readback cannot count effects")
     due = due_at(cmd, tool, timing)
     if now < due:
-        return _wait_until(due, now, deliveries, timing, "audit waits for the horizon + slack")
+        return wait_until(due, now, deliveries, timing, "audit waits for the horizon + slack")
     if op.state in MOVING:
         return Wait(backoff(deliveries, timing), f"audit waits: the operation is {op.state}")
-    if op.state != "succeeded":
+    if op.state != State.SUCCEEDED:
         return Done(f"no audit: the operation ended {op.state}")
     return NeedReadback()
 
 
-def after_readback(cmd: ReconcileOperation, tool: Tool, answer: ReadbackAnswer, *,
+def after_readback(cmd: ReconcileOperation, tool: Tool, answer: ReadbackResult, *,
                    answered_at: datetime, deliveries: int, timing: Timing) -> AfterReadback:
     if answer.found is None:
         deadline = due_at(cmd, tool, timing) + timedelta(seconds=timing.reconcile_deadline_s)
@@ -78,5 +78,6 @@ def after_readback(cmd: ReconcileOperation, tool: Tool, answer: ReadbackAnswer, 
     return Decide("undecidable", f"duplicate_detected: the audit after the horizon found "
                   f"{matches} effects for this operation key", Evidence(
                       source="readback", at=answered_at, provider_ref=answer.provider_ref,
-                      digest=answer.digest, matches=matches,
+                      digest=answer.evidence_digest, matches=matches,
+                      provider_refs=list(answer.provider_refs) or None,
                       detail=f"audit readback found {matches} effects for one key"))

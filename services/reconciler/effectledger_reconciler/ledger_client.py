@@ -22,9 +22,10 @@ from effectledger_core.messages import (
     encode,
     parse_answer,
 )
+from effectledger_core.states import State
 from effectledger_core.subjects import Subjects
 
-from .strategy import OperationView
+from .decisions import OperationView
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,13 @@ def operation_view(answer: OperationAnswer) -> OperationView | None:
         raise LedgerUnavailable(f"the ledger refused the operation read: {answer.error.code}",
                                 reply=answer.error.message[:300])
     op = answer.operation
-    return OperationView(id=op.id, state=op.state, epoch=op.epoch,
+    try:
+        state = State(op.state)
+    except ValueError:
+        # A ledger newer than this reconciler: nothing is decided on a state it cannot read.
+        raise LedgerUnavailable(f"the ledger answered an unknown state {op.state[:100]!r}"
+                                ) from None
+    return OperationView(id=op.id, state=state, epoch=op.epoch,
                          operation_key=op.operation_key, tool=op.tool,
                          provider_ref=op.provider_ref, arguments_digest=op.arguments_digest)
 

@@ -29,14 +29,15 @@ from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.errors import BrokerUnavailable, PayloadTooLarge, PoisonMessage, UnknownTool
 from effectledger_core.ids import Clock, utcnow
 from effectledger_core.messages import ReconcileOperation, VerdictReached, encode, parse
+from effectledger_core.readbacks import ReadbackResult
 from effectledger_core.subjects import Subjects
 from effectledger_obs import logs, metrics, tracing
 from effectledger_providers.calls import readback as provider_readback
 from effectledger_providers.session import ProviderClient
 
-from . import strategy
+from . import decisions, strategy
+from .decisions import Timing
 from .ledger_client import LedgerClient, LedgerUnavailable
-from .strategy import ReadbackAnswer, Timing
 
 log = logging.getLogger(__name__)
 CONSUMER = "reconciler"
@@ -46,7 +47,7 @@ PUBLISH_ATTEMPTS = 3
 # taken over by another replica) the oldest are forgotten, and only their end line is lost.
 MAX_WAITING = 10_000
 
-ReadbackFn = Callable[[Tool, ReconcileOperation], Awaitable[ReadbackAnswer]]
+ReadbackFn = Callable[[Tool, ReconcileOperation], Awaitable[ReadbackResult]]
 
 
 @dataclass
@@ -58,13 +59,9 @@ class _Waiting:
 def http_readback(client: ProviderClient, env: Mapping[str, str]) -> ReadbackFn:
     """Readback through the shared provider code (same adapters, `${ENV}` headers)."""
 
-    async def run(tool: Tool, cmd: ReconcileOperation) -> ReadbackAnswer:
-        result = await provider_readback(client, tool, cmd.operation_key, cmd.operation_id,
-                                         dict(cmd.arguments), env)
-        return ReadbackAnswer(found=result.found, provider_ref=result.provider_ref,
-                              digest=result.evidence_digest, http_status=result.http_status,
-                              error=result.error, matches=result.matches,
-                              result=result.result)
+    async def run(tool: Tool, cmd: ReconcileOperation) -> ReadbackResult:
+        return await provider_readback(client, tool, cmd.operation_key, cmd.operation_id,
+                                       dict(cmd.arguments), env)
 
     return run
 
@@ -93,7 +90,7 @@ class Reconciler:
         except Exception:
             # A bug or an unexpected library error: never lose the command, look again later.
             log.exception("reconciler: unexpected error on %s", d.subject)
-            await d.nak(delay=strategy.backoff(d.deliveries, self.timing))
+            await d.nak(delay=decisions.backoff(d.deliveries, self.timing))
 
     async def _handle(self, d: Delivery) -> None:
         try:
@@ -119,23 +116,23 @@ class Reconciler:
             tool = None
         decision = strategy.decide(cmd, op, tool, now=self.clock(), deliveries=d.deliveries,
                                    timing=self.timing)
-        if isinstance(decision, strategy.NeedReadback):
+        if isinstance(decision, decisions.NeedReadback):
             assert tool is not None
             decision = await self._readback(d, cmd, tool)
-        if isinstance(decision, strategy.Done):
+        if isinstance(decision, decisions.Done):
             self.stats["done"] += 1
             log.info("reconcile: no verdict to give: %s%s", decision.reason, self._waited(cmd))
             await d.ack()
-        elif isinstance(decision, strategy.Wait):
+        elif isinstance(decision, decisions.Wait):
             await self._wait(d, cmd, decision)
-        elif isinstance(decision, strategy.Reject):
+        elif isinstance(decision, decisions.Reject):
             self._waited(cmd)
             await self._reject(d, decision.reason)
         else:
             await self._verdict(d, cmd, decision)
 
     async def _readback(self, d: Delivery, cmd: ReconcileOperation,
-                        tool: Tool) -> strategy.AfterReadback:
+                        tool: Tool) -> decisions.AfterReadback:
         self.stats["readbacks"] += 1
         sent_at = self.clock()  # taken before sending: "not found" counts from here
         async with heartbeat(d, self.ack_wait_s / 3):
@@ -157,7 +154,7 @@ class Reconciler:
                                        answered_at=self.clock(), deliveries=d.deliveries,
                                        timing=self.timing)
 
-    async def _wait(self, d: Delivery, cmd: ReconcileOperation, wait: strategy.Wait) -> None:
+    async def _wait(self, d: Delivery, cmd: ReconcileOperation, wait: decisions.Wait) -> None:
         self.stats["waits"] += 1
         key = (cmd.operation_id, cmd.epoch)
         waiting = self._waiting.get(key)
@@ -181,7 +178,7 @@ class Reconciler:
         return f" (after {waiting.waits} wait(s) over {seconds:.1f}s)"
 
     async def _verdict(self, d: Delivery, cmd: ReconcileOperation,
-                       decision: strategy.Decide) -> None:
+                       decision: decisions.Decide) -> None:
         verdict = VerdictReached(operation_id=cmd.operation_id, epoch=cmd.epoch,
                                  verdict=decision.verdict, evidence=decision.evidence,
                                  reconciler_id=self.reconciler_id, reason=decision.reason,
@@ -193,7 +190,7 @@ class Reconciler:
         except BrokerUnavailable as exc:
             self.stats["publish_failed"] += 1
             log.error("reconcile: verdict not stored: %s", exc.message)
-            await d.nak(delay=strategy.backoff(d.deliveries, self.timing))
+            await d.nak(delay=decisions.backoff(d.deliveries, self.timing))
             return
         self.stats[decision.verdict] += 1
         source = decision.evidence.source if decision.evidence is not None else "none"
@@ -209,7 +206,7 @@ class Reconciler:
                                 msgids.dead_letter(letter))
         except BrokerUnavailable as exc:
             log.error("could not dead-letter a message on %s: %s", d.subject, exc.message)
-            await d.nak(delay=strategy.backoff(d.deliveries, self.timing))
+            await d.nak(delay=decisions.backoff(d.deliveries, self.timing))
             return
         self.stats["dead_lettered"] += 1
         log.warning("dead-lettered a message on %s: %s", d.subject, error)

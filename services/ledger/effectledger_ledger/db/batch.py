@@ -14,11 +14,12 @@ its usual retries): one bad call can neither fail nor half-apply its neighbours.
 must therefore be pure transaction functions (all their effects are in the connection), which
 the `*_txn` functions are.
 
-A call may also be a typed value with a set-based form: a `BatchCall` (a frozen dataclass of the
-call's inputs) whose class implements `many(conn, calls)`. The calls of one class in one batch are
-handed over together and get one result each, or an exception instance for a call refused
-without writing anything. That turns N claims into a handful of statements instead of N times as
-many. A call alone (or replayed after a rolled-back batch) is a batch of one: one code path.
+A call may also be a typed value with a set-based form: a `BatchCall` (`calls.py`: a frozen
+dataclass of the call's inputs) whose class implements `many(conn, calls)`. The calls of one
+class in one batch are handed over together and get one result each, or an exception instance
+for a call refused without writing anything. That turns N claims into a handful of statements
+instead of N times as many. A call alone (or replayed after a rolled-back batch) is a batch of
+one: one code path.
 """
 
 from __future__ import annotations
@@ -28,46 +29,23 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Generic, Self, TypeVar
+from typing import Any, Generic, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_obs import metrics
 
+from .calls import BatchCall
 from .store import Store
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-R = TypeVar("R")
 # Background calls a batch holding urgent calls takes at least (see `GroupCommit._take`).
 URGENT_TOP_UP = 8
 # A background-only batch this large lets urgent calls run beside it (`GroupCommit._express`).
 EXPRESS_AFTER = 2 * URGENT_TOP_UP
-
-
-class BatchCall(Generic[R]):
-    """A typed batched call: subclasses are frozen dataclasses of one call's inputs.
-
-    `many` decides a whole batch of calls of its class together (set-based); `one` runs a
-    single call as a batch of one, raising the exception `many` refused it with.
-    """
-
-    __slots__ = ()
-    # Someone holds a request open for calls of this class: they go ahead of background calls.
-    urgent: ClassVar[bool] = False
-
-    @classmethod
-    async def many(cls, conn: AsyncConnection, calls: Sequence[Self]
-                   ) -> Sequence[R | Exception]:
-        raise NotImplementedError
-
-    async def one(self, conn: AsyncConnection) -> R:
-        [result] = await type(self).many(conn, [self])
-        if isinstance(result, Exception):
-            raise result
-        return result
 
 
 async def _one(conn: AsyncConnection, call: BatchCall[T]) -> T:

@@ -20,7 +20,7 @@ from effectledger_core.commands import arguments_digest, mismatch
 from effectledger_core.messages import ClaimAttempt, ClaimReply, ClaimStatus
 from effectledger_core.states import AttemptStatus, Event, JournalKind, State, sources
 
-from .batch import BatchCall
+from .calls import BatchCall
 from .common import execute_rows, journal_row, lock_with_attempts
 from .schema import attempts, operations
 from .transitions import Batch, Change

@@ -14,16 +14,16 @@ from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.errors import EffectLedgerError, IdempotencyConflict
 from effectledger_core.ids import operation_key as derive_operation_key
 from effectledger_core.intents import reject_nul, validate_arguments
-from effectledger_core.messages import DispatchAttempt, SubmitIntent, encode
+from effectledger_core.messages import SubmitIntent
 from effectledger_core.states import JournalKind, OutboxKind, State
 from effectledger_core.subjects import Subjects
 
 from . import hot
-from .batch import BatchCall
+from .calls import BatchCall
 from .common import execute_rows, insert_journal, journal_row, notify_outbox
-from .outbox import OutboxItem
+from .outbox import OutboxItem, dispatch_row
 from .rows import JournalRow, OperationRow
-from .schema import OUTBOX_PENDING, OUTBOX_PUBLISHING, operations, outbox
+from .schema import OUTBOX_PUBLISHING, operations, outbox
 
 
 @dataclass(frozen=True)
@@ -33,19 +33,6 @@ class Submitted:
     # The dispatch command, leased to this ledger for publishing right after the commit
     # (only when the caller asked for a lease, see `lease_until`).
     command: OutboxItem | None = None
-
-
-def dispatch_row(op: OperationRow, *, subjects: Subjects, outbox_id: str,
-                 now: datetime) -> dict[str, Any]:
-    """The outbox row carrying the DispatchAttempt command for `op` at its current epoch."""
-    cmd = DispatchAttempt(
-        operation_id=op.id, operation_key=op.operation_key, epoch=op.epoch,
-        tool=op.tool, arguments=op.arguments, arguments_digest=op.arguments_digest,
-        catalog_digest=op.tool_digest, contract_revision=op.contract_revision)
-    return dict(id=outbox_id, operation_id=op.id, epoch=op.epoch,
-                kind=OutboxKind.DISPATCH.value,
-                subject=subjects.dispatch(op.tool), payload=encode(cmd).decode(),
-                status=OUTBOX_PENDING, created_at=now, available_at=now, publish_count=0)
 
 
 # Built once (see common._LOCK_WITH_ATTEMPTS).

@@ -1,4 +1,7 @@
-"""Outbox relay and sweeper queries.
+"""The outbox: the commands transitions write, and the relay's and sweeper's queries.
+
+`dispatch_row` builds the row carrying a DispatchAttempt; intents and the transition applier
+both write it, so it lives here, below both.
 
 Rows are claimed by status with a short lease, never by "last seen id": ids are allocated at
 insert but become visible at commit, so a row with a smaller id can appear later. The lease is
@@ -17,10 +20,13 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_bus import msgids
+from effectledger_core.messages import DispatchAttempt, encode
 from effectledger_core.states import UNRESOLVED, JournalKind, OutboxKind, State
+from effectledger_core.subjects import Subjects
 
-from .batch import BatchCall
+from .calls import BatchCall
 from .common import append_journal
+from .rows import OperationRow
 from .schema import (
     OUTBOX_CONSUMED,
     OUTBOX_OBSOLETE,
@@ -47,6 +53,19 @@ class OutboxItem:
         # generation is deduplicated by JetStream, while a sweeper republish after message loss
         # must not be swallowed by the duplicate window. Consumers dedup by claim/inbox anyway.
         return msgids.dispatch(self.id, self.publish_count)
+
+
+def dispatch_row(op: OperationRow, *, subjects: Subjects, outbox_id: str,
+                 now: datetime) -> dict[str, Any]:
+    """The outbox row carrying the DispatchAttempt command for `op` at its current epoch."""
+    cmd = DispatchAttempt(
+        operation_id=op.id, operation_key=op.operation_key, epoch=op.epoch,
+        tool=op.tool, arguments=op.arguments, arguments_digest=op.arguments_digest,
+        catalog_digest=op.tool_digest, contract_revision=op.contract_revision)
+    return dict(id=outbox_id, operation_id=op.id, epoch=op.epoch,
+                kind=OutboxKind.DISPATCH.value,
+                subject=subjects.dispatch(op.tool), payload=encode(cmd).decode(),
+                status=OUTBOX_PENDING, created_at=now, available_at=now, publish_count=0)
 
 
 async def lease_batch_txn(conn: AsyncConnection, *, now: datetime, limit: int,

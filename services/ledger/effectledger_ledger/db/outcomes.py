@@ -34,7 +34,7 @@ from effectledger_core.states import Event, JournalKind, State, sources
 from effectledger_core.subjects import Subjects
 
 from . import hot
-from .batch import BatchCall
+from .calls import BatchCall
 from .common import (
     Locked,
     LockedOp,

@@ -22,10 +22,12 @@ from effectledger_core.subjects import Subjects
 
 from .common import append_journal, insert_ignore
 from .duplicates import (
+    already_recorded,
     is_duplicate,
     note_duplicate_txn,
     record_audit_duplicate_txn,
     schedule_audit_txn,
+    webhook_duplicate_txn,
 )
 from .rows import OperationRow, Recorded
 from .schema import attempts, inbox, operations, webhook_events
@@ -88,6 +90,13 @@ async def apply_verdict(conn: AsyncConnection, *, op: OperationRow, epoch: int, 
             # makes a duplicate: look again once it could have shown (duplicates.py).
             await schedule_audit_txn(conn, op=op, epoch=epoch, now=now, subjects=subjects,
                                      outbox_id=f"{outbox_id}.audit"[:64])
+    elif verdict == "applied" and epoch > 1:
+        # A retry decided applied from evidence: its own request may still land at a provider
+        # that breaks its horizon, after the audit of the epoch it retried has looked. It gets
+        # an audit of its own (the outbox id is free: "applied" queues no dispatch).
+        await schedule_audit_txn(conn, op=op, epoch=epoch, now=now, subjects=subjects,
+                                 outbox_id=f"{outbox_id}.audit"[:64],
+                                 reason="a retry decided applied")
     return Recorded("applied", to_state=applied.step.to.value)
 
 
@@ -124,7 +133,10 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
     evidence = (v.evidence.model_dump(mode="json") if v.evidence else {})
     evidence |= {"reason": v.reason, "reconciler_id": v.reconciler_id}
     verdict = v.verdict
-    if op is not None and op.state is State.SUCCEEDED and is_duplicate(evidence):
+    audit_finding = op is not None and op.state is State.SUCCEEDED and is_duplicate(evidence)
+    repeat = audit_finding and op is not None and already_recorded(op.evidence, evidence)
+    if audit_finding and not repeat:
+        assert op is not None
         # A duplicate audit's finding: recorded on the succeeded operation, state unchanged.
         if await record_audit_duplicate_txn(conn, op=op, epoch=v.epoch, evidence=evidence,
                                             actor=f"reconciler:{v.reconciler_id}", now=now):
@@ -134,6 +146,8 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
         # applied" is a guess, and a guess goes to a human, never to success or a retry.
         evidence["claimed_verdict"], verdict = verdict, "undecidable"
     result = (Recorded("rejected", reason="unknown_operation") if op is None else
+              # Another epoch's audit of the key found the same effects: journaled once.
+              Recorded("rejected", reason="duplicate_already_recorded") if repeat else
               await apply_verdict(conn, op=op, epoch=v.epoch, verdict=verdict,
                                   evidence=evidence, actor=f"reconciler:{v.reconciler_id}",
                                   now=now, subjects=subjects, outbox_id=outbox_id,
@@ -224,6 +238,12 @@ async def _use_webhook(conn: AsyncConnection, op: OperationRow, hook: dict[str, 
             await append_journal(conn, operation_id=op.id, at=now,
                                  kind=JournalKind.EVIDENCE_CONFLICT, actor=actor, epoch=op.epoch,
                                  detail={"webhook_id": hook["webhook_id"], "says": verdict})
+        elif verdict == "applied" and (
+                found := await webhook_duplicate_txn(conn, op=op, hook=hook, now=now)):
+            # Another provider object for the same key: a second effect, reported at once.
+            await conn.execute(webhook_events.update().where(where).values(
+                applied="duplicate_detected"))
+            return Recorded("kept", reason="duplicate_detected", duplicate=found)
         else:
             await append_journal(conn, operation_id=op.id, at=now, kind=JournalKind.WEBHOOK_KEPT,
                                  actor=actor, epoch=op.epoch,
@@ -261,6 +281,13 @@ async def _use_webhook(conn: AsyncConnection, op: OperationRow, hook: dict[str, 
                                  traceparent=traceparent)
     await conn.execute(webhook_events.update().where(where).values(
         applied="applied" if result.status == "applied" else f"rejected:{result.reason}"))
+    if result.status == "applied" and verdict == "applied":
+        # An event of this provider kept before the operation was unresolved may name
+        # another object for the same key.
+        found = await webhook_duplicate_txn(conn, op=op, hook=hook, now=now, settled=True)
+        if found is not None:
+            return Recorded("applied", to_state=result.to_state, reason="duplicate_detected",
+                            duplicate=found)
     return result
 
 

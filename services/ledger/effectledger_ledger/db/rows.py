@@ -8,7 +8,7 @@ keeps its JSON shape: `as_dict()` gives exactly the column mapping the API alway
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, NamedTuple, TypedDict
 
@@ -75,6 +75,14 @@ class JournalRow(TypedDict):
     detail: dict[str, Any]
 
 
+class DuplicateFound(NamedTuple):
+    """A duplicate a transaction recorded, to be announced after its commit."""
+
+    operation_id: str
+    tool: str
+    matches: int
+
+
 @dataclass(frozen=True)
 class Recorded:
     """What became of an outcome, verdict or webhook."""
@@ -82,3 +90,6 @@ class Recorded:
     status: Literal["applied", "duplicate", "rejected", "kept"]
     to_state: str | None = None
     reason: str | None = None
+    # A duplicate to announce after the commit: a note for the caller, not part of what
+    # became of the message (so not compared or shown).
+    duplicate: DuplicateFound | None = field(default=None, repr=False, compare=False)

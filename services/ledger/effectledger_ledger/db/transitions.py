@@ -44,7 +44,7 @@ from effectledger_core.states import (
 from effectledger_core.subjects import Subjects
 
 from .common import execute_rows, insert_journal, journal_row, notify_outbox
-from .intents import dispatch_row
+from .outbox import dispatch_row
 from .rows import JournalRow, OperationRow, Recorded
 from .schema import attempts, operations, outbox
 
