@@ -5,6 +5,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from effectledger_bus.httpedge import NulFree
 from effectledger_core.waiting import DEFAULT_MAX_WAIT_S
 from effectledger_obs.http import HttpObservability
 
@@ -31,6 +32,10 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
                                           before_scrape=before_scrape)
     # Request counts by route template and, when tracing is on, a span per request.
     app.add_middleware(HttpObservability)
+    # The server edge (effectledger_bus.httpedge) already answers 400 to NUL in the path or
+    # query; the app says so itself too, so no other ASGI server (or in-process client) can
+    # carry one into a query, where PostgreSQL refuses it with a 500.
+    app.add_middleware(NulFree)
     errors.install(app)
     for router in ROUTERS:
         app.include_router(router)
