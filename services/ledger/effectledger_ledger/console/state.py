@@ -25,6 +25,7 @@ from ..db import console_reads as cr
 from ..service import LedgerService
 from . import views
 from .sessions import LOGIN_COOKIE, PREFIX, SESSION_COOKIE, Session, SessionStore, same_secret
+from .throttle import SignInThrottle
 
 HERE = Path(__file__).parent
 OVERVIEW_TTL_S = 2.0
@@ -48,6 +49,7 @@ class Console:
         self.service = service
         self.auth = authenticator
         self.sessions = SessionStore()
+        self.throttle = SignInThrottle()
         self._overviews: dict[str | None, tuple[float, datetime, cr.Overview]] = {}
         self.templates = Jinja2Templates(directory=HERE / "templates")
         env = self.templates.env
