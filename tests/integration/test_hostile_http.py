@@ -23,6 +23,7 @@ import asyncio
 import base64
 import json
 import os
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,8 +84,13 @@ def b64(raw: bytes) -> str:
 wire = st.one_of(hostile_text.map(utf8), hostile_bytes)
 # A cursor is base64 JSON `[created_at, id]`: mostly a well-formed document holding hostile
 # text (JSON-escaped) or bytes (raw), so the draw gets past base64 and JSON to the checks.
+# Times at the edges of what a datetime holds: with an offset, some have no UTC value.
+EDGE_TIMES = ["0001-01-01T00:00:00+14:00", "9999-12-31T23:59:59-14:00", "0001-01-01T00:00:00",
+              "9999-12-31T23:59:59.999999+00:00", "2026-02-30T00:00:00+00:00",
+              "2026-11-30T25:00:00+00:00", "2026-11-30T09:00:00+24:00"]
 cursor = st.one_of(
     hostile_text.map(lambda t: b64(json.dumps(["2026-11-30T09:00:00+00:00", t]).encode())),
+    st.sampled_from(EDGE_TIMES).map(lambda t: b64(json.dumps([t, "id00001"]).encode())),
     hostile_bytes.map(lambda b: b64(b'["2026-11-30T09:00:00+00:00", "' + b + b'"]')),
     st.tuples(hostile_text, hostile_text).map(lambda v: b64(json.dumps(list(v)).encode())),
     hostile_bytes.map(b64),
@@ -202,6 +208,8 @@ FOUND: list[Drawn] = [
     ("GET", "/v1/operations?cursor=" + b64(b'["2026-11-30T09:00:00+00:00", "\xed\xa0\x80"]'),
      AS_AGENT, None),  # the same as CESU-8 bytes (json.loads reads them with surrogatepass)
     ("GET", "/v1/operations/%00/journal", AS_AGENT, None),  # PostgreSQL: NUL in an id
+    ("GET", "/v1/operations?cursor=" + b64(b'["0001-01-01T00:00:00+14:00", "id00001"]'),
+     AS_AGENT, None),  # both: a cursor time with no UTC value
 ]
 
 
@@ -325,3 +333,95 @@ async def test_nul_in_an_id_is_a_4xx_without_the_server_edge(
                                     headers={"authorization": f"Bearer {OPERATOR}"})
         assert resp.status_code == 400, (path, resp.text)
         assert resp.json()["error"]["code"] == "invalid_request"
+
+
+# ---- the console ----------------------------------------------------------------------------
+
+CONSOLE_CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+CONSOLE_PAGES = [("/console/", ()), ("/console/overview/cards", ()),
+                 ("/console/operations", ("state", "tool", "tenant", "task", "from", "to", "q",
+                                          "duplicates", "order", "cursor")),
+                 ("/console/operations/{id}", ()), ("/console/operations/{id}/state.json", ()),
+                 ("/console/operations/{id}/receipt.json", ()), ("/console/approvals", ()),
+                 ("/console/approvals/{id}", ()), ("/console/reviews", ()),
+                 ("/console/reviews/{id}", ()), ("/console/pipeline", ()),
+                 ("/console/login", ("next", "error"))]
+CONSOLE_FORMS = [("/console/operations/{id}/cancel", ("reason",)),
+                 ("/console/operations/{id}/retry", ("epoch",)),
+                 ("/console/approvals/{id}/approve", ("epoch", "arguments_digest")),
+                 ("/console/approvals/{id}/reject", ("epoch", "reason")),
+                 ("/console/reviews/{id}", ("epoch", "conclusion", "evidence_ref", "retry"))]
+
+
+# What the draw found before the fix (500s): a filter time with no UTC value.
+CONSOLE_FOUND: list[tuple[str, str, dict[str, bytes]]] = [
+    ("GET", "/console/operations?from=0001-01-01T00%3A00%3A00%2B14%3A00", {}),
+    ("GET", "/console/operations?to=9999-12-31T23%3A59%3A59-14%3A00", {})]
+
+
+@st.composite
+def console_requests(draw: st.DrawFn, ids: list[str]) -> tuple[str, str, dict[str, bytes]]:
+    """(method, path with query, form fields): a page with hostile parameters, or a form
+    with hostile fields (the session's CSRF token is added when it is sent)."""
+    post = draw(st.booleans())
+    # The list (ten filters, the cursor) is drawn as often as all other pages together.
+    pages = [*CONSOLE_PAGES, *[CONSOLE_PAGES[2]] * (len(CONSOLE_PAGES) - 1)]
+    path, names = draw(st.sampled_from(CONSOLE_FORMS if post else pages))
+    if "{id}" in path:
+        raw = draw(st.one_of(st.sampled_from(ids).map(str.encode), wire))
+        path = path.replace("{id}", quote_from_bytes(raw, safe=""))
+    values = {name: draw(st.one_of(
+        wire, st.sampled_from(EDGE_TIMES).map(str.encode) if name in ("from", "to") else wire,
+        cursor if name == "cursor" else wire, st.just(b"1"))) for name in names
+        if draw(st.integers(0, 3)) == 0}  # each one time in four: most draws reach the query
+    if post:
+        return "POST", path, values
+    query = "&".join(f"{k}={quote_from_bytes(v, safe='')}" for k, v in values.items())
+    return "GET", path + (f"?{query}" if query else ""), {}
+
+
+async def test_hostile_bytes_at_every_console_page_and_form_never_get_a_5xx(
+        ledger: tuple[LedgerService, httpx.AsyncClient], store: Store) -> None:
+    svc, client = ledger
+    ids = await seeded(svc, client)
+    csrf: dict[str, str] = {}
+    for token in (OPERATOR, AGENT_A):  # one session each, in its own cookie jar
+        page = await client.get("/console/login")
+        found = CONSOLE_CSRF.search(page.text)
+        assert found is not None
+        resp = await client.post("/console/login", data={"csrf": found.group(1),
+                                                          "token": token})
+        assert resp.status_code == 303, resp.text
+        csrf[token] = client.cookies.pop("effectledger_console")
+    loop = asyncio.get_running_loop()
+    statuses: dict[int, int] = {}
+
+    async def send(who: str, request: tuple[str, str, dict[str, bytes]]) -> None:
+        method, path, fields = request
+        session = csrf[who]
+        cookies = {"cookie": f"effectledger_console={session}"}
+        body = None
+        if method == "POST":
+            page = await client.get("/console/", headers=cookies)
+            token = CONSOLE_CSRF.search(page.text)
+            assert token is not None, page.text[:300]
+            body = "&".join([f"csrf={token.group(1)}", *(
+                f"{k}={quote_from_bytes(v, safe='')}" for k, v in fields.items())]).encode()
+        form = {"content-type": "application/x-www-form-urlencoded"} if body is not None else {}
+        resp = await client.request(method, path, content=body, headers={**cookies, **form})
+        statuses[resp.status_code] = statuses.get(resp.status_code, 0) + 1
+        assert resp.status_code < 500, f"{method} {path[:160]!r} {body!r:.300}: " \
+                                       f"{resp.status_code} {resp.text[:300]}"
+
+    @settings(max_examples=EXAMPLES // 2, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow])
+    @given(st.sampled_from([OPERATOR, AGENT_A]), console_requests(ids))
+    def one(who: str, request: tuple[str, str, dict[str, bytes]]) -> None:
+        asyncio.run_coroutine_threadsafe(send(who, request), loop).result()
+
+    for known in CONSOLE_FOUND:
+        one = example(OPERATOR, known)(one)
+
+    await asyncio.to_thread(one)
+    assert any(s >= 400 for s in statuses) and any(s < 400 for s in statuses), statuses
+    await assert_nothing_half_written(store)

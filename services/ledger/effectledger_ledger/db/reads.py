@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Collection
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -111,6 +111,12 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
         raise InvalidRequest("malformed cursor") from exc
     if created.tzinfo is None:
         raise InvalidRequest("malformed cursor")
+    try:
+        # Stored in UTC: a time at the edge of the calendar (0001-01-01T00:00+14:00) has no
+        # UTC value, and converting it while binding the query would fail with a 500.
+        created = created.astimezone(UTC)
+    except OverflowError as exc:
+        raise InvalidRequest("malformed cursor") from exc
     return created, op_id
 
 
