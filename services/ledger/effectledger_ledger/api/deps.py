@@ -5,8 +5,9 @@ behind the request's token, and the ledger's settings for waits and probes.
 replaces any of them with `app.dependency_overrides[deps.service] = ...`.
 """
 
-# No `from __future__ import annotations` here: FastAPI resolves the annotations of
-# dependencies and routes at import time, and the aliases below are used in other modules.
+# FastAPI reads these annotations at run time to build the dependency graph: the aliases
+# below are module-level so every router resolves them (a local alias, as when the routes were
+# closures in create_app, silently became a required query parameter instead).
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any

@@ -6,7 +6,7 @@ form that carries that session's CSRF token.
 dependency with `app.dependency_overrides`.
 """
 
-# No `from __future__ import annotations`: FastAPI resolves these dependencies' annotations.
+# FastAPI reads these annotations at run time (see api/deps.py): the aliases are module-level.
 import time
 from datetime import datetime
 from pathlib import Path
