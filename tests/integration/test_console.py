@@ -5,6 +5,7 @@ same paths in Chromium against real processes."""
 
 from __future__ import annotations
 
+import base64
 import re
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -370,6 +371,20 @@ async def test_bad_filters_get_a_clear_error(browser: httpx.AsyncClient) -> None
                          ("from=2026-12-02T00:00&to=2026-12-01T00:00", "ends before")):
         resp = await browser.get(f"/console/operations?{query}")
         assert resp.status_code == 422 and words in resp.text, (query, resp.text[:300])
+
+
+async def test_a_cursor_holding_a_lone_surrogate_or_nul_is_a_clear_error_page(
+        browser: httpx.AsyncClient) -> None:
+    """Issue 28, "Bytes": the console's cursors were decoded without the API's checks, so an
+    unpaired surrogate (escaped, or as CESU-8 bytes) or NUL in the id failed the query."""
+    await sign_in(browser, token=OPERATOR)
+    for doc in (b'["2026-11-30T09:00:00+00:00", "\\ud800"]',
+                b'["2026-11-30T09:00:00+00:00", "\xed\xa0\x80"]',
+                b'["2026-11-30T09:00:00+00:00", "a\\u0000"]',
+                b'["2026-11-30T09:00:00+00:00", ["nested"]]'):
+        cursor = base64.urlsafe_b64encode(doc).decode()
+        resp = await browser.get("/console/operations", params={"cursor": cursor})
+        assert resp.status_code == 422 and "malformed cursor" in resp.text, (doc, resp.text[:300])
 
 
 async def test_overview_counts_backlogs_and_links_to_the_lists(

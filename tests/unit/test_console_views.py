@@ -14,8 +14,8 @@ from effectledger_core.errors import InvalidRequest
 from effectledger_core.recovery import Assessment, Decision, Fact
 from effectledger_ledger.auth import Principal
 from effectledger_ledger.console import views
-from effectledger_ledger.console.app import _safe_next
 from effectledger_ledger.console.sessions import SessionStore, same_secret
+from effectledger_ledger.console.signin import safe_next as _safe_next
 
 TOOL = Catalog.from_mapping(tomllib.loads("""
 [tools.pay]

@@ -75,9 +75,10 @@ def parse_time(value: str | None, field_name: str) -> datetime | None:
         return None
     try:
         dt = datetime.fromisoformat(value)
-    except ValueError as exc:
+        # A time at the edge of the calendar with an offset has no UTC value (OverflowError).
+        return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt.astimezone(UTC)
+    except (ValueError, OverflowError) as exc:
         raise InvalidRequest(f"{field_name}: not a date and time: {value!r}") from exc
-    return dt.replace(tzinfo=UTC) if dt.tzinfo is None else dt.astimezone(UTC)
 
 
 def text_field(value: str | None) -> str | None:

@@ -20,6 +20,7 @@ from effectledger_core.errors import InvalidRequest
 from effectledger_core.limits import MAX_IDENTIFIER_BYTES
 from effectledger_core.states import JournalKind, State
 
+from .reads import _decode_cursor as decode_api_cursor
 from .reads import _row
 from .schema import dead_letters, journal, operations, outbox, webhook_events
 
@@ -137,14 +138,9 @@ def _encode_cursor(created_at: datetime, op_id: str) -> str:
 
 
 def _decode_cursor(cursor: str) -> tuple[datetime, str]:
-    try:
-        created_s, op_id = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-        created = datetime.fromisoformat(str(created_s))
-    except (ValueError, TypeError) as exc:
-        raise InvalidRequest("malformed cursor") from exc
-    if created.tzinfo is None:
-        raise InvalidRequest("malformed cursor")
-    return created, str(op_id)
+    # The same [created_at, id] document as the API's cursors, with the same checks (an
+    # unpaired surrogate or NUL in the id is a 4xx page, never a failed query).
+    return decode_api_cursor(cursor)
 
 
 async def list_operations(conn: AsyncConnection, f: OperationFilter, *, limit: int,

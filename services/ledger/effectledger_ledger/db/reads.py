@@ -5,7 +5,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Collection
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -76,9 +76,23 @@ def _encode_cursor(created_at: str, op_id: str) -> str:
     return base64.urlsafe_b64encode(json.dumps([created_at, op_id]).encode()).decode()
 
 
+def _storable_id(value: str) -> bool:
+    """Whether a database can take this string as a query parameter: PostgreSQL refuses NUL,
+    and neither driver encodes an unpaired surrogate (`"\\ud800"` in the cursor's JSON, or
+    the bytes ED A0 80, which `json.loads` reads with `surrogatepass`)."""
+    if "\x00" in value:
+        return False
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _decode_cursor(cursor: str) -> tuple[datetime, str]:
     """A cursor back into (created_at, id), checked before any query sees it: anyone can send
-    one, and a naive time, NUL or a 3,000-deep document must be a 400, never a 500."""
+    one, and a naive time, NUL, an unpaired surrogate or a 3,000-deep document must be a 4xx,
+    never a 500. The console's cursors are decoded here too."""
     if len(cursor) > 1024:
         raise InvalidRequest("malformed cursor")
     try:
@@ -89,7 +103,7 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
             and all(isinstance(v, str) for v in value)):
         raise InvalidRequest("malformed cursor")
     created_s, op_id = value
-    if not op_id or len(op_id) > 64 or "\x00" in op_id:
+    if not op_id or len(op_id) > 64 or not _storable_id(op_id):
         raise InvalidRequest("malformed cursor")
     try:
         created = datetime.fromisoformat(created_s)
@@ -97,6 +111,12 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
         raise InvalidRequest("malformed cursor") from exc
     if created.tzinfo is None:
         raise InvalidRequest("malformed cursor")
+    try:
+        # Stored in UTC: a time at the edge of the calendar (0001-01-01T00:00+14:00) has no
+        # UTC value, and converting it while binding the query would fail with a 500.
+        created = created.astimezone(UTC)
+    except OverflowError as exc:
+        raise InvalidRequest("malformed cursor") from exc
     return created, op_id
 
 

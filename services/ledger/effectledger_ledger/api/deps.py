@@ -1,0 +1,70 @@
+"""What every route depends on, as FastAPI dependencies: the ledger service, the principal
+behind the request's token, and the ledger's settings for waits and probes.
+
+`create_app` puts one `ApiState` on `app.state`; the dependencies read it from there. A test
+replaces any of them with `app.dependency_overrides[deps.service] = ...`.
+"""
+
+# FastAPI reads these annotations at run time to build the dependency graph: the aliases
+# below are module-level so every router resolves them (a local alias, as when the routes were
+# closures in create_app, silently became a required query parameter instead).
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from fastapi import Depends, Query, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from effectledger_core.waiting import DEFAULT_MAX_WAIT_S
+
+from ..auth import Authenticator, Principal
+from ..openapi import WAIT_DOC
+from ..service import LedgerService
+
+
+@dataclass(frozen=True)
+class ApiState:
+    service: LedgerService
+    authenticator: Authenticator
+    ready: Callable[[], Awaitable[dict[str, Any]]]
+    max_wait_s: float = DEFAULT_MAX_WAIT_S
+    before_scrape: Callable[[], Awaitable[None]] | None = None  # refreshes database gauges
+
+
+def api_state(request: Request) -> ApiState:
+    state: ApiState = request.app.state.effectledger_api
+    return state
+
+
+def service(request: Request) -> LedgerService:
+    return api_state(request).service
+
+
+def authenticator(request: Request) -> Authenticator:
+    return api_state(request).authenticator
+
+
+def wait_cap(request: Request) -> float:
+    """The longest wait a request may ask for (EFFECTLEDGER_WAIT_MAX_S)."""
+    return api_state(request).max_wait_s
+
+
+# Declares the bearer scheme in the OpenAPI document; the Authenticator does the checking
+# (auto_error off: with authentication disabled a request without a token is fine).
+bearer = HTTPBearer(auto_error=False, description="an agent or operator token")
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Security(bearer)]
+
+
+async def principal(request: Request, auth: Annotated[Authenticator, Depends(authenticator)],
+                    _: Credentials = None) -> Principal:
+    return auth.authenticate(request)
+
+
+Service = Annotated[LedgerService, Depends(service)]
+Who = Annotated[Principal, Depends(principal)]
+WaitCap = Annotated[float, Depends(wait_cap)]
+State = Annotated[ApiState, Depends(api_state)]
+Wait = Annotated[str | None, Query(description=WAIT_DOC, examples=["10s"])]
+ChangedFrom = Annotated[str | None, Query(
+    description="with `wait`: also answer as soon as the state is no longer this one "
+                "(progress displays)")]

@@ -1,0 +1,42 @@
+"""`POST /v1/intents`: an agent (or operator) submits an intent, optionally waiting for it."""
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from effectledger_core.errors import InvalidRequest, PoisonMessage
+from effectledger_core.messages import SubmitIntent, parse
+from effectledger_core.views import OperationView
+from effectledger_core.waiting import parse_wait
+
+from ..auth import Forbidden
+from ..openapi import errors, submit_intent_body
+from .bodies import read_bounded
+from .deps import Service, Wait, WaitCap, Who
+
+router = APIRouter()
+
+
+@router.post("/v1/intents", status_code=201, openapi_extra=submit_intent_body(),
+             summary="Submit an intent (optionally wait for its outcome)",
+             responses={201: {"model": OperationView, "description": "a new operation"},
+                        200: {"model": OperationView,
+                              "description": "the existing operation for this key and "
+                                             "arguments"},
+                        **errors(401, 403, 409, 413, 422, 503)})
+async def submit_intent(request: Request, p: Who, service: Service, cap: WaitCap,
+                        wait: Wait = None) -> JSONResponse:
+    wait_s = parse_wait(wait, cap_s=cap)  # a bad wait is refused before submitting
+    raw = await read_bounded(request)
+    try:
+        intent = parse(SubmitIntent, raw)
+    except PoisonMessage as exc:
+        raise InvalidRequest(exc.message) from exc
+    if p.role == "agent":
+        if "tenant" in intent.model_fields_set and intent.tenant != p.tenant:
+            raise Forbidden("agents submit intents for their own tenant only")
+        intent = intent.model_copy(update={"tenant": p.tenant})
+    submitted = await service.submit(intent, actor=p.name)
+    op_id = submitted.operation["id"]
+    view = (await service.wait_operation(op_id, wait_s) if wait_s > 0
+            else await service.operation(op_id))
+    return JSONResponse(view, status_code=201 if submitted.created else 200)

@@ -1,0 +1,25 @@
+"""What the ledger offers and holds: its catalog's tools and its operation counts."""
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from effectledger_core.views import Stats, ToolList
+
+from ..openapi import errors
+from .deps import Service, Who
+
+router = APIRouter()
+
+
+@router.get("/v1/tools", responses={200: {"model": ToolList}, **errors(401)})
+async def list_tools(p: Who, service: Service) -> dict[str, Any]:
+    tools = service.catalog.tools
+    return {"catalog_digest": service.catalog.digest(),
+            "tools": [tools[n].public_view() for n in sorted(tools)]}
+
+
+@router.get("/v1/stats", responses={200: {"model": Stats}, **errors(401)})
+async def stats(p: Who, service: Service) -> dict[str, Any]:
+    # Agents see their own tenant's counts only, like every other read.
+    return await service.stats(tenant=p.tenant if p.role == "agent" else None)

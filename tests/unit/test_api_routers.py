@@ -1,0 +1,122 @@
+"""Each HTTP router stands alone: mounted on a bare FastAPI app with the service, the
+principal and the console's session replaced through `dependency_overrides`, a route is
+driven by name without a database, a broker or tokens."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from effectledger_core.errors import NotFound
+from effectledger_ledger.api import deps, errors, operations, operators
+from effectledger_ledger.auth import Principal
+from effectledger_ledger.console import operations as console_operations
+from effectledger_ledger.console import state as console_state
+from effectledger_ledger.console.sessions import Session
+
+AGENT = Principal("agent", "agent:t1", "t1")
+OPERATOR = Principal("operator", "alice")
+
+
+class FakeService:
+    """The few LedgerService calls these routes make, over a dict; records every action."""
+
+    def __init__(self, *ops: dict[str, Any]) -> None:
+        self.ops = {op["id"]: op for op in ops}
+        self.actions: list[tuple[str, str, dict[str, Any]]] = []
+
+    async def operation(self, operation_id: str) -> dict[str, Any]:
+        if operation_id not in self.ops:
+            raise NotFound(f"operation {operation_id!r} not found")
+        return self.ops[operation_id]
+
+    async def journal(self, operation_id: str) -> list[dict[str, Any]]:
+        return [{"kind": "submitted", "operation_id": operation_id}]
+
+    async def approve(self, operation_id: str, **kw: Any) -> None:
+        self.actions.append(("approve", operation_id, kw))
+        self.ops[operation_id] = {**self.ops[operation_id], "state": "pending"}
+
+
+def _op(op_id: str, tenant: str, state: str = "awaiting_approval") -> dict[str, Any]:
+    return {"id": op_id, "tenant": tenant, "state": state, "epoch": 1}
+
+
+def api(fake: FakeService, who: Principal) -> FastAPI:
+    app = FastAPI()
+    errors.install(app)
+    app.include_router(operations.router)
+    app.include_router(operators.router)
+    app.dependency_overrides[deps.service] = lambda: fake
+    app.dependency_overrides[deps.principal] = lambda: who
+    app.dependency_overrides[deps.wait_cap] = lambda: 0.0
+    return app
+
+
+@pytest.fixture
+async def fake() -> FakeService:
+    return FakeService(_op("op-1", "t1"), _op("op-2", "t2"))
+
+
+@asynccontextmanager
+async def _client(app: FastAPI) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://api.test") as c:
+        yield c
+
+
+async def test_get_operation_alone_hides_another_tenants_operation(fake: FakeService) -> None:
+    async with _client(api(fake, AGENT)) as c:
+        mine = await c.get("/v1/operations/op-1")
+        assert mine.status_code == 200 and mine.json()["id"] == "op-1"
+        theirs = await c.get("/v1/operations/op-2")
+        assert theirs.status_code == 404
+        assert theirs.json()["error"] == {"code": "not_found",
+                                          "message": "operation 'op-2' not found"}
+        journal = await c.get("/v1/operations/op-1/journal")
+        assert journal.json() == {"operation_id": "op-1", "entries": [
+            {"kind": "submitted", "operation_id": "op-1"}]}
+
+
+async def test_approve_alone_refuses_an_agent_and_journals_the_tokens_operator(
+        fake: FakeService) -> None:
+    body = {"epoch": 1, "arguments_digest": "d1"}
+    async with _client(api(fake, AGENT)) as c:
+        refused = await c.post("/v1/operations/op-1/approve", json=body)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "forbidden"
+    assert fake.actions == []
+    async with _client(api(fake, OPERATOR)) as c:
+        done = await c.post("/v1/operations/op-1/approve", json=body)
+        assert done.status_code == 200 and done.json()["state"] == "pending"
+    assert fake.actions == [("approve", "op-1", {"epoch": 1, "arguments_digest": "d1",
+                                                 "operator": "alice"})]
+
+
+async def test_a_route_function_is_called_by_name(fake: FakeService) -> None:
+    view = await operations.get_operation("op-1", AGENT, fake, 0.0)  # type: ignore[arg-type]
+    assert view["id"] == "op-1"
+    with pytest.raises(NotFound):
+        await operations.get_operation("op-2", AGENT, fake, 0.0)  # type: ignore[arg-type]
+
+
+class FakeConsole:
+    def __init__(self, service: FakeService) -> None:
+        self.service = service
+
+
+async def test_a_console_route_alone_with_its_session_overridden(fake: FakeService) -> None:
+    app = FastAPI()
+    app.include_router(console_operations.router)
+    app.dependency_overrides[console_state.console_state] = lambda: FakeConsole(fake)
+    app.dependency_overrides[console_state.current_session] = lambda: Session(
+        id="s", principal=AGENT, csrf="c", expires_at=float("inf"))
+    async with _client(app) as c:
+        resp = await c.get("/operations/op-1/state.json")
+        assert resp.json() == {"state": "awaiting_approval", "epoch": 1}
+        with pytest.raises(NotFound):  # no console error pages mounted here: it propagates
+            await c.get("/operations/op-2/state.json")
