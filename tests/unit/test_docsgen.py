@@ -110,3 +110,14 @@ def test_the_alerts_page_has_every_rule_with_its_runbook() -> None:
 def test_slug_is_the_toc_extensions(heading: str) -> None:
     toc: Any = pytest.importorskip("markdown.extensions.toc", reason="Markdown (docs extra)")
     assert slug(heading) == toc.slugify(heading, "-")
+
+
+def test_every_relative_link_in_the_readme_names_a_file() -> None:
+    # The README is outside the site, so the strict build does not check its links.
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)", (repo / "README.md").read_text())
+    relative = [link for link in links if not re.match(r"^[a-z]+:", link)]
+    assert len(relative) > 20
+    assert [link for link in relative if not (repo / link).exists()] == []
