@@ -121,3 +121,23 @@ def test_every_relative_link_in_the_readme_names_a_file() -> None:
     relative = [link for link in links if not re.match(r"^[a-z]+:", link)]
     assert len(relative) > 20
     assert [link for link in relative if not (repo / link).exists()] == []
+
+
+def test_prose_escapes_angle_brackets_outside_code_spans_only() -> None:
+    from effectledger_docsgen.md import prose
+
+    assert prose("stream <P>_EVENTS, `<prefix>.x` & more") == (
+        "stream &lt;P&gt;_EVENTS, `<prefix>.x` &amp; more")
+
+
+def test_the_settings_page_has_every_variable() -> None:
+    from effectledger_core.config import Settings
+    from effectledger_docsgen import settings
+
+    page = settings.render()
+    for name in Settings.model_fields:
+        assert f"| `EFFECTLEDGER_{name.upper()}` |" in page, name
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[2])
+    assert repo not in page  # no path of the machine that built the site

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from .md import banner, code, slug, table
+from .md import banner, code, prose, slug, table
 
 ALERTS = Path(__file__).resolve().parents[3] / "infra" / "observability" / "alerts.yaml"
 
@@ -27,13 +27,13 @@ def render(path: Path = ALERTS) -> str:
            "[observability](../observability.md).\n",
            table(["alert", "severity", "for", "summary"], [
                (f"[{r['alert']}](#{slug(r['alert'])})", r.get("labels", {}).get("severity", ""),
-                r.get("for", ""), r.get("annotations", {}).get("summary", ""))
+                r.get("for", ""), prose(r.get("annotations", {}).get("summary", "")))
                for r in found])]
     for r in found:
         notes = r.get("annotations", {})
-        out += [f"## {r['alert']}\n", f"**{notes.get('summary', '')}** "
+        out += [f"## {r['alert']}\n", f"**{prose(notes.get('summary', ''))}** "
                 f"(severity {code(r.get('labels', {}).get('severity', ''))}, firing after "
                 f"{code(r.get('for', '0s'))})\n",
                 "```promql\n" + r["expr"].strip() + "\n```\n",
-                notes.get("runbook", "").strip() + "\n"]
+                prose(notes.get("runbook", "").strip()) + "\n"]
     return "\n".join(out)

@@ -10,12 +10,13 @@ import io
 import re
 import textwrap
 import tokenize
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from .md import banner, code, table
+from .md import banner, code, prose, table
 
 
 def field_comments(model: type[BaseModel]) -> dict[str, str]:
@@ -72,12 +73,15 @@ def _default(info: FieldInfo) -> str:
     return code(getattr(default, "value", default))
 
 
-def model_table(model: type[BaseModel], skip: frozenset[str] = frozenset()) -> str:
-    notes = field_comments(model)
-    rows = [(code(name), code(_type(info.annotation)), _default(info), _bounds(info),
-             notes.get(name, ""))
+def model_table(model: type[BaseModel], skip: frozenset[str] = frozenset(), *,
+                notes: dict[str, str] | None = None,
+                rename: Callable[[str], str] | None = None, first: str = "field") -> str:
+    """One row per field: its name (as `rename` writes it), type, default, bounds, meaning."""
+    notes = field_comments(model) if notes is None else notes
+    rows = [(code(rename(name) if rename else name), code(_type(info.annotation)),
+             _default(info), _bounds(info), prose(notes.get(name, "")))
             for name, info in model.model_fields.items() if name not in skip]
-    return table(["field", "type", "default", "bounds", "meaning"], rows)
+    return table([first, "type", "default", "bounds", "meaning"], rows)
 
 
 def render() -> str:

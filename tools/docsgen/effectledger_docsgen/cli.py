@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterator
 
-from .md import banner, code, slug, table
+from .md import banner, code, prose, slug, table
 
 WIDTH = 96  # usage lines are wrapped here, not at the width of whoever builds the site
 
@@ -45,14 +45,14 @@ def _options(parser: argparse.ArgumentParser) -> list[tuple[str, str, str]]:
         default = action.default
         hidden = default is None or default is False or default == argparse.SUPPRESS
         shown = "" if hidden or action.required else str(default)
-        rows.append((names, _help(action, parser.prog), code(shown) if shown else ""))
+        rows.append((names, prose(_help(action, parser.prog)), code(shown) if shown else ""))
     return rows
 
 
 def _section(name: str, summary: str, parser: argparse.ArgumentParser, depth: int) -> list[str]:
     out = [f"{'#' * depth} `{name}`\n"]
     if summary:
-        out.append(summary.rstrip(".") + ".\n")
+        out.append(prose(summary.rstrip(".")) + ".\n")
     out.append("```text\n" + _usage(parser) + "\n```\n")
     rows = _options(parser)
     if rows:
@@ -72,7 +72,7 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
            "Every command takes `--help`. Settings come from `EFFECTLEDGER_*` environment "
            "variables ([configuration](configuration.md)); a flag overrides its variable.\n",
            table(["command", "what it does"],
-                 [(f"[`{n}`](#{slug('effectledger ' + n)})", h) for n, h, _ in commands])]
+                 [(f"[`{n}`](#{slug('effectledger ' + n)})", prose(h)) for n, h, _ in commands])]
     for name, summary, sub in commands:
         out += _section(f"effectledger {name}", summary, sub, 2)
     return "\n".join(out)

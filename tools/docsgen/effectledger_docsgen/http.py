@@ -6,7 +6,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .md import banner, cell, code, slug, table
+from .md import banner, cell, code, prose, slug, table
 
 METHODS = ("get", "post", "put", "patch", "delete")
 
@@ -56,12 +56,12 @@ def _operation(path: str, method: str, op: dict[str, Any]) -> list[str]:
     out = [f"### `{method.upper()} {path}`\n"]
     for text in (op.get("summary"), op.get("description")):
         if text:
-            out.append(text.strip() + "\n")
+            out.append(prose(text.strip()) + "\n")
     params = op.get("parameters", [])
     if params:
         out.append(table(["parameter", "in", "type", "required", "meaning"], [
             (code(p["name"]), p["in"], _type(p.get("schema", {})),
-             "yes" if p.get("required") else "", p.get("description", ""))
+             "yes" if p.get("required") else "", prose(p.get("description", "")))
             for p in params]))
     body = op.get("requestBody", {}).get("content", {}).get("application/json")
     if body is not None:
@@ -74,7 +74,7 @@ def _operation(path: str, method: str, op: dict[str, Any]) -> list[str]:
     responses = []
     for status, resp in sorted(op.get("responses", {}).items()):
         schema = resp.get("content", {}).get("application/json", {}).get("schema")
-        responses.append((code(status), resp.get("description", ""),
+        responses.append((code(status), prose(resp.get("description", "")),
                           _type(schema) if schema else ""))
     out.append(table(["status", "meaning", "body"], responses))
     if op.get("security"):
@@ -86,13 +86,13 @@ def _operation(path: str, method: str, op: dict[str, Any]) -> list[str]:
 def _schema(name: str, schema: dict[str, Any]) -> list[str]:
     out = [f"### {name}\n"]
     if schema.get("description"):
-        out.append(cell(schema["description"]) + "\n")
+        out.append(cell(prose(schema["description"])) + "\n")
     props = schema.get("properties", {})
     required = set(schema.get("required", []))
     if props:
         out.append(table(["field", "type", "required", "meaning"], [
             (code(field), _type(spec), "yes" if field in required else "",
-             spec.get("description", spec.get("title", "")))
+             prose(spec.get("description", "")))
             for field, spec in props.items()]))
     elif "enum" in schema:
         out.append("One of " + ", ".join(code(v) for v in schema["enum"]) + ".\n")
@@ -113,7 +113,7 @@ def render(doc: dict[str, Any] | None = None) -> str:
             if method in item:
                 heading = f"{method.upper()} {path}"
                 rows.append((f"[`{heading}`](#{slug(heading)})",
-                             item[method].get("summary", "")))
+                             prose(item[method].get("summary", ""))))
     out.append(table(["route", "summary"], rows))
     for path, item in doc["paths"].items():
         for method in METHODS:

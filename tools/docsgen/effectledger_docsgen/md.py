@@ -14,6 +14,26 @@ def cell(text: object) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.S)
+
+
+def prose(text: object) -> str:
+    """Text written for the code (help strings, docstrings, comments) made safe for Markdown:
+    `<prefix>` outside code spans would be read as an HTML tag and vanish from the page."""
+    out, last = [], 0
+    s = str(text)
+    for m in CODE_SPAN.finditer(s):
+        out.append(_escape(s[last:m.start()]))
+        out.append(m.group(0))
+        last = m.end()
+    out.append(_escape(s[last:]))
+    return "".join(out)
+
+
+def _escape(s: str) -> str:
+    return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def code(text: object) -> str:
     """Inline code that survives backticks inside the text."""
     s = str(text)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import http
-from .md import banner, code, slug, table
+from .md import banner, code, prose, slug, table
 
 
 def render(doc: dict[str, Any] | None = None) -> str:
@@ -15,7 +15,7 @@ def render(doc: dict[str, Any] | None = None) -> str:
 
         doc = build()
     out = ["# Message reference\n", banner("effectledger_docsgen.messages"),
-           f"{doc['info']['description']} Subjects below use the default prefix `effects` "
+           f"{prose(doc['info']['description'])} Subjects below use the default prefix `effects` "
            "(`EFFECTLEDGER_SUBJECT_PREFIX`); the same contract is in "
            "`docs/asyncapi.json` (AsyncAPI 3.0), which a test keeps equal to the code. Who "
            "may publish each subject is in [the design's trust boundaries]"
@@ -28,7 +28,7 @@ def render(doc: dict[str, Any] | None = None) -> str:
         names = [ref["$ref"].rsplit("/", 1)[1] for ref in channel["messages"].values()]
         rows.append((code(channel["address"]), actions.get(cid, ""),
                      ", ".join(f"[{n}](#{slug(n)})" for n in names),
-                     channel.get("description", "")))
+                     prose(channel.get("description", ""))))
     out.append(table(["subject", "the ledger", "messages", "what"], rows))
     out.append("## Payloads\n")
     for name, schema in sorted(doc["components"]["schemas"].items()):

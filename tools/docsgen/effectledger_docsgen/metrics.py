@@ -6,7 +6,7 @@ from types import ModuleType
 
 from prometheus_client.metrics import MetricWrapperBase
 
-from .md import banner, code, table
+from .md import banner, code, prose, table
 
 # The sample names a metric type exposes beside its own name.
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
@@ -26,7 +26,7 @@ def _row(metric: MetricWrapperBase) -> tuple[str, str, str, str]:
     labels: tuple[str, ...] = metric._labelnames
     shown = " ".join(code(name + s) for s in SUFFIXES.get(kind, ("",)))
     return (shown, kind, ", ".join(code(label) for label in labels),
-            metric._documentation)
+            prose(metric._documentation))
 
 
 def render() -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import alerts, catalog, cli, http, messages, metrics
+from . import alerts, catalog, cli, http, messages, metrics, settings
 
 PAGES: dict[str, Callable[[], str]] = {
     "reference/cli.md": lambda: cli.render(),
@@ -12,5 +12,6 @@ PAGES: dict[str, Callable[[], str]] = {
     "reference/messages.md": lambda: messages.render(),
     "reference/catalog-fields.md": catalog.render,
     "reference/metrics.md": metrics.render,
+    "reference/settings.md": settings.render,
     "operations/alerts.md": lambda: alerts.render(),
 }
