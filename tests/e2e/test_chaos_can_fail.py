@@ -2,7 +2,8 @@
 
 A checker that always says zero proves nothing. Each test switches off one safety mechanism
 with its test-only switch and runs seed 1 again, with the faults that matter to that mechanism
-(the full fault set gives the same verdict, just slower; the README records such runs):
+(the full fault set gives the same verdict, just slower; docs/reports/proving-ground.md records
+such runs):
 - `EFFECTLEDGER_UNSAFE_SKIP_CLAIM=1`: dispatchers call the provider even when the attempt is
   already claimed, so every redelivered command (a killed or paused dispatcher, a crash point)
   reaches the provider again: more than one request per operation epoch, and duplicate effects

@@ -9,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 PRODUCT = (REPO / "shared", REPO / "services")
 TOOLS_AND_TESTS = frozenset({"effectledger_bench", "effectledger_chaos", "effectledger_testkit",
-                             "tests"})
+                             "effectledger_docsgen", "tests"})
 
 
 def imported_roots(path: Path) -> set[str]:
