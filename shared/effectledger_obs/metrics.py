@@ -103,6 +103,11 @@ VERDICTS = Counter(
 WEBHOOKS_RECORDED = Counter(
     "effectledger_webhooks_recorded_total",
     "Verified webhooks the ledger recorded, by what became of them.", ["status"])
+WEBHOOKS_UNBOUND = Counter(
+    "effectledger_webhooks_unbound_total",
+    "Verified webhooks the ledger refused because they named an operation of a tool bound to "
+    "another provider (or to none), by provider ('other': not named in the catalog).",
+    ["provider"])
 DEAD_LETTERS = Counter(
     "effectledger_dead_letters_total", "Poison messages recorded as dead letters, by consumer.",
     ["consumer"])

@@ -52,7 +52,7 @@ from .schedule import ledger_names, nats_names
 SUBJECT_PREFIX = "chaos"
 STREAM_PREFIX = "CHAOS"
 DB_NAME = "chaos"
-WEBHOOK_PROVIDER = "sandbox"
+WEBHOOK_PROVIDER = catalog.WEBHOOK_PROVIDER
 SUBJECTS = Subjects(SUBJECT_PREFIX, STREAM_PREFIX)
 # The tenant whose agent credentials the attacker holds, and the harness's own NATS user: it
 # reads every stream, deletes messages (stream_delete) and sends bad input, so it may do
