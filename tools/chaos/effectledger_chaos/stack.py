@@ -58,7 +58,9 @@ SUBJECTS = Subjects(SUBJECT_PREFIX, STREAM_PREFIX)
 # reads every stream, deletes messages (stream_delete) and sends bad input, so it may do
 # anything; it is the proving ground's observer, not a role of the product.
 ATTACKER_TENANT = "mallory"
-HARNESS_USER = "chaos-harness"
+# An operator-role name: the ledger answers it on the trusted request subjects, in its own
+# inbox (`_INBOX_<user>.`, see `harness_options`).
+HARNESS_USER = "operator-chaos-harness"
 # A cluster's nodes are `chaos-nats-1`, ... to JetStream (stream_info().cluster.leader).
 NODE_PREFIX = "chaos-nats"
 
@@ -174,15 +176,14 @@ class Stack:
     def _nats_users(self) -> nats_auth.AuthFiles:
         """The product's users and permissions (as `effectledger up` makes them), one per
         service, plus the harness's own."""
+        harness = permissions.Principal(
+            permissions.Role.OPERATOR, HARNESS_USER,
+            permissions.Permissions(publish=(">",), subscribe=(">",)))
         product = permissions.plane(
             SUBJECTS, dispatchers=[f"dispatcher-{i + 1}" for i in range(self.cfg.dispatchers)],
             reconcilers=[f"reconciler-{i + 1}" for i in range(self.cfg.reconcilers)],
-            tenants=[ATTACKER_TENANT])
-        harness = permissions.Principal(
-            permissions.Role.OPERATOR, HARNESS_USER,
-            permissions.Permissions(publish=(">",), subscribe=(">",), allow_responses=True))
-        return nats_auth.write(self.workdir / "nats-auth",
-                               permissions.Plane((*product.principals, harness)), SUBJECTS,
+            tenants=[ATTACKER_TENANT], others=[harness])
+        return nats_auth.write(self.workdir / "nats-auth", product, SUBJECTS,
                                host="127.0.0.1", port=self.nats.port, store_dir=self.nats.store,
                                url=self.nats_plan.url if self.clustered else None,
                                server=not self.clustered)
@@ -225,6 +226,14 @@ class Stack:
         cred = self.credential(HARNESS_USER)
         auth = "" if cred is None else f"{cred.user}:{cred.password}@"
         return [f"nats://{auth}127.0.0.1:{n.port}" for n in self.nats_nodes]
+
+    @property
+    def harness_options(self) -> dict[str, Any]:
+        """nats-py options for the harness's requests to the ledger: replies come to its own
+        inbox, the only place the ledger answers it when the broker has users."""
+        if self.auth is None:
+            return {}
+        return {"inbox_prefix": permissions.inbox_prefix(HARNESS_USER).encode()}
 
     @property
     def db_direct(self) -> str:
