@@ -265,7 +265,7 @@ class LedgerService:
             metrics.inc(metrics.WEBHOOKS_UNBOUND,
                         metrics.bounded(hook.provider, self.catalog.webhook_providers()))
             log.warning("webhook from %s refused: it names an operation of a tool bound to "
-                        "another provider (webhook id %s)", hook.provider[:64],
+                        "another provider or to none (webhook id %s)", hook.provider[:64],
                         hook.webhook_id[:128])
         if result.status == "duplicate":
             metrics.child(metrics.INBOX_DUPLICATES, "webhook").inc()

@@ -53,6 +53,8 @@ SUBJECT_PREFIX = "chaos"
 STREAM_PREFIX = "CHAOS"
 DB_NAME = "chaos"
 WEBHOOK_PROVIDER = catalog.WEBHOOK_PROVIDER
+# Configured beside the sandbox, bound to no tool: the attacker signs with its secret.
+PARTNER_PROVIDER = "partner"
 SUBJECTS = Subjects(SUBJECT_PREFIX, STREAM_PREFIX)
 # The tenant whose agent credentials the attacker holds, and the harness's own NATS user: it
 # reads every stream, deletes messages (stream_delete) and sends bad input, so it may do
@@ -94,6 +96,9 @@ class Stack:
         self.api_key = "sk_canary_" + secrets.token_hex(16)
         raw = secrets.token_bytes(24)
         self.webhook_secret = "whsec_" + base64.b64encode(raw).decode()
+        # A second provider the deployment takes Standard Webhooks from, whose secret the
+        # attacker holds (attacker.py): its signed events must decide no other provider's tool.
+        self.partner_secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
         self.canaries = {"provider_api_key": self.api_key,
                          "webhook_secret": self.webhook_secret,
                          "webhook_secret_body": self.webhook_secret.removeprefix("whsec_")}
@@ -322,7 +327,8 @@ class Stack:
             env = {**base, **self.nats_env(name), "EFFECTLEDGER_RECONCILER_ID": name,
                    "EFFECTLEDGER_RECONCILER_PORT": str(self.reconciler_ports[i]),
                    "EFFECTLEDGER_WEBHOOK_SECRETS": json.dumps(
-                       {WEBHOOK_PROVIDER: [self.webhook_secret]}),
+                       {WEBHOOK_PROVIDER: [self.webhook_secret],
+                        PARTNER_PROVIDER: [self.partner_secret]}),
                    # The native (Stripe-scheme) provider signs with the same secret string.
                    catalog.NATIVE_SECRET_ENV: self.webhook_secret,
                    catalog.API_KEY_ENV: self.api_key}
