@@ -4,8 +4,11 @@ This module turns the subject prefix, the stream prefix and the deployment's rol
 `authorization { users: [...] }` block of a nats-server configuration, so that the broker itself
 refuses what a role may not say:
 
-- only the ledger publishes dispatch and reconcile commands, answers request-reply subjects,
-  and uses the JetStream API to change streams (`$JS.API.>`);
+- only the ledger publishes dispatch and reconcile commands and answers request-reply
+  subjects, and only into the inboxes of the users that may ask (`_INBOX_<user>.>` of each,
+  no `allow_responses`: that would let it answer on any reply subject a requester names);
+  of the JetStream API it uses what it needs: creating its two streams when missing, reading
+  them and its consumers, and its inbox consumer (never deleting or purging a stream);
 - a dispatcher publishes outcomes only on its own subject (`<prefix>.ledger.v1.outcome.<id>.…`,
   so the ledger knows the sender from the subject), asks for claims on its own claim subject,
   and reads and acks only its own consumer;
@@ -14,13 +17,16 @@ refuses what a role may not say:
 - an agent reaches only the request subjects of its own tenant
   (`<prefix>.rpc.v1.tenant.<tenant>.>`: intents, operation reads): the ledger takes the tenant
   from that subject, never from the payload;
-- operator tools submit, read and wait (`<prefix>.rpc.v1.operation.wait`) for any tenant and
-  inspect (never change) streams;
+- operator tools submit, read and wait (`<prefix>.rpc.v1.operation.wait`) for any tenant on
+  the trusted subjects (not on the tenants' own) and inspect (never change) streams;
 - `streams` is the apply step that creates and updates streams and consumers.
 
 Every user receives replies on its own inbox prefix (`_INBOX_<user>.`), which the services set
 when they connect (`effectledger_bus.connect`): with one shared `_INBOX.>` any user could read
-every other user's replies (claim grants, other tenants' intent replies).
+every other user's replies (claim grants, other tenants' intent replies). NATS does not check
+a request's reply subject against the requester's rights, so the ledger may still be asked to
+answer on a subject it may publish for its own work (the dispatch subject): its code refuses
+every reply subject outside the requester's own inbox namespace (`replies.py`).
 
 Credentials are password users in one account, not nkeys or JWTs: nats-py and every service
 already take a user and a password (`EFFECTLEDGER_NATS_USER` / `_PASSWORD`), the server needs
@@ -123,13 +129,27 @@ def _stream_lookup(s: Subjects) -> list[str]:
     return [f"{JS_API}.STREAM.INFO.{s.dispatch_stream}", f"{JS_API}.STREAM.INFO.{s.events_stream}"]
 
 
-def ledger(s: Subjects, *, inbox_consumer: str = "ledger-inbox") -> Principal:
+def _ledger_jetstream(s: Subjects, inbox_consumer: str) -> list[str]:
+    """The JetStream API the ledger uses: its streams created when missing and read
+    (`streams.ensure_streams`, the sweeper's `stream_info`), every consumer's position read
+    (the sweeper's ack floors), and its inbox consumer. Not `$JS.API.>`: a stolen ledger
+    credential, or a reply subject slipped past its code, could then delete or purge a
+    stream."""
+    out = []
+    for stream in (s.dispatch_stream, s.events_stream):
+        out += [f"{JS_API}.STREAM.INFO.{stream}", f"{JS_API}.STREAM.CREATE.{stream}",
+                f"{JS_API}.CONSUMER.INFO.{stream}.*"]
+    return out + _consumer_api(s.events_stream, inbox_consumer)
+
+
+def ledger(s: Subjects, *, inbox_consumer: str = "ledger-inbox",
+           requesters: Iterable[str] = ()) -> Principal:
+    """`requesters`: the users whose requests the ledger answers, each in its own inbox."""
     user = "ledger"
     return Principal(Role.LEDGER, user, Permissions(
-        publish=(s.dispatch_all, s.reconcile_all, f"{JS_API}.>",
-                 f"$JS.ACK.{s.events_stream}.{inbox_consumer}.>"),
-        subscribe=(s.rpc_all, f"{inbox_prefix(user)}.>"),
-        allow_responses=True))
+        publish=(s.dispatch_all, s.reconcile_all, *_ledger_jetstream(s, inbox_consumer),
+                 *(f"{inbox_prefix(u)}.>" for u in requesters)),
+        subscribe=(s.rpc_all, f"{inbox_prefix(user)}.>")))
 
 
 def dispatcher(s: Subjects, dispatcher_id: str | None, *,
@@ -170,8 +190,10 @@ def operator(s: Subjects) -> Principal:
     user = "operator"
     return Principal(Role.OPERATOR, user, Permissions(
         # the trusted wait (any tenant's operation) is for operator tools only: an agent
-        # waits on its own tenant's subject, under tenant_requests
-        publish=(s.rpc_intents, s.rpc_operation, s.rpc_operation_wait, s.tenant_requests("*"),
+        # waits on its own tenant's subject, under tenant_requests. Not the tenants'
+        # subjects: the ledger answers those only in that tenant's agent's inbox, so an
+        # agent cannot have its answers written into the operator's (replies.py).
+        publish=(s.rpc_intents, s.rpc_operation, s.rpc_operation_wait,
                  f"{JS_API}.INFO",
                  f"{JS_API}.STREAM.NAMES", f"{JS_API}.STREAM.INFO.*", f"{JS_API}.CONSUMER.INFO.*.*",
                  f"{JS_API}.CONSUMER.NAMES.*", f"{JS_API}.CONSUMER.LIST.*"),
@@ -211,16 +233,19 @@ class Plane:
 def plane(s: Subjects, *, dispatchers: Iterable[str | None],
           reconcilers: Iterable[str | None],
           tenants: Iterable[str], with_operator: bool = True,
-          with_streams: bool = True) -> Plane:
-    principals = [ledger(s)]
-    principals += [dispatcher(s, d) for d in dispatchers]
+          with_streams: bool = True, others: Iterable[Principal] = ()) -> Plane:
+    """`others`: further users (a test harness), whose requests the ledger answers too."""
+    principals = [dispatcher(s, d) for d in dispatchers]
     principals += [reconciler(s, r) for r in reconcilers]
     principals += [agent(s, t) for t in tenants]
     if with_operator:
         principals.append(operator(s))
     if with_streams:
         principals.append(streams(s))
-    return Plane(tuple(principals))
+    principals += others
+    # The ledger answers every user that sends requests: all but the apply step.
+    asking = [p.user for p in principals if p.role is not Role.STREAMS]
+    return Plane((ledger(s, requesters=asking), *principals))
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ Replies are the typed models of `effectledger_core.messages` (`IntentReply`, `Cl
 `OperationReply`, `ErrorReply`): the ledger encodes them, and `request` parses the answer into
 the union the caller expects, so a malformed reply is a `PoisonMessage`, never a KeyError.
 
+A request whose reply subject is not an inbox of someone who may ask it (`replies.py`) is
+refused before any work: not handled, not answered (an answer there would be written into a
+stream or the JetStream API on the requester's behalf), logged and counted.
+
 When tracing is on, a request carries the asker's W3C context in its headers and is served in
 a span that continues it, so what the ledger journals for a claim names the claim's trace.
 A request without a context (tracing off on either side) is served with no span at all.
@@ -36,11 +40,13 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from effectledger_core.errors import EffectLedgerError
 from effectledger_core.messages import ErrorDetail, ErrorReply, Message, encode, parse_answer
-from effectledger_obs import tracing
+from effectledger_obs import metrics, tracing
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[bytes], Awaitable[bytes]]
+# (request subject, reply subject) -> None to serve, or the stable reason for refusing.
+ReplyCheck = Callable[[str, str], str | None]
 # For wildcard subjects whose last tokens say who is asking (a tenant, a dispatcher id).
 SubjectHandler = Callable[[str, bytes], Awaitable[bytes]]
 R = TypeVar("R", bound=Message)
@@ -76,10 +82,28 @@ async def request(nc: NatsClient, subject: str, payload: bytes, answer: type[R],
 class RequestServer:
     """Serves request-reply subjects with bounded concurrency (see module docstring)."""
 
-    def __init__(self, nc: NatsClient) -> None:
+    def __init__(self, nc: NatsClient, *, reply_check: ReplyCheck | None = None) -> None:
         self.nc = nc
+        self.reply_check = reply_check
         self.subscriptions: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self.refused = 0
+
+    def _refused(self, msg: Msg) -> bool:
+        """Whether `msg` is refused for its reply subject (counted, and logged sparingly: an
+        attacker can send thousands)."""
+        if self.reply_check is None or not msg.reply:
+            return False
+        verdict = self.reply_check(msg.subject, msg.reply)
+        if verdict is None:
+            return False
+        self.refused += 1
+        metrics.inc(metrics.RPC_REPLIES_REFUSED, verdict)
+        if self.refused <= 10 or self.refused % 1000 == 0:
+            log.warning("request on %s refused (%s, %d so far): reply subject %r is not an "
+                        "inbox of a user that may ask this", msg.subject[:200], verdict,
+                        self.refused, msg.reply[:200])
+        return True
 
     async def serve(self, subject: str, handler: Handler, *, queue: str,
                     concurrency: int = 64) -> Subscription:
@@ -118,6 +142,8 @@ class RequestServer:
                     log.warning("reply on %s not sent: %s", subject, exc)
 
         async def on_message(msg: Msg) -> None:
+            if self._refused(msg):
+                return  # before any work: no handler, no reply
             await slots.acquire()
             task = asyncio.create_task(answer(msg))
             self._tasks.add(task)

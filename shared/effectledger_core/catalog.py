@@ -125,8 +125,9 @@ class Tool(_Strict):
     # JSON Schema (draft 2020-12) for the arguments, checked at admission. Absent: one derived
     # from the {args.*} placeholders the entry uses (each required, any type).
     input_schema: dict[str, Any] | None = None
-    # The `[webhooks.<provider>]` whose events may decide this tool's operations; no other
-    # provider's webhook ever speaks for it.
+    # The provider (`[webhooks.<provider>]` or one of EFFECTLEDGER_WEBHOOK_SECRETS) whose
+    # verified events may decide this tool's operations; no other provider's webhook ever
+    # speaks for it. None: no webhook decides this tool (readback, the answer or a person do).
     webhook_provider: str | None = None
 
     @field_validator("name")
@@ -181,6 +182,11 @@ class Tool(_Strict):
                              "accepts_idempotency_key and an idempotency_header")
         if self.capabilities.readback and self.readback is None:
             raise ValueError("capabilities.readback is set but no [readback] section is given")
+        if self.capabilities.webhooks and self.webhook_provider is None:
+            # The provider a webhook comes from is not inferable from a URL: a tool that takes
+            # webhooks names the one provider whose events may decide it (bound by default).
+            raise ValueError("capabilities.webhooks is set but no webhook_provider names the "
+                             "provider whose signed webhooks may decide this tool")
         for key, value in self.headers.items():
             if key.lower() in {"idempotency-key", "fencing-token"}:
                 raise ValueError(f"header {key!r} is set by the dispatcher, not the catalog")
@@ -274,24 +280,23 @@ class Catalog:
     def webhook_tools(self, provider: str) -> frozenset[str]:
         """The tools whose operations a verified webhook from `provider` may decide.
 
-        Tools that name a `webhook_provider` accept that provider only. A tool naming none
-        accepts the providers configured outside the catalog (EFFECTLEDGER_WEBHOOK_SECRETS),
-        never a provider the catalog declares for other tools.
+        A tool accepts its own provider only, the one its `webhook_provider` names; a tool
+        naming none accepts no webhook at all (bound by default: any configured provider's
+        signed event naming its operation key is refused, never applied).
         """
-        return frozenset(
-            n for n, t in self.tools.items()
-            if t.webhook_provider == provider
-            or (t.webhook_provider is None and provider not in self.webhooks))
+        return frozenset(n for n, t in self.tools.items() if t.webhook_provider == provider)
 
     def webhook_speaks_for(self, provider: str, tool: str) -> bool:
         """Whether a verified webhook from `provider` may decide an operation of `tool` (the
         rule of `webhook_tools`, asked from the tool's side, e.g. for stored early webhooks)."""
         t = self.tools.get(tool)
-        if t is None:
-            return False
-        if t.webhook_provider is not None:
-            return t.webhook_provider == provider
-        return provider not in self.webhooks
+        return t is not None and t.webhook_provider is not None and t.webhook_provider == provider
+
+    def webhook_providers(self) -> frozenset[str]:
+        """Every provider the catalog names (declared, or bound to a tool): the bounded label
+        set of the webhook metrics."""
+        return frozenset(self.webhooks) | {t.webhook_provider for t in self.tools.values()
+                                           if t.webhook_provider is not None}
 
     def get(self, name: str) -> Tool:
         tool = self.tools.get(name)

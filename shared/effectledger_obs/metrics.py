@@ -103,6 +103,15 @@ VERDICTS = Counter(
 WEBHOOKS_RECORDED = Counter(
     "effectledger_webhooks_recorded_total",
     "Verified webhooks the ledger recorded, by what became of them.", ["status"])
+RPC_REPLIES_REFUSED = Counter(
+    "effectledger_rpc_replies_refused_total",
+    "Requests refused before any work because their reply subject is not an inbox of a user "
+    "that may ask them, by reason (not_an_inbox, another_users_inbox).", ["reason"])
+WEBHOOKS_UNBOUND = Counter(
+    "effectledger_webhooks_unbound_total",
+    "Verified webhooks the ledger refused because they named an operation of a tool bound to "
+    "another provider (or to none), by provider ('other': not named in the catalog).",
+    ["provider"])
 DEAD_LETTERS = Counter(
     "effectledger_dead_letters_total", "Poison messages recorded as dead letters, by consumer.",
     ["consumer"])

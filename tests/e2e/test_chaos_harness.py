@@ -204,6 +204,13 @@ def test_each_effective_forgery_is_counted_and_refused_ones_are_not() -> None:
     data["sandbox"]["requests"].append({"seq": 2, "key": "forged-key-1-0", "fencing_token": 1,
                                         "outcome": "applied", "route": "plainrb"})
     assert _check(plan, data, history)["forged_messages_effective"] == 5
+    # Issue 28: an unbound provider's webhook kept but marked refused can never be applied;
+    # a ledger answer written into a stream (its dead letter names the reply attack) counts.
+    db["webhook_events"].append({"webhook_id": "forged-unbound-1-0", "operation_id": "op1",
+                                 "applied": "refused:provider_not_bound"})
+    db["dead_letters"].append({"consumer": "dispatcher", "subject": "chaos.dispatch.v1.x",
+                               "payload_excerpt": "operation 'forged-reply-1-0-0' not found"})
+    assert _check(plan, data, history)["forged_messages_effective"] == 6
 
 
 def test_an_idempotent_readback_tool_in_review_is_an_unneeded_review() -> None:

@@ -48,6 +48,7 @@ contract_revision = "r1"
 max_attempts = 3
 capabilities = { accepts_idempotency_key = true, readback = true, webhooks = true }
 readback = { url = "http://provider.test/tickets/{operation_key}" }
+webhook_provider = "sandbox"
 
 [tools.charge]
 endpoint = "http://provider.test/charges"
@@ -55,6 +56,7 @@ effect_class = "non_idempotent"
 contract_revision = "r1"
 max_attempts = 5
 capabilities = { webhooks = true }
+webhook_provider = "sandbox"
 
 [tools.once]
 endpoint = "http://provider.test/once"

@@ -44,10 +44,12 @@ class PrivateBroker:
 @contextlib.contextmanager
 def private_broker(tmp: Path, subjects: Subjects, *, dispatchers: Iterable[str] = ("dispatcher",),
                    reconcilers: Iterable[str] = ("reconciler",),
-                   tenants: Iterable[str] = ("acme", "globex")) -> Iterator[PrivateBroker]:
+                   tenants: Iterable[str] = ("acme", "globex"),
+                   others: Iterable[permissions.Principal] = ()) -> Iterator[PrivateBroker]:
+    """`others`: further users, such as an observer that may read every subject."""
     port = free_port()
     plane = permissions.plane(subjects, dispatchers=dispatchers, reconcilers=reconcilers,
-                              tenants=tenants)
+                              tenants=tenants, others=others)
     files = nats_auth.write(tmp / "nats-auth", plane, subjects, host="127.0.0.1", port=port,
                             store_dir=tmp / "nats-js")
     proc = nats_auth.start(files, port, log_file=tmp / "nats.log")

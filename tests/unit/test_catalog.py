@@ -180,7 +180,8 @@ def test_public_view_withholds_header_values() -> None:
 def test_digest_is_stable_across_dict_order() -> None:
     """The same declaration in any key order digests identically, tool and catalog alike."""
     body = _tool(headers={"A": "1", "B": "2"}, body={"x": "{args.x}", "y": "{args.y}"},
-                 capabilities={"webhooks": True, "fencing_token": True})
+                 capabilities={"webhooks": True, "fencing_token": True},
+                 webhook_provider="sandbox")
     reordered = {k: body[k] for k in reversed(list(body))}
     reordered["headers"] = {"B": "2", "A": "1"}
     reordered["body"] = {"y": "{args.y}", "x": "{args.x}"}

@@ -86,8 +86,18 @@ def test_webhook_provider_table_is_parsed_and_binds_tools() -> None:
     }, "webhooks": {"stripe": STRIPE}})
     assert c.webhooks["stripe"].id_source() == ("path", "$.id")
     assert c.webhook_tools("stripe") == {"a"}
-    # A provider configured outside the catalog speaks for unbound tools only.
-    assert c.webhook_tools("sandbox") == {"b"}
+    # Bound by default: a tool naming no provider is decided by no webhook, neither one
+    # configured outside the catalog nor one it declares.
+    assert c.webhook_tools("sandbox") == frozenset()
+    assert not c.webhook_speaks_for("sandbox", "b") and not c.webhook_speaks_for("stripe", "b")
+
+
+def test_a_webhook_capable_tool_must_name_its_provider() -> None:
+    with pytest.raises(CatalogError, match="webhook_provider") as info:
+        Catalog.from_mapping({"tools": {
+            "hook": {"endpoint": "https://p.test/a", "contract_revision": "r",
+                     "capabilities": {"webhooks": True}}}})
+    assert info.value.details["tool"] == "hook"
 
 
 @pytest.mark.parametrize("change, message", [

@@ -54,8 +54,8 @@ def test_each_dispatcher_publishes_outcomes_and_claims_only_under_its_own_id() -
 
 
 def test_an_agent_reaches_only_its_own_tenants_request_subjects() -> None:
-    assert publishers(S.rpc_intents_for("acme")) == {"agent-acme", "operator"}
-    assert publishers(S.rpc_operation_for("globex")) == {"agent-globex", "operator"}
+    assert publishers(S.rpc_intents_for("acme")) == {"agent-acme"}
+    assert publishers(S.rpc_operation_for("globex")) == {"agent-globex"}
     assert PLANE.user("agent-acme").permissions.publish == (S.tenant_requests("acme"),)
     assert publishers(S.rpc_intents) == {"operator"} and publishers(S.rpc_operation) == {
         "operator", "reconciler-r1"}
@@ -67,25 +67,43 @@ def test_an_agent_reaches_only_its_own_tenants_request_subjects() -> None:
 
 def test_only_operator_tools_use_the_trusted_wait_agents_wait_on_their_tenant() -> None:
     assert publishers(S.rpc_operation_wait) == {"operator"}
-    assert publishers(S.rpc_operation_wait_for("acme")) == {"agent-acme", "operator"}
+    assert publishers(S.rpc_operation_wait_for("acme")) == {"agent-acme"}
 
 
 def test_only_the_ledger_and_the_apply_step_change_streams() -> None:
-    for verb in ("CREATE", "UPDATE", "DELETE", "PURGE"):
-        assert publishers(f"$JS.API.STREAM.{verb}.{S.dispatch_stream}") == {"ledger", "streams"}
+    for stream in (S.dispatch_stream, S.events_stream):
+        # The ledger creates its streams when missing (the embedded default), nothing more.
+        assert publishers(f"$JS.API.STREAM.CREATE.{stream}") == {"ledger", "streams"}
+        for verb in ("UPDATE", "DELETE", "PURGE"):
+            assert publishers(f"$JS.API.STREAM.{verb}.{stream}") == {"streams"}, verb
+        assert publishers(f"$JS.API.STREAM.MSG.DELETE.{stream}") == {"streams"}
+        assert publishers(f"$JS.API.CONSUMER.DELETE.{stream}.dispatcher") == {"streams"}
+    assert not may_publish("ledger", "$JS.API.STREAM.CREATE.OTHER")
     # A service reads and acks only its own consumer.
     assert publishers(f"$JS.ACK.{S.dispatch_stream}.dispatcher.1.2.3.4.5") == {
         "dispatcher-d1", "dispatcher-d2"}
     assert publishers(f"$JS.API.CONSUMER.MSG.NEXT.{S.events_stream}.reconciler") == {
-        "reconciler-r1", "ledger", "streams"}
+        "reconciler-r1", "streams"}
     assert not may_publish("reconciler-r1", f"$JS.API.CONSUMER.MSG.NEXT.{S.events_stream}."
                                             "ledger-inbox")
 
 
-def test_only_the_ledger_answers_requests() -> None:
-    responders = {p.user for p in PLANE.principals if p.permissions.allow_responses}
-    assert responders == {"ledger"}
+def test_only_the_ledger_answers_requests_and_only_into_the_requesters_inboxes() -> None:
+    # No `allow_responses`: it would let the ledger publish on any reply subject it is given.
+    assert not any(p.permissions.allow_responses for p in PLANE.principals)
     assert {u for u in PLANE.users if may_subscribe(u, S.rpc_claim_by("d1"))} == {"ledger"}
+    for user in ("agent-acme", "agent-globex", "dispatcher-d1", "reconciler-r1", "operator"):
+        assert may_publish("ledger", f"_INBOX_{user}.nuid.1"), user
+    for reply in ("_INBOX.nuid.1", "_INBOX_streams.x", "_INBOX_ledger.x", S.verdict,
+                  S.webhook, S.outcome_by("d1", "attempt_succeeded"), S.rpc_intents_for("acme")):
+        assert not may_publish("ledger", reply), reply
+
+
+def test_further_users_are_answered_in_their_own_inbox() -> None:
+    harness = perm.Principal(perm.Role.OPERATOR, "operator-harness",
+                             perm.Permissions(publish=(">",), subscribe=(">",)))
+    plane = perm.plane(S, dispatchers=[], reconcilers=[], tenants=[], others=[harness])
+    assert "_INBOX_operator-harness.>" in plane.user("ledger").permissions.publish
 
 
 def test_ids_that_cannot_be_one_subject_token_are_refused_with_the_reason() -> None:

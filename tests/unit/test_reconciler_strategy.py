@@ -51,7 +51,8 @@ def make_tool(*, readback: bool = False, webhooks: bool = False,
     return Tool(name="t", endpoint="http://provider/x", contract_revision="1",
                 capabilities=Capabilities(readback=readback, webhooks=webhooks),
                 readback=Readback(url="http://provider/by-key/{operation_key}")
-                if readback else None, horizon_s=horizon_s)
+                if readback else None, horizon_s=horizon_s,
+                webhook_provider="sandbox" if webhooks else None)
 
 
 def make_cmd(*, epoch: int = 2, cause: str = "ambiguous") -> ReconcileOperation:

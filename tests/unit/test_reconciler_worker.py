@@ -45,7 +45,7 @@ CATALOG = Catalog.from_mapping({"tools": {
            "readback": {"url": "http://provider/v1/x/effects/by-key/{operation_key}"},
            "headers": {"Authorization": "Bearer ${RB_KEY}"}},
     "hook": {"endpoint": "http://provider/v1/x/effects", "contract_revision": "1",
-             "capabilities": {"webhooks": True}},
+             "capabilities": {"webhooks": True}, "webhook_provider": "sandbox"},
     "blind": {"endpoint": "http://provider/v1/x/effects", "contract_revision": "1"},
 }})
 TIMING = Timing(reconcile_deadline_s=600.0, webhook_wait_s=30.0)

@@ -16,6 +16,7 @@ from effectledger_bus import msgids
 from effectledger_bus.backoff import nak_backoff
 from effectledger_bus.delivery import Delivery, dead_letter, message_id
 from effectledger_bus.pull import PullConsumer
+from effectledger_bus.replies import ReplyPolicy
 from effectledger_bus.rpc import RequestServer
 from effectledger_core.commands import arguments_digest
 from effectledger_core.config import Settings
@@ -186,7 +187,10 @@ async def serve_requests(nc: NatsClient, settings: Settings,
     `.claim.<dispatcher id>`) bind it: NATS permissions let each principal publish only
     on its own. The plain subjects serve trusted callers (operator tools, older dispatchers)."""
     subjects, handlers = settings.subjects, Requests(service, max_wait_s=settings.wait_max_s)
-    server = RequestServer(nc)
+    # Answers go only to the requester's own inbox (effectledger_bus.replies): with users on
+    # the broker (the ledger has one), each requester's `_INBOX_<user>.` namespace.
+    policy = ReplyPolicy(subjects, per_user_inboxes=bool(settings.nats_user))
+    server = RequestServer(nc, reply_check=policy.refusal)
     await server.serve(subjects.rpc_intents, handlers.intent, queue="ledger", concurrency=256)
     await server.serve_by_subject(subjects.rpc_intents_for("*"), handlers.intent_for,
                                   queue="ledger", concurrency=256)

@@ -262,6 +262,14 @@ class LedgerService:
             outbox_id=follow_up, decide_retry=self.decide_retry,
             tools=self.catalog.webhook_tools(hook.provider), traceparent=traceparent)
         metrics.child(metrics.WEBHOOKS_RECORDED, result.status).inc()
+        if result.reason == "provider_not_bound":
+            # Journaled `webhook_refused` in the transaction; counted here, by a label the
+            # catalog bounds (the provider name comes from the reconciler's URL path).
+            metrics.inc(metrics.WEBHOOKS_UNBOUND,
+                        metrics.bounded(hook.provider, self.catalog.webhook_providers()))
+            log.warning("webhook from %s refused: it names an operation of a tool bound to "
+                        "another provider or to none (webhook id %s)", hook.provider[:64],
+                        hook.webhook_id[:128])
         if result.status == "duplicate":
             metrics.child(metrics.INBOX_DUPLICATES, "webhook").inc()
         if result.duplicate is not None:

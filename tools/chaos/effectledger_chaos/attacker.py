@@ -10,7 +10,14 @@ once per identity, tries:
 - an `AttemptFailed` naming the real attempt that holds the claim (from a made-up sender);
 - a `DispatchAttempt` for the operation under a made-up key (`forged-key-…`), which a
   dispatcher would send to the provider as its `Idempotency-Key`;
-- intents for another tenant (`forged-tenant`), on the trusted subject and on that tenant's.
+- intents for another tenant (`forged-tenant`), on the trusted subject and on that tenant's;
+- the reply-subject attack (issue 28): legal reads on its own tenant's subject whose reply
+  subject is a stream subject (dispatch, reconcile, verdict, outcome) or another user's inbox,
+  each for a made-up operation `forged-reply-…` that the answer names, so an answer written
+  into a stream ends as a dead letter carrying the mark;
+- the unbound-webhook attack (issue 28): a validly signed `effect.applied` for each target's
+  key from `partner`, a provider the deployment takes webhooks from but that no tool names
+  (webhook id `forged-unbound-…`); it must be refused, never applied.
 
 Every forgery carries the `forged` mark in a field that the ledger or the provider keeps
 (journal actor, attempt, webhook id, tenant, idempotency key), so the checker's eleventh
@@ -27,16 +34,20 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
 import nats
+from standardwebhooks import Webhook
 
 from effectledger_bus.permissions import inbox_prefix
 
 from .checker import FORGED as MARK
+from .checker import REPLY_MARK
 from .collect import db_rows
-from .stack import ATTACKER_TENANT, SUBJECTS, WEBHOOK_PROVIDER, Stack
+from .stack import ATTACKER_TENANT, PARTNER_PROVIDER, SUBJECTS, WEBHOOK_PROVIDER, Stack
 
 FORGED_DISPATCHER = f"{MARK}-dispatcher"
 FORGED_TENANT = f"{MARK}-tenant"
+UNBOUND_MARK = f"{MARK}-unbound"
 LIVE = ("pending", "in_flight", "ambiguous", "awaiting_confirmation")
 TARGETS = 3
 
@@ -61,7 +72,74 @@ class Attacker:
         out: dict[str, Any] = {"round": self.rounds, "targets": len(targets)}
         for identity in ("anonymous", "agent"):
             out[identity] = await self._as(identity, targets)
+        out["reply_subjects"] = await self._reply_subjects(len(targets))
+        out["unbound_webhooks"] = await self._unbound_webhooks(targets)
         return out
+
+    def _agent_options(self) -> dict[str, Any]:
+        cred = self.stack.credential(f"agent-{ATTACKER_TENANT}")
+        if cred is None:  # an open broker has no users: the agent connects bare
+            return {}
+        return {"user": cred.user, "password": cred.password,
+                "inbox_prefix": inbox_prefix(cred.user).encode()}
+
+    async def _reply_subjects(self, n: int) -> dict[str, Any]:
+        """Legal requests with someone else's reply subject: the ledger must answer none."""
+        s = SUBJECTS
+        replies = [s.dispatch("idem_readback"), s.ambiguous, s.verdict, s.webhook,
+                   s.outcome_by("dispatcher-1", "attempt_failed"), s.deadletter,
+                   f"_INBOX_dispatcher-1.{MARK}", "_INBOX.forged"]
+        try:
+            nc = await nats.connect(self.stack.nats.url, connect_timeout=3,
+                                    allow_reconnect=False, max_reconnect_attempts=0,
+                                    error_cb=_quiet, **self._agent_options())
+        except Exception as exc:
+            return {"connected": False, "error": f"{type(exc).__name__}: {exc}"[:200]}
+        sent = 0
+        try:
+            for i in range(n):
+                for reply in replies:
+                    body = {"schema_version": 1,
+                            "operation_id": f"{REPLY_MARK}-{self.rounds}-{i}-{sent}"}
+                    await nc.publish(s.rpc_operation_for(ATTACKER_TENANT),
+                                     json.dumps(body).encode(), reply=reply)
+                    sent += 1
+                    self.sent += 1
+            with contextlib.suppress(Exception):
+                await nc.flush(timeout=5)
+        except Exception as exc:  # the broker may go down in the middle of a round
+            return {"connected": True, "sent": sent, "error": f"{type(exc).__name__}: {exc}"[:200]}
+        finally:
+            with contextlib.suppress(Exception):
+                await nc.close()
+        return {"connected": True, "sent": sent}
+
+    async def _unbound_webhooks(self, targets: list[dict[str, Any]]) -> dict[str, Any]:
+        """`effect.applied` for each target, validly signed by the unbound partner provider."""
+        statuses: list[int | str] = []
+        async with httpx.AsyncClient(timeout=5) as http:
+            for n, op in enumerate(targets):
+                webhook_id = f"{UNBOUND_MARK}-{self.rounds}-{n}"
+                body = json.dumps({"type": "effect.applied", "data": {
+                    "idempotency_key": op["operation_key"], "final": True}})
+                now = datetime.now(UTC)
+                headers = {"webhook-id": webhook_id,
+                           "webhook-timestamp": str(int(now.timestamp())),
+                           "webhook-signature": Webhook(self.stack.partner_secret).sign(
+                               webhook_id, now, body),
+                           "content-type": "application/json"}
+                status: int | str = "not sent"
+                for i in range(len(self.stack.reconciler_ports)):  # one may be down
+                    try:
+                        r = await http.post(f"{self.stack.reconciler_url(i)}/v1/webhooks/"
+                                            f"{PARTNER_PROVIDER}", content=body, headers=headers)
+                        status = r.status_code
+                        break
+                    except httpx.HTTPError as exc:
+                        status = type(exc).__name__
+                statuses.append(status)
+                self.sent += 1
+        return {"sent": len(statuses), "statuses": statuses}
 
     async def _targets(self) -> list[dict[str, Any]]:
         for _ in range(20):
@@ -83,12 +161,7 @@ class Attacker:
         async def on_error(exc: Exception) -> None:
             refusals.append(str(exc)[:200])
 
-        opts: dict[str, Any] = {}
-        if identity == "agent":
-            cred = self.stack.credential(f"agent-{ATTACKER_TENANT}")
-            if cred is not None:  # an open broker has no users: the agent connects bare
-                opts = {"user": cred.user, "password": cred.password,
-                        "inbox_prefix": inbox_prefix(cred.user).encode()}
+        opts = self._agent_options() if identity == "agent" else {}
         try:
             nc = await nats.connect(self.stack.nats.url, connect_timeout=3,
                                     allow_reconnect=False, max_reconnect_attempts=0,
@@ -165,3 +238,7 @@ class Attacker:
                 "dispatcher_id": FORGED_DISPATCHER, "at": now, "failure_class": "permanent",
                 "code": MARK, "message": MARK, "http_status": 400}))
         return out
+
+
+async def _quiet(_: Exception) -> None:
+    return None  # refusals and outages are expected; nats-py would print them

@@ -116,6 +116,7 @@ class BadInput:
         while True:
             try:
                 return await nats.connect(self.stack.nats_direct, connect_timeout=2,
+                                          **self.stack.harness_options,
                                           max_reconnect_attempts=-1, reconnect_time_wait=0.5,
                                           error_cb=_quiet)
             except Exception:

@@ -25,6 +25,9 @@ from __future__ import annotations
 from .config import Timing
 
 API_KEY_ENV = "EFFECTLEDGER_SANDBOX_API_KEY"
+# The sandbox's Standard Webhooks, configured through EFFECTLEDGER_WEBHOOK_SECRETS: the
+# provider the webhook-only tool (c) names, so that no other provider's events decide it.
+WEBHOOK_PROVIDER = "sandbox"
 NATIVE_PROVIDER = "sandbox_native"
 NATIVE_SECRET_ENV = "CHAOS_NATIVE_WEBHOOK_SECRET"
 
@@ -65,6 +68,7 @@ def render(provider_url: str, timing: Timing) -> str:
         tool="plain_webhook", route="plainhook", effect_class="non_idempotent",
         description="(c) non-idempotent, signed webhooks only", **common,
         capabilities="webhooks = true, fencing_token = true"))
+    parts.append(f'webhook_provider = "{WEBHOOK_PROVIDER}"\n')
     parts.append(_TOOL.format(
         tool="plain_blind", route="plainblind", effect_class="non_idempotent",
         description="(d) non-idempotent, no readback and no webhook", **common,

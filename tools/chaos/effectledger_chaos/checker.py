@@ -26,8 +26,10 @@ so a violation can be followed up:
 10. planted canary secrets found in any log, message or row;
 11. forged messages that moved an operation or reached a provider: the attacker's forgeries
    (attacker.py) each carry the `forged` mark in a field the ledger or the provider keeps, so
-   any state change by a forged sender, granted forged claim, stored forged webhook, operation
-   in the forged tenant, or provider request under a forged key is counted.
+   any state change by a forged sender, granted forged claim, stored forged webhook not marked
+   refused, operation in the forged tenant, provider request under a forged key, or ledger
+   answer written into a stream (a dead letter naming the reply attack's made-up operation)
+   is counted.
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ INVARIANTS = (
     "bad_webhook_state_changes", "leftover_backlog", "canary_leaks", "forged_messages_effective",
 )
 FORGED = "forged"  # the mark every forgery of the attacker carries
+# The made-up operation the reply-subject attack reads: the ledger's answer names it, so an
+# answer written into a stream is a dead letter carrying it.
+REPLY_MARK = f"{FORGED}-reply"
 RETRY_SOURCES = frozenset({"in_flight", "ambiguous", "awaiting_confirmation", "needs_review",
                            "failed"})
 EXAMPLES = 8
@@ -385,9 +390,17 @@ def forged_effects(db: dict[str, Any], sandbox_keys: dict[str, Any],
             found.append({"what": "forged claim granted", "attempt_id": a["id"],
                           "operation_id": a["operation_id"]})
     for w in db["webhook_events"]:
-        if str(w.get("webhook_id") or "").startswith(FORGED):
+        # Kept but marked refused (another provider's, or one no tool names: validly signed
+        # by a provider the deployment takes webhooks from) can never be applied; anything
+        # else stored can.
+        if (str(w.get("webhook_id") or "").startswith(FORGED)
+                and not str(w.get("applied") or "").startswith("refused")):
             found.append({"what": "forged webhook stored", "webhook_id": w["webhook_id"],
-                          "operation_id": w.get("operation_id")})
+                          "operation_id": w.get("operation_id"), "applied": w.get("applied")})
+    for d in db["dead_letters"]:
+        if REPLY_MARK in str(d.get("payload_excerpt") or ""):
+            found.append({"what": "ledger answer written into a stream",
+                          "subject": d.get("subject"), "consumer": d.get("consumer")})
     for o in db["operations"]:
         if str(o.get("tenant") or "").startswith(FORGED):
             found.append({"what": "intent created in another tenant",

@@ -68,7 +68,8 @@ async def read_database(url: str) -> dict[str, Any]:
         "journal": "SELECT id, operation_id, at, kind, epoch, from_state, to_state, actor, "
                    "detail FROM journal ORDER BY id",
         "outbox": "SELECT kind, status, count(*) AS n FROM outbox GROUP BY kind, status",
-        "dead_letters": "SELECT id, at, consumer, subject, message_id, error, deliveries "
+        "dead_letters": "SELECT id, at, consumer, subject, message_id, error, deliveries, "
+                        "substr(payload_excerpt, 1, 512) AS payload_excerpt "
                         "FROM dead_letters ORDER BY id",
         "webhook_events": "SELECT provider, webhook_id, event_type, operation_key, outcome, "
                           "final, fencing_token, operation_id, applied FROM webhook_events",

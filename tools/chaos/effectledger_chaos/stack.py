@@ -52,13 +52,17 @@ from .schedule import ledger_names, nats_names
 SUBJECT_PREFIX = "chaos"
 STREAM_PREFIX = "CHAOS"
 DB_NAME = "chaos"
-WEBHOOK_PROVIDER = "sandbox"
+WEBHOOK_PROVIDER = catalog.WEBHOOK_PROVIDER
+# Configured beside the sandbox, bound to no tool: the attacker signs with its secret.
+PARTNER_PROVIDER = "partner"
 SUBJECTS = Subjects(SUBJECT_PREFIX, STREAM_PREFIX)
 # The tenant whose agent credentials the attacker holds, and the harness's own NATS user: it
 # reads every stream, deletes messages (stream_delete) and sends bad input, so it may do
 # anything; it is the proving ground's observer, not a role of the product.
 ATTACKER_TENANT = "mallory"
-HARNESS_USER = "chaos-harness"
+# An operator-role name: the ledger answers it on the trusted request subjects, in its own
+# inbox (`_INBOX_<user>.`, see `harness_options`).
+HARNESS_USER = "operator-chaos-harness"
 # A cluster's nodes are `chaos-nats-1`, ... to JetStream (stream_info().cluster.leader).
 NODE_PREFIX = "chaos-nats"
 
@@ -92,6 +96,9 @@ class Stack:
         self.api_key = "sk_canary_" + secrets.token_hex(16)
         raw = secrets.token_bytes(24)
         self.webhook_secret = "whsec_" + base64.b64encode(raw).decode()
+        # A second provider the deployment takes Standard Webhooks from, whose secret the
+        # attacker holds (attacker.py): its signed events must decide no other provider's tool.
+        self.partner_secret = "whsec_" + base64.b64encode(secrets.token_bytes(24)).decode()
         self.canaries = {"provider_api_key": self.api_key,
                          "webhook_secret": self.webhook_secret,
                          "webhook_secret_body": self.webhook_secret.removeprefix("whsec_")}
@@ -174,15 +181,14 @@ class Stack:
     def _nats_users(self) -> nats_auth.AuthFiles:
         """The product's users and permissions (as `effectledger up` makes them), one per
         service, plus the harness's own."""
+        harness = permissions.Principal(
+            permissions.Role.OPERATOR, HARNESS_USER,
+            permissions.Permissions(publish=(">",), subscribe=(">",)))
         product = permissions.plane(
             SUBJECTS, dispatchers=[f"dispatcher-{i + 1}" for i in range(self.cfg.dispatchers)],
             reconcilers=[f"reconciler-{i + 1}" for i in range(self.cfg.reconcilers)],
-            tenants=[ATTACKER_TENANT])
-        harness = permissions.Principal(
-            permissions.Role.OPERATOR, HARNESS_USER,
-            permissions.Permissions(publish=(">",), subscribe=(">",), allow_responses=True))
-        return nats_auth.write(self.workdir / "nats-auth",
-                               permissions.Plane((*product.principals, harness)), SUBJECTS,
+            tenants=[ATTACKER_TENANT], others=[harness])
+        return nats_auth.write(self.workdir / "nats-auth", product, SUBJECTS,
                                host="127.0.0.1", port=self.nats.port, store_dir=self.nats.store,
                                url=self.nats_plan.url if self.clustered else None,
                                server=not self.clustered)
@@ -225,6 +231,14 @@ class Stack:
         cred = self.credential(HARNESS_USER)
         auth = "" if cred is None else f"{cred.user}:{cred.password}@"
         return [f"nats://{auth}127.0.0.1:{n.port}" for n in self.nats_nodes]
+
+    @property
+    def harness_options(self) -> dict[str, Any]:
+        """nats-py options for the harness's requests to the ledger: replies come to its own
+        inbox, the only place the ledger answers it when the broker has users."""
+        if self.auth is None:
+            return {}
+        return {"inbox_prefix": permissions.inbox_prefix(HARNESS_USER).encode()}
 
     @property
     def db_direct(self) -> str:
@@ -313,7 +327,8 @@ class Stack:
             env = {**base, **self.nats_env(name), "EFFECTLEDGER_RECONCILER_ID": name,
                    "EFFECTLEDGER_RECONCILER_PORT": str(self.reconciler_ports[i]),
                    "EFFECTLEDGER_WEBHOOK_SECRETS": json.dumps(
-                       {WEBHOOK_PROVIDER: [self.webhook_secret]}),
+                       {WEBHOOK_PROVIDER: [self.webhook_secret],
+                        PARTNER_PROVIDER: [self.partner_secret]}),
                    # The native (Stripe-scheme) provider signs with the same secret string.
                    catalog.NATIVE_SECRET_ENV: self.webhook_secret,
                    catalog.API_KEY_ENV: self.api_key}

@@ -333,6 +333,17 @@ async def settle_from_stored_webhooks(conn: AsyncConnection, op: OperationRow, *
         if _webhook_verdict(dict(hook)) is None:
             continue
         if binding is not None and not binding(hook["provider"], op.tool):
+            # Planted before the operation existed by a provider that does not speak for its
+            # tool: refused now, as it would have been had it come after (and never re-read).
+            await conn.execute(webhook_events.update().where(
+                webhook_events.c.provider == hook["provider"],
+                webhook_events.c.webhook_id == hook["webhook_id"]).values(
+                    applied="refused:provider_not_bound", operation_id=op.id))
+            await append_journal(conn, operation_id=op.id, at=now,
+                                 kind=JournalKind.WEBHOOK_REFUSED,
+                                 actor=f"webhook:{hook['provider']}",
+                                 detail={"webhook_id": hook["webhook_id"], "tool": op.tool,
+                                         "reason": "provider_not_bound"})
             continue
         result = await _use_webhook(conn, op, dict(hook), now=now, subjects=subjects,
                                     outbox_id=outbox_id, decide_retry=decide_retry,
