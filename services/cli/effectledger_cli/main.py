@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sandbox port (the demo catalog expects 8700)")
     up.add_argument("--reconciler-port", type=port_number, default=8800,
                     help="reconciler webhook port")
+    up.add_argument("--metrics-port", type=port_number, default=0,
+                    help="the first dispatcher's /metrics port, the next ones count up "
+                         "(0: any free; the other children serve /metrics on their own port)")
     up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
                     help="N nats-server processes clustered on loopback, streams with N "
                          "replicas (at most 5) and a NATS user per service (default: 1)")

@@ -24,7 +24,7 @@ from effectledger_bus.permissions import Role, user_name
 from effectledger_bus.topology import topology
 from effectledger_core.unsafe import NATS_WITHOUT_PERMISSIONS, check
 
-from . import children, nats_auth, up_nats
+from . import children, files, nats_auth, up_nats
 from .children import Child, StartFailed
 from .stop_signals import Stopped, StopSignals
 from .up_plan import Refused, UpPlan, plan
@@ -41,6 +41,9 @@ TENANT = "default"
 
 
 def run_up(args: argparse.Namespace) -> int:
+    # Everything `up` and its children create (the SQLite ledger and its WAL, logs, JetStream,
+    # credentials) is its owner's only: they hold every tenant's arguments and results.
+    os.umask(0o077)
     sigs = StopSignals()
     sigs.install()
     procs: dict[str, Child] = {}
@@ -64,6 +67,7 @@ def run_up(args: argparse.Namespace) -> int:
 def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
          procs: dict[str, Child]) -> int:
     p.logs.mkdir(parents=True, exist_ok=True)
+    files.lock_down(p.data)
     env = _base_env(p)
     # Secrets travel in the environment only (a command line is readable by every user of
     # the machine), and only to the children that use them: the ledger never sees provider
@@ -93,7 +97,7 @@ def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
     streams = _apply_streams(p, env, nats_env(Role.STREAMS))
     if p.with_sandbox:
         sandbox = start("sandbox", children.cli("sandbox", "--port", str(p.sandbox_port)), {
-            **provider_env, "EFFECTLEDGER_SANDBOX_WEBHOOK_URL": p.webhook_url,
+            **provider_env, "EFFECTLEDGER_SANDBOX_WEBHOOK_URL": p.webhook_url("sandbox"),
             "EFFECTLEDGER_SANDBOX_WEBHOOK_SECRET": p.hook_secret,
             "EFFECTLEDGER_SANDBOX_WEBHOOK_ROUTES": "plainhooks"})
         children.wait_listening(sandbox, p.sandbox_port, 30)
@@ -101,9 +105,12 @@ def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
         ledger = start(_name("ledger", i), children.cli("ledger", "--port", str(port)),
                        nats_env(Role.LEDGER))
         children.wait_listening(ledger, port, 60)
-    for i in range(p.dispatchers):
-        start(_name("dispatcher", i), children.cli("dispatcher", "--id", f"dispatcher-{i + 1}"),
-              {**nats_env(Role.DISPATCHER, i), **provider_env})
+    for i, port in enumerate(p.dispatcher_metrics_ports):
+        dispatcher = start(_name("dispatcher", i), children.cli(
+            "dispatcher", "--id", f"dispatcher-{i + 1}"), {
+            **nats_env(Role.DISPATCHER, i), **provider_env,
+            "EFFECTLEDGER_DISPATCHER_HEALTH_PORT": str(port)})
+        children.wait_listening(dispatcher, port, 60)
     for i, port in enumerate(p.reconciler_ports):
         reconciler = start(_name("reconciler", i), children.cli(
             "reconciler", "--id", f"reconciler-{i + 1}", "--port", str(port)), {
@@ -139,11 +146,32 @@ def _announce(p: UpPlan, ledger_urls: list[str], streams: str,
     else:
         print(f"nats: {p.nats.url} (UNSAFE: no users or permissions)")
     print(f"streams: {streams}")
-    print(f"webhooks: {p.webhook_url}")
+    for provider in p.webhook_providers:
+        print(f"webhooks ({provider}): {p.webhook_url(provider)}")
+    if not p.webhook_providers:
+        print("webhooks: none (no provider in the catalog or EFFECTLEDGER_WEBHOOK_SECRETS)")
+    for name, url in metrics_urls(p):
+        print(f"metrics ({name}): {url}")
     print(f"logs: {p.logs}")
     example = "'{\"title\": \"hello\"}'" if p.demo_catalog else "'{...}'"
     print(f"try: effectledger submit {p.first_tool} --args {example} --wait 5")
     sys.stdout.flush()
+
+
+def metrics_urls(p: UpPlan) -> list[tuple[str, str]]:
+    """Every child's metrics endpoint: the HTTP services on their own port, each dispatcher
+    on its metrics port, each nats-server on its monitoring port."""
+    urls = [(_name("ledger", i), f"http://127.0.0.1:{port}/metrics")
+            for i, port in enumerate(p.ledger_ports)]
+    urls += [(_name("dispatcher", i), f"http://127.0.0.1:{port}/metrics")
+             for i, port in enumerate(p.dispatcher_metrics_ports)]
+    urls += [(_name("reconciler", i), f"http://127.0.0.1:{port}/metrics")
+             for i, port in enumerate(p.reconciler_ports)]
+    if p.with_sandbox:
+        urls.append(("sandbox", f"http://127.0.0.1:{p.sandbox_port}/metrics"))
+    urls += [(_name("nats", i), f"http://127.0.0.1:{port}/varz")
+             for i, port in enumerate(p.nats.monitor_ports)]
+    return urls
 
 
 def _nats_auth(p: UpPlan, args: argparse.Namespace) -> nats_auth.AuthFiles | None:
