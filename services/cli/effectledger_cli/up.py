@@ -17,14 +17,16 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
 from effectledger_bus.permissions import Role, user_name
 from effectledger_bus.topology import topology
-from effectledger_core.unsafe import NATS_WITHOUT_PERMISSIONS, check
+from effectledger_client import localtokens
+from effectledger_core.unsafe import NATS_WITHOUT_PERMISSIONS, OPEN_API, check
 
-from . import children, files, nats_auth, up_nats
+from . import api_tokens, children, files, nats_auth, up_nats
 from .children import Child, StartFailed
 from .stop_signals import Stopped, StopSignals
 from .up_plan import Refused, UpPlan, plan
@@ -37,7 +39,8 @@ STOP_STAGES = ((("dispatcher", "reconciler"), 4.0), (("ledger", "sandbox"), 3.0)
 PER_CHILD = ("EFFECTLEDGER_SANDBOX_API_KEY", "EFFECTLEDGER_WEBHOOK_SECRETS",
              "EFFECTLEDGER_NATS_USER", "EFFECTLEDGER_NATS_PASSWORD", "EFFECTLEDGER_NATS_TOKEN",
              "EFFECTLEDGER_NATS_CREDS_FILE")
-TENANT = "default"
+TENANT = localtokens.DEFAULT_TENANT
+DEFAULT_LEDGER_PORT = 8600
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -81,6 +84,7 @@ def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
         return procs[name]
 
     auth = _nats_auth(p, args)
+    tokens = _api_tokens(p, args)
     up_nats.start(p.nats, p.data, start,
                   config=auth.config if auth and not p.nats.clustered else None,
                   authorization=auth.authorization() if auth else "")
@@ -103,7 +107,7 @@ def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
         children.wait_listening(sandbox, p.sandbox_port, 30)
     for i, port in enumerate(p.ledger_ports):
         ledger = start(_name("ledger", i), children.cli("ledger", "--port", str(port)),
-                       nats_env(Role.LEDGER))
+                       {**nats_env(Role.LEDGER), **(tokens.ledger_env() if tokens else {})})
         children.wait_listening(ledger, port, 60)
     for i, port in enumerate(p.dispatcher_metrics_ports):
         dispatcher = start(_name("dispatcher", i), children.cli(
@@ -120,9 +124,9 @@ def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
     ledger_urls = [f"http://127.0.0.1:{port}" for port in p.ledger_ports]
     for url in ledger_urls:
         _wait_ready(url, procs)
-    _announce(p, ledger_urls, streams, auth)
+    _announce(p, ledger_urls, streams, auth, tokens)
     if args.demo:
-        code = _demo(ledger_urls[0], args.demo)
+        code = _demo(ledger_urls[0], args.demo, tokens.agents[TENANT] if tokens else None)
         if args.exit_after_demo:
             return code
     return _supervise(procs)
@@ -133,9 +137,16 @@ def _name(role: str, index: int) -> str:
 
 
 def _announce(p: UpPlan, ledger_urls: list[str], streams: str,
-              auth: nats_auth.AuthFiles | None) -> None:
+              auth: nats_auth.AuthFiles | None, tokens: api_tokens.ApiTokens | None) -> None:
     print(f"ledger: {', '.join(ledger_urls)}")
-    print(f"console: {ledger_urls[0]}/console")
+    if tokens is not None:
+        print(f"console: {ledger_urls[0]}/console (sign in with the operator token in "
+              f"{tokens.operator_file})")
+        print(f"operator token (API, operator {tokens.operator_name}): {tokens.operator_file}")
+        print(f"agent token (API, tenant {TENANT}): {tokens.agent_file(TENANT)}")
+    else:
+        print(f"console: {ledger_urls[0]}/console")
+        print(f"api: {OPEN_API_LINE}")
     if p.with_sandbox:
         print(f"sandbox: http://127.0.0.1:{p.sandbox_port}")
     if auth is not None:
@@ -154,7 +165,11 @@ def _announce(p: UpPlan, ledger_urls: list[str], streams: str,
         print(f"metrics ({name}): {url}")
     print(f"logs: {p.logs}")
     example = "'{\"title\": \"hello\"}'" if p.demo_catalog else "'{...}'"
-    print(f"try: effectledger submit {p.first_tool} --args {example} --wait 5")
+    # The flags a client needs to find this ledger and its tokens, when not the defaults.
+    where = "" if p.ledger_ports[0] == DEFAULT_LEDGER_PORT else f" --ledger-url {ledger_urls[0]}"
+    if tokens is not None and p.data != Path(localtokens.DEFAULT_DATA_DIR).resolve():
+        where += f" --data-dir {p.data}"
+    print(f"try: effectledger submit {p.first_tool} --args {example} --wait 5{where}")
     sys.stdout.flush()
 
 
@@ -172,6 +187,21 @@ def metrics_urls(p: UpPlan) -> list[tuple[str, str]]:
     urls += [(_name("nats", i), f"http://127.0.0.1:{port}/varz")
              for i, port in enumerate(p.nats.monitor_ports)]
     return urls
+
+
+OPEN_API_LINE = ("UNSAFE (--unsafe-open-api): the API is open, with no tokens: any local "
+                 "process may submit for any tenant and approve as anyone")
+
+
+def _api_tokens(p: UpPlan, args: argparse.Namespace) -> api_tokens.ApiTokens | None:
+    """An operator token and an agent token per tenant, for the ledger to require, unless
+    the API is opened on purpose (--unsafe-open-api, or its environment switch)."""
+    log = logging.getLogger("effectledger.up")
+    if args.unsafe_open_api:
+        os.environ[OPEN_API.env] = "1"  # the flag is the switch: `unsafe-switches` lists it
+    if check(OPEN_API, os.environ, log):
+        return None
+    return api_tokens.for_up(p.data, [TENANT])
 
 
 def _nats_auth(p: UpPlan, args: argparse.Namespace) -> nats_auth.AuthFiles | None:
@@ -252,10 +282,11 @@ def _check_alive(procs: dict[str, Child]) -> None:
             raise child.failure(f"exited with {code}")
 
 
-def _demo(url: str, n: int) -> int:
+def _demo(url: str, n: int, token: str | None) -> int:
     tools = ["create_ticket", "send_email", "charge_card", "post_message", "page_oncall"]
     ids = []
-    with httpx.Client(base_url=url, timeout=10) as http:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client(base_url=url, timeout=10, headers=headers) as http:
         for i in range(n):
             tool = tools[i % len(tools)]
             args = ({"amount": 100 + i, "currency": "EUR"} if tool == "charge_card"

@@ -47,7 +47,14 @@ from effectledger_core.waiting import DEFAULT_MAX_WAIT_S, parse_wait, wait_over
 from effectledger_obs.http import HttpObservability, metrics_response
 
 from . import console
-from .auth import Authenticator, Forbidden, Principal, check_tenant, operator_name
+from .auth import (
+    OPEN_API_WARNING,
+    Authenticator,
+    Forbidden,
+    Principal,
+    check_tenant,
+    operator_name,
+)
 from .openapi import WAIT_DOC, errors, submit_intent_body
 from .service import LedgerService
 
@@ -347,7 +354,8 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
         return JSONResponse({"ok": ok, "checks": checks, "missing": missing,
                              "accepting_intents": not any(n in missing for n in INTENTS_NEED),
                              "relaying": not any(n in missing for n in RELAY_NEEDS),
-                             "auth": "enabled" if authenticator.enabled else "disabled"},
+                             "auth": "enabled" if authenticator.enabled else "disabled",
+                             "warnings": [] if authenticator.enabled else [OPEN_API_WARNING]},
                             status_code=200 if ok else 503)
 
     @app.get("/readyz", responses={200: {"model": Readiness}, 503: {"model": Readiness}})
