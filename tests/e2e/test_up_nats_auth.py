@@ -96,7 +96,7 @@ async def test_up_runs_nats_with_a_user_per_process_and_prints_the_agents_creden
     assert reply["ok"] is True, reply
 
     # The HTTP API needs a token too: the agent's, which `up` wrote beside its credentials.
-    token = Path(_printed(out, "agent token (API, tenant default)") or "").read_text().strip()
+    token = _read_token(Path(_printed(out, "agent token (API, tenant default)") or ""))
     async with httpx.AsyncClient(base_url=ledger_url, timeout=10,
                                  headers={"Authorization": f"Bearer {token}"}) as http:
         async def succeeded() -> bool:
@@ -108,6 +108,10 @@ async def test_up_runs_nats_with_a_user_per_process_and_prints_the_agents_creden
     environ = _environ(_child_pid(proc.pid, "ledger"))
     assert environ["EFFECTLEDGER_NATS_USER"] == "ledger"
     assert environ["EFFECTLEDGER_NATS_PASSWORD"] != "from-the-users-shell"
+
+
+def _read_token(path: Path) -> str:
+    return path.read_text().strip()
 
 
 def _read_private(path: Path) -> tuple[int, dict[str, str]]:
