@@ -26,7 +26,8 @@ from effectledger_bus.topology import topology
 from effectledger_client import localtokens
 from effectledger_core.unsafe import NATS_WITHOUT_PERMISSIONS, OPEN_API, check
 
-from . import api_tokens, children, files, nats_auth, up_nats
+from . import api_tokens, child_env, children, files, nats_auth, up_nats
+from .child_env import ChildRole
 from .children import Child, StartFailed
 from .stop_signals import Stopped, StopSignals
 from .up_plan import Refused, UpPlan, plan
@@ -35,10 +36,6 @@ AT_REST = {"succeeded", "failed", "cancelled", "needs_review"}
 # Stop budget per stage, in order; together well under the 10 s a supervisor usually allows.
 STOP_STAGES = ((("dispatcher", "reconciler"), 4.0), (("ledger", "sandbox"), 3.0),
                (("nats",), 2.0))
-# Set per child, so that only the processes that use them see them.
-PER_CHILD = ("EFFECTLEDGER_SANDBOX_API_KEY", "EFFECTLEDGER_WEBHOOK_SECRETS",
-             "EFFECTLEDGER_NATS_USER", "EFFECTLEDGER_NATS_PASSWORD", "EFFECTLEDGER_NATS_TOKEN",
-             "EFFECTLEDGER_NATS_CREDS_FILE")
 TENANT = localtokens.DEFAULT_TENANT
 DEFAULT_LEDGER_PORT = 8600
 
@@ -71,21 +68,30 @@ def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
          procs: dict[str, Child]) -> int:
     p.logs.mkdir(parents=True, exist_ok=True)
     files.lock_down(p.data)
-    env = _base_env(p)
+    env = _up_settings(p)
+    references = child_env.catalog_references(p.catalog_path)
     # Secrets travel in the environment only (a command line is readable by every user of
     # the machine), and only to the children that use them: the ledger never sees provider
     # credentials; dispatchers call and reconcilers read back, so both hold the key; only
     # reconcilers verify webhooks, only the sandbox signs them.
     provider_env = {"EFFECTLEDGER_SANDBOX_API_KEY": p.api_key}
 
-    def start(name: str, argv: list[str], extra: dict[str, str]) -> Child:
+    def start(name: str, argv: list[str], extra: dict[str, str],
+              role: ChildRole | None = None) -> Child:
+        role = role or ChildRole(name.split("-")[0])
+        # What the role uses, from the user's environment and this run's settings, then the
+        # child's own secrets (child_env): never the whole environment.
+        child = {**child_env.build(role, os.environ, env, references=references), **extra}
         with sigs.held():
-            procs[name] = children.spawn(name, argv, {**env, **extra}, p.logs)
+            procs[name] = children.spawn(name, argv, child, p.logs)
         return procs[name]
+
+    def start_nats(name: str, argv: list[str], extra: dict[str, str]) -> Child:
+        return start(name, argv, extra, ChildRole.NATS)
 
     auth = _nats_auth(p, args)
     tokens = _api_tokens(p, args)
-    up_nats.start(p.nats, p.data, start,
+    up_nats.start(p.nats, p.data, start_nats,
                   config=auth.config if auth and not p.nats.clustered else None,
                   authorization=auth.authorization() if auth else "")
 
@@ -248,9 +254,9 @@ def _apply_streams(p: UpPlan, env: dict[str, str], client: dict[str, str]) -> st
     return ", ".join(f"{s.name} ({s.num_replicas} replicas)" for s in wanted.streams)
 
 
-def _base_env(p: UpPlan) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in PER_CHILD}
-    env.update({
+def _up_settings(p: UpPlan) -> dict[str, str]:
+    """This run's settings, over the user's; each child takes those its role reads."""
+    return {
         "EFFECTLEDGER_DATABASE_URL": p.database_url,
         "EFFECTLEDGER_CATALOG_PATH": str(p.catalog_path),
         # Short enough that the embedded demo recovers from a killed dispatcher quickly.
@@ -258,8 +264,7 @@ def _base_env(p: UpPlan) -> dict[str, str]:
         # The streams were applied before any service: as in a deployment, services only
         # check them (and wait, should one disappear, for the apply step to be run again).
         "EFFECTLEDGER_STREAMS_CREATE_MISSING": "false",
-    })
-    return env
+    }
 
 
 def _wait_ready(url: str, procs: dict[str, Child]) -> None:
