@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="submit N demo intents once ready and print where they ended")
     up.add_argument("--exit-after-demo", action="store_true",
                     help="stop everything after the demo (for smoke tests)")
+    up.add_argument("--max-restarts", type=int, default=5, metavar="N",
+                    help="a child that dies is restarted, with backoff; more than N deaths "
+                         "within --restart-window stop everything (default: 5)")
+    up.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS",
+                    help="the window of --max-restarts (default: 60)")
     up.add_argument("--unsafe-open-api", action="store_true",
                     help="UNSAFE: run the ledger's HTTP API without tokens (any local process "
                          "may then submit for any tenant and approve)")

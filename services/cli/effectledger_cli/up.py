@@ -4,8 +4,10 @@ An embedded nats-server (JetStream under the data folder; or `--nats-cluster N` 
 ledger on SQLite (or `--database-url`), a dispatcher, the reconciler, the sandbox provider and
 the demo catalog, each a child process in its own process group (`children`). Everything that
 can be checked is checked before the first child starts (`up_plan`); the streams are applied
-before the first service starts. SIGINT, SIGTERM and SIGHUP stop the services first and the
-broker last (`stop_signals`); `up` exits with no child left.
+before the first service starts. Once everything runs, `up` supervises: a child that dies is
+named and restarted with backoff while the others keep serving, and a crash loop stops
+everything (`supervisor`). SIGINT, SIGTERM and SIGHUP stop the services first and the broker
+last (`stop_signals`); `up` exits with no child left.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from effectledger_bus.topology import topology
 from effectledger_client import localtokens
 from effectledger_core.unsafe import NATS_WITHOUT_PERMISSIONS, OPEN_API, check
 
-from . import api_tokens, child_env, children, files, nats_auth, up_nats
+from . import api_tokens, child_env, children, files, nats_auth, supervisor, up_nats
 from .child_env import ChildRole
 from .children import Child, StartFailed
 from .stop_signals import Stopped, StopSignals
@@ -52,7 +54,7 @@ def run_up(args: argparse.Namespace) -> int:
     except Refused as exc:
         print(str(exc), file=sys.stderr)
         return exc.code
-    except StartFailed as exc:
+    except (StartFailed, supervisor.CrashLoop) as exc:
         print(str(exc), file=sys.stderr)
         return 1
     except OSError as exc:  # no nats-server binary, a data folder we may not write, ...
@@ -135,7 +137,13 @@ def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
         code = _demo(ledger_urls[0], args.demo, tokens.agents[TENANT] if tokens else None)
         if args.exit_after_demo:
             return code
-    return _supervise(procs)
+    def respawn(child: Child) -> Child:
+        with sigs.held():
+            return children.respawn(child)
+
+    supervisor.run(supervisor.Supervisor(procs, respawn, supervisor.RestartPolicy(
+        max_restarts=args.max_restarts, window_s=args.restart_window)))
+    return 0
 
 
 def _name(role: str, index: int) -> str:
@@ -313,12 +321,6 @@ def _demo(url: str, n: int, token: str | None) -> int:
     print("demo: " + json.dumps(summary, sort_keys=True))
     sys.stdout.flush()
     return 0 if summary == {"succeeded": n} else 1
-
-
-def _supervise(procs: dict[str, Child]) -> int:
-    while True:
-        _check_alive(procs)  # a child that died is named with its log, and all stop
-        time.sleep(0.5)  # supervision period
 
 
 def _stop_all(procs: dict[str, Child]) -> None:

@@ -97,6 +97,9 @@ def plan(args: argparse.Namespace) -> UpPlan:
         if not 1 <= count <= MAX_COUNT:
             raise Refused(f"effectledger up: {flag} must be between 1 and {MAX_COUNT}, "
                           f"not {count}")
+    if args.max_restarts < 0 or not args.restart_window > 0:
+        raise Refused("effectledger up: --max-restarts must be 0 or more and "
+                      "--restart-window more than 0 seconds")
     if args.ledgers > 1 and database_url.startswith("sqlite"):
         raise Refused(f"effectledger up: --ledgers {args.ledgers} needs PostgreSQL "
                       "(--database-url postgresql+asyncpg://...): SQLite has a single writer")
