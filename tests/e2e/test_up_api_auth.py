@@ -109,12 +109,13 @@ def test_under_up_defaults_another_tenants_submission_and_a_tokenless_approval_a
                             start_new_session=True)
     running_up.append(proc)
     lines_until(proc, "try:", 120)
-    auth = tmp_path / "effectledger-data" / "nats-auth"
-    agent = {"Authorization": f"Bearer {(auth / 'api-agent-default.token').read_text().strip()}"}
     wire = {"tool": "wire_funds", "arguments": {"amount": 5000, "currency": "EUR"},
             "tenant": "victim", "idempotency_key": "attack-1"}
     with httpx.Client(base_url=url, timeout=10) as http:
-        assert http.post("/v1/intents", json=wire).status_code == 401
+        assert http.post("/v1/intents", json=wire).status_code == 401  # 201 on the old `up`
+        auth = tmp_path / "effectledger-data" / "nats-auth"
+        agent = {"Authorization":
+                 f"Bearer {(auth / 'api-agent-default.token').read_text().strip()}"}
         assert http.post("/v1/intents", json=wire, headers=agent).status_code == 403
         assert http.post("/v1/intents", json={**wire, "tenant": "victim", "operator": "alice"}
                          ).status_code == 401

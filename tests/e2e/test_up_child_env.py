@@ -61,8 +61,6 @@ def test_each_child_gets_only_what_its_role_uses(
     assert lines[-1] == 'demo: {"succeeded": 3}', lines  # the allow lists are complete
 
     data = tmp_path / "data"
-    tokens = [(data / "nats-auth" / f).read_text().strip()
-              for f in ("api-operator.token", "api-agent-default.token")]
     database = str(data / "ledger.db")
     environs: dict[str, dict[str, str]] = {}
     for child in psutil.Process(proc.pid).children(recursive=True):
@@ -76,8 +74,11 @@ def test_each_child_gets_only_what_its_role_uses(
     def named(name: str) -> set[str]:
         return {role for role, e in environs.items() if name in e}
 
-    assert all(holders(t) == {"ledger"} for t in tokens)
+    assert holders(SHELL_SECRET) == set()
     assert holders(database) == {"ledger"}
+    tokens = [(data / "nats-auth" / f).read_text().strip()
+              for f in ("api-operator.token", "api-agent-default.token")]
+    assert all(holders(t) == {"ledger"} for t in tokens)
     assert named("EFFECTLEDGER_DATABASE_URL") == {"ledger"}
     assert named("EFFECTLEDGER_AGENT_TOKENS") == named("EFFECTLEDGER_OPERATOR_TOKENS") == \
         {"ledger"}
@@ -86,7 +87,6 @@ def test_each_child_gets_only_what_its_role_uses(
     assert named("EFFECTLEDGER_SANDBOX_WEBHOOK_SECRET") == {"sandbox"}
     assert named("EFFECTLEDGER_DISPATCHER_CONCURRENCY") == {"dispatcher"}
     assert named("EFFECTLEDGER_LOG_LEVEL") == {"ledger", "dispatcher", "reconciler", "sandbox"}
-    assert holders(SHELL_SECRET) == set()
     nats = environs["nats-server"]
     assert not [k for k in nats if k.startswith("EFFECTLEDGER_")], sorted(nats)
     assert set(nats) <= {"PATH", "PYTHONPATH", "VIRTUAL_ENV", "HOME", "LANG", "TMPDIR", "TZ",
