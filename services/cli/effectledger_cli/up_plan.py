@@ -21,7 +21,7 @@ from effectledger_core.config import DEMO_CATALOG
 from effectledger_core.errors import EffectLedgerError
 
 from . import children, up_nats
-from .embedded import free_port
+from .embedded import free_port, reserve
 
 DEMO_SANDBOX = "127.0.0.1:8700"  # where the bundled demo catalog expects its sandbox
 MAX_COUNT = 16
@@ -107,6 +107,12 @@ def plan(args: argparse.Namespace) -> UpPlan:
     with_sandbox = demo_catalog or bool(args.demo)
     ledger_ports = [args.ledger_port + i for i in range(args.ledgers)]
     reconciler_ports = [args.reconciler_port + i for i in range(args.reconcilers)]
+    # The ports `up` picks itself (NATS, monitoring, metrics) never land on one given by flag.
+    reserve([*ledger_ports, *reconciler_ports, args.sandbox_port,
+             *([args.metrics_port + i for i in range(args.dispatchers)] if args.metrics_port
+               else []),
+             *([args.nats_port + i for i in range(args.nats_cluster)] if args.nats_port
+               else [])])
     metrics_ports = [args.metrics_port + i if args.metrics_port else free_port()
                      for i in range(args.dispatchers)]
     nats = up_nats.plan(args.nats_cluster, args.nats_port)
