@@ -3,6 +3,7 @@ loopback only, and an explicit token (argument or EFFECTLEDGER_TOKEN) always win
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,12 @@ def test_the_client_sends_the_agent_token_to_a_loopback_ledger_only(
 def test_a_tenant_that_cannot_name_a_file_finds_nothing(data: Path) -> None:
     assert localtokens.find("http://127.0.0.1:1", tenant="../../etc/passwd") is None
     assert localtokens.find("http://127.0.0.1:1") is None  # no `up` ran here
+
+
+def test_the_users_own_tokens_are_kept_beside_ups(data: Path) -> None:
+    tokens = api_tokens.for_up(data, ["default"])
+    env = tokens.ledger_env({"EFFECTLEDGER_AGENT_TOKENS": '{"theirs": "acme"}'})
+    assert json.loads(env["EFFECTLEDGER_AGENT_TOKENS"]) == {
+        "theirs": "acme", tokens.agents["default"]: "default"}
+    with pytest.raises(ValueError, match="EFFECTLEDGER_OPERATOR_TOKENS is not valid JSON"):
+        tokens.ledger_env({"EFFECTLEDGER_OPERATOR_TOKENS": "{oops"})

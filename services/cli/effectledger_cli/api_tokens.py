@@ -14,6 +14,7 @@ import json
 import os
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,10 +37,30 @@ class ApiTokens:
     def agent_file(self, tenant: str) -> Path:
         return localtokens.agent_file(self.data, tenant)
 
-    def ledger_env(self) -> dict[str, str]:
-        """The ledger's settings: who each token is."""
-        return {"EFFECTLEDGER_AGENT_TOKENS": json.dumps({t: n for n, t in self.agents.items()}),
-                "EFFECTLEDGER_OPERATOR_TOKENS": json.dumps({self.operator: self.operator_name})}
+    def ledger_env(self, user: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The ledger's settings: who each token is, added to the user's own
+        EFFECTLEDGER_AGENT_TOKENS / _OPERATOR_TOKENS (kept, never replaced). ValueError (one
+        line) when those are not JSON objects of strings."""
+        agents = _tokens(user or {}, "EFFECTLEDGER_AGENT_TOKENS")
+        operators = _tokens(user or {}, "EFFECTLEDGER_OPERATOR_TOKENS")
+        agents.update({t: n for n, t in self.agents.items()})
+        operators[self.operator] = self.operator_name
+        return {"EFFECTLEDGER_AGENT_TOKENS": json.dumps(agents),
+                "EFFECTLEDGER_OPERATOR_TOKENS": json.dumps(operators)}
+
+
+def _tokens(env: Mapping[str, str], name: str) -> dict[str, str]:
+    text = env.get(name, "").strip()
+    if not text:
+        return {}
+    try:
+        parsed = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{name} is not valid JSON: {exc}") from None
+    if not isinstance(parsed, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in parsed.items()):
+        raise ValueError(f'{name} must look like {{"<token>": "<name>"}}')
+    return parsed
 
 
 def operator_name() -> str:

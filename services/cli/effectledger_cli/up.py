@@ -93,6 +93,10 @@ def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
 
     auth = _nats_auth(p, args)
     tokens = _api_tokens(p, args)
+    try:
+        ledger_tokens = tokens.ledger_env(os.environ) if tokens else {}
+    except ValueError as exc:
+        raise Refused(f"effectledger up: {exc}") from None
     up_nats.start(p.nats, p.data, start_nats,
                   config=auth.config if auth and not p.nats.clustered else None,
                   authorization=auth.authorization() if auth else "")
@@ -115,7 +119,7 @@ def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
         children.wait_listening(sandbox, p.sandbox_port, 30)
     for i, port in enumerate(p.ledger_ports):
         ledger = start(_name("ledger", i), children.cli("ledger", "--port", str(port)),
-                       {**nats_env(Role.LEDGER), **(tokens.ledger_env() if tokens else {})})
+                       {**nats_env(Role.LEDGER), **ledger_tokens})
         children.wait_listening(ledger, port, 60)
     for i, port in enumerate(p.dispatcher_metrics_ports):
         dispatcher = start(_name("dispatcher", i), children.cli(
