@@ -27,6 +27,7 @@ from effectledger_core.views import (
 )
 
 from . import _calls as c
+from . import localtokens
 from ._calls import Submitted
 from .errors import Unavailable
 
@@ -39,7 +40,10 @@ OnChange = Callable[[OperationView], Any]
 
 def _settings(base_url: str | None, token: str | None) -> tuple[str, dict[str, str]]:
     url = base_url or os.environ.get("EFFECTLEDGER_LEDGER_URL") or DEFAULT_URL
-    token = token if token is not None else os.environ.get("EFFECTLEDGER_TOKEN")
+    if token is None:
+        token = os.environ.get("EFFECTLEDGER_TOKEN")
+    if token is None:  # neither given: the agent token `up` made, for a ledger on loopback
+        token = localtokens.find(url)
     return url, ({"Authorization": f"Bearer {token}"} if token else {})
 
 
@@ -48,7 +52,8 @@ def _unreachable(url: str, exc: Exception) -> Unavailable:
 
 
 class Client:
-    """Synchronous client. `Client()` reads EFFECTLEDGER_LEDGER_URL and EFFECTLEDGER_TOKEN."""
+    """Synchronous client. `Client()` reads EFFECTLEDGER_LEDGER_URL and EFFECTLEDGER_TOKEN
+    (else, for a ledger on loopback, the agent token `effectledger up` wrote: localtokens)."""
 
     def __init__(self, base_url: str | None = None, *, token: str | None = None,
                  timeout_s: float = 10.0, http: httpx.Client | None = None) -> None:

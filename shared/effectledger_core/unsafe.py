@@ -59,8 +59,21 @@ NATS_WITHOUT_PERMISSIONS = UnsafeSwitch(
               "connect may publish outcomes, verdicts, webhooks and dispatch commands, and "
               "submit or read for any tenant")
 
+OPEN_API = UnsafeSwitch(
+    env=PREFIX + "OPEN_API",
+    service="up (--unsafe-open-api)",
+    disables="the ledger's HTTP API tokens: anyone who reaches the ledger's port may submit "
+              "for any tenant, read every operation and approve, cancel or retry as anyone")
+
+OPEN_MCP_HTTP = UnsafeSwitch(
+    env=PREFIX + "OPEN_MCP_HTTP",
+    service="mcp --http (--unsafe-open-http)",
+    disables="the MCP HTTP endpoint's bearer token: any local process (or, off loopback, "
+              "anyone) may call the catalog's tools as the MCP server's agent")
+
 SWITCHES: tuple[UnsafeSwitch, ...] = (SKIP_CLAIM, SKIP_WEBHOOK_VERIFICATION,
-                                      NATS_WITHOUT_PERMISSIONS, NO_SEND_DEADLINE)
+                                      NATS_WITHOUT_PERMISSIONS, NO_SEND_DEADLINE, OPEN_API,
+                                      OPEN_MCP_HTTP)
 BY_ENV: Mapping[str, UnsafeSwitch] = {s.env: s for s in SWITCHES}
 
 

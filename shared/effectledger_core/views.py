@@ -169,6 +169,8 @@ class Readiness(_View):
     ok: bool
     checks: dict[str, Any]
     auth: str
+    # Guarantees that are off in this process (an open API), in words an operator reads.
+    warnings: list[str] = []
     # The readiness split: what is down, and what the ledger can still do.
     missing: list[str] = []
     accepting_intents: bool = True

@@ -95,7 +95,10 @@ async def test_up_runs_nats_with_a_user_per_process_and_prints_the_agents_creden
     reply = json.loads(msg.data)
     assert reply["ok"] is True, reply
 
-    async with httpx.AsyncClient(base_url=ledger_url, timeout=10) as http:
+    # The HTTP API needs a token too: the agent's, which `up` wrote beside its credentials.
+    token = _read_token(Path(_printed(out, "agent token (API, tenant default)") or ""))
+    async with httpx.AsyncClient(base_url=ledger_url, timeout=10,
+                                 headers={"Authorization": f"Bearer {token}"}) as http:
         async def succeeded() -> bool:
             resp = await http.get(f"/v1/operations/{reply['operation']['id']}")
             return bool(resp.json()["state"] == "succeeded")
@@ -105,6 +108,10 @@ async def test_up_runs_nats_with_a_user_per_process_and_prints_the_agents_creden
     environ = _environ(_child_pid(proc.pid, "ledger"))
     assert environ["EFFECTLEDGER_NATS_USER"] == "ledger"
     assert environ["EFFECTLEDGER_NATS_PASSWORD"] != "from-the-users-shell"
+
+
+def _read_token(path: Path) -> str:
+    return path.read_text().strip()
 
 
 def _read_private(path: Path) -> tuple[int, dict[str, str]]:

@@ -108,3 +108,19 @@ def free_ports_in_a_row(count: int) -> int:
         if all(bindable(first + i) for i in range(count)):
             return first
     raise RuntimeError(f"no {count} consecutive free ports found")
+
+
+def up_children(proc: subprocess.Popen[str]) -> dict[str, psutil.Process]:
+    """`up`'s children by the name `up` gives them: ledger, dispatcher, reconciler, sandbox,
+    nats (a cluster's further nodes nats-2, nats-3, by their configuration file)."""
+    found: dict[str, psutil.Process] = {}
+    for child in psutil.Process(proc.pid).children():
+        cmd = child.cmdline()
+        if cmd and cmd[0].endswith("nats-server"):
+            conf = next((Path(a).stem for a in cmd if a.endswith(".conf")), "nats")
+            found[conf] = child  # nats-auth/nats.conf on one node, nats-<i>.conf on a cluster
+        elif len(cmd) > 3 and cmd[1:3] == ["-m", "effectledger_cli"]:
+            ident = cmd[cmd.index("--id") + 1] if "--id" in cmd else cmd[3]
+            name = cmd[3] if ident.endswith("-1") or ident == cmd[3] else ident
+            found[name] = child
+    return found

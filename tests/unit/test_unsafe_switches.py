@@ -15,7 +15,8 @@ from effectledger_core.unsafe import SKIP_CLAIM, SKIP_WEBHOOK_VERIFICATION, Unsa
 def test_every_known_switch_is_registered_under_the_unsafe_prefix() -> None:
     assert {s.env for s in unsafe.SWITCHES} == {
         "EFFECTLEDGER_UNSAFE_SKIP_CLAIM", "EFFECTLEDGER_UNSAFE_SKIP_WEBHOOK_VERIFICATION",
-        "EFFECTLEDGER_UNSAFE_NATS_WITHOUT_PERMISSIONS", "EFFECTLEDGER_UNSAFE_NO_SEND_DEADLINE"}
+        "EFFECTLEDGER_UNSAFE_NATS_WITHOUT_PERMISSIONS", "EFFECTLEDGER_UNSAFE_NO_SEND_DEADLINE",
+        "EFFECTLEDGER_UNSAFE_OPEN_API", "EFFECTLEDGER_UNSAFE_OPEN_MCP_HTTP"}
     assert all(s.env.startswith(unsafe.PREFIX) for s in unsafe.SWITCHES)
     with pytest.raises(ValueError, match="must be named"):
         UnsafeSwitch(env="SKIP_CLAIM", service="dispatcher", disables="x")

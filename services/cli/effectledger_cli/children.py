@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -41,6 +41,9 @@ class Child:
     name: str
     proc: subprocess.Popen[bytes]
     log: Path
+    # How it was started, so that a supervisor can start it again the same way.
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
 
     def tail(self, lines: int = 15) -> str:
         try:
@@ -68,7 +71,12 @@ def spawn(name: str, argv: Sequence[str], env: dict[str, str], log_dir: Path) ->
         proc = subprocess.Popen(list(argv), env=env, stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-    return Child(name, proc, log)
+    return Child(name, proc, log, list(argv), env)
+
+
+def respawn(child: Child) -> Child:
+    """The same child again: its command line, environment and log (appended to)."""
+    return spawn(child.name, child.argv, child.env, child.log.parent)
 
 
 def cli(*args: str) -> list[str]:

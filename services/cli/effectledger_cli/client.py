@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
 
 from pydantic import BaseModel
 
-from effectledger_client import Client, LedgerError, OperationView
+from effectledger_client import Client, LedgerError, OperationView, localtokens
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 EXIT_FAILED, EXIT_UNKNOWN, EXIT_APPROVAL, EXIT_TIMEOUT = 3, 4, 5, 6
@@ -50,10 +51,28 @@ class _Progress:
                   flush=True)
 
 
+OPERATOR_COMMANDS = frozenset({"approve", "reject", "cancel", "retry", "review"})
+
+
+def local_token(args: argparse.Namespace) -> str | None:
+    """The token to send when EFFECTLEDGER_TOKEN is not set: the one `effectledger up` made
+    for this command (localtokens; a ledger on loopback only). Operator actions use the
+    operator's; submissions and reads the tenant's agent token, else the operator's."""
+    if os.environ.get("EFFECTLEDGER_TOKEN") is not None:
+        return None  # the client sends that one
+    url, data = args.ledger_url, getattr(args, "data_dir", None)
+    if args.command in OPERATOR_COMMANDS:
+        return localtokens.find(url, operator=True, data=data)
+    tenant = getattr(args, "tenant", None) or localtokens.DEFAULT_TENANT
+    return (localtokens.find(url, tenant=tenant, data=data)
+            or localtokens.find(url, operator=True, data=data))
+
+
 def run(args: argparse.Namespace) -> int:
-    # Agents and operators authenticate with a bearer token (EFFECTLEDGER_TOKEN).
+    # Agents and operators authenticate with a bearer token: EFFECTLEDGER_TOKEN, else the
+    # one `effectledger up` wrote into its data folder.
     try:
-        with Client(args.ledger_url) as client:
+        with Client(args.ledger_url, token=local_token(args)) as client:
             return _run(client, args)
     except LedgerError as exc:
         print(f"effectledger: {exc.code}: {exc.message}", file=sys.stderr)

@@ -63,6 +63,11 @@ def free_port() -> int:
     return port
 
 
+def reserve(ports: list[int]) -> None:
+    """Ports taken by other means (given on a command line): free_port never returns them."""
+    _handed_out.update(ports)
+
+
 def _bindable(port: int) -> bool:
     with socket.socket() as s:
         try:

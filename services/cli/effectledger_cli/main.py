@@ -77,8 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="run everything on the embedded default (one command)")
-    up.add_argument("--data-dir", default="effectledger-data",
-                    help="folder for the SQLite ledger and JetStream (default: effectledger-data)")
+    up.add_argument("--data-dir", default=os.environ.get("EFFECTLEDGER_DATA_DIR",
+                                                         "effectledger-data"),
+                    help="folder for the SQLite ledger, JetStream and the credentials "
+                         "(env EFFECTLEDGER_DATA_DIR; default: effectledger-data)")
     up.add_argument("--database-url", help="use this database instead of the embedded SQLite")
     up.add_argument("--catalog", dest="catalog_path", help="replace the demo catalog")
     up.add_argument("--nats-port", type=port_number, default=0,
@@ -88,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="sandbox port (the demo catalog expects 8700)")
     up.add_argument("--reconciler-port", type=port_number, default=8800,
                     help="reconciler webhook port")
+    up.add_argument("--metrics-port", type=port_number, default=0,
+                    help="the first dispatcher's /metrics port, the next ones count up "
+                         "(0: any free; the other children serve /metrics on their own port)")
     up.add_argument("--nats-cluster", type=int, default=1, metavar="N",
                     help="N nats-server processes clustered on loopback, streams with N "
                          "replicas (at most 5) and a NATS user per service (default: 1)")
@@ -99,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="submit N demo intents once ready and print where they ended")
     up.add_argument("--exit-after-demo", action="store_true",
                     help="stop everything after the demo (for smoke tests)")
+    up.add_argument("--max-restarts", type=int, default=5, metavar="N",
+                    help="a child that dies is restarted, with backoff; more than N deaths "
+                         "within --restart-window stop everything (default: 5)")
+    up.add_argument("--restart-window", type=float, default=60.0, metavar="SECONDS",
+                    help="the window of --max-restarts (default: 60)")
+    up.add_argument("--unsafe-open-api", action="store_true",
+                    help="UNSAFE: run the ledger's HTTP API without tokens (any local process "
+                         "may then submit for any tenant and approve)")
 
     led = sub.add_parser("ledger", help="run the ledger service")
     _common(led, db=True, nats=True)
@@ -165,6 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.add_argument("--ledger-url", default=os.environ.get("EFFECTLEDGER_LEDGER_URL",
                                                               DEFAULT_LEDGER_URL))
+        p.add_argument("--data-dir", help="where `effectledger up` keeps its tokens, used when "
+                                          "EFFECTLEDGER_TOKEN is not set (env "
+                                          "EFFECTLEDGER_DATA_DIR; default: effectledger-data)")
         if name == "submit":
             p.add_argument("tool")
             p.add_argument("--args", default="{}", help="arguments as a JSON object")
@@ -190,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="after a not_executed review, use one explicit retry plan")
         elif name in ("approve", "reject", "cancel", "retry"):
             p.add_argument("operation_id")
-            p.add_argument("--operator", required=True, help="who is acting (journaled)")
+            p.add_argument("--operator", help="who is acting (journaled; default: the "
+                                              "operator token's name)")
             p.add_argument("--epoch", type=int, help="the epoch you inspected (default: current)")
             if name == "approve":
                 p.add_argument("--arguments-digest",

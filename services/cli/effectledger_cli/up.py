@@ -4,8 +4,10 @@ An embedded nats-server (JetStream under the data folder; or `--nats-cluster N` 
 ledger on SQLite (or `--database-url`), a dispatcher, the reconciler, the sandbox provider and
 the demo catalog, each a child process in its own process group (`children`). Everything that
 can be checked is checked before the first child starts (`up_plan`); the streams are applied
-before the first service starts. SIGINT, SIGTERM and SIGHUP stop the services first and the
-broker last (`stop_signals`); `up` exits with no child left.
+before the first service starts. Once everything runs, `up` supervises: a child that dies is
+named and restarted with backoff while the others keep serving, and a crash loop stops
+everything (`supervisor`). SIGINT, SIGTERM and SIGHUP stop the services first and the broker
+last (`stop_signals`); `up` exits with no child left.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 import httpx
 
 from effectledger_bus.permissions import Role, user_name
 from effectledger_bus.topology import topology
-from effectledger_core.unsafe import NATS_WITHOUT_PERMISSIONS, check
+from effectledger_client import localtokens
+from effectledger_core.unsafe import NATS_WITHOUT_PERMISSIONS, OPEN_API, check
 
-from . import children, nats_auth, up_nats
+from . import api_tokens, child_env, children, files, nats_auth, supervisor, up_nats
+from .child_env import ChildRole
 from .children import Child, StartFailed
 from .stop_signals import Stopped, StopSignals
 from .up_plan import Refused, UpPlan, plan
@@ -33,14 +38,14 @@ AT_REST = {"succeeded", "failed", "cancelled", "needs_review"}
 # Stop budget per stage, in order; together well under the 10 s a supervisor usually allows.
 STOP_STAGES = ((("dispatcher", "reconciler"), 4.0), (("ledger", "sandbox"), 3.0),
                (("nats",), 2.0))
-# Set per child, so that only the processes that use them see them.
-PER_CHILD = ("EFFECTLEDGER_SANDBOX_API_KEY", "EFFECTLEDGER_WEBHOOK_SECRETS",
-             "EFFECTLEDGER_NATS_USER", "EFFECTLEDGER_NATS_PASSWORD", "EFFECTLEDGER_NATS_TOKEN",
-             "EFFECTLEDGER_NATS_CREDS_FILE")
-TENANT = "default"
+TENANT = localtokens.DEFAULT_TENANT
+DEFAULT_LEDGER_PORT = 8600
 
 
 def run_up(args: argparse.Namespace) -> int:
+    # Everything `up` and its children create (the SQLite ledger and its WAL, logs, JetStream,
+    # credentials) is its owner's only: they hold every tenant's arguments and results.
+    os.umask(0o077)
     sigs = StopSignals()
     sigs.install()
     procs: dict[str, Child] = {}
@@ -49,7 +54,7 @@ def run_up(args: argparse.Namespace) -> int:
     except Refused as exc:
         print(str(exc), file=sys.stderr)
         return exc.code
-    except StartFailed as exc:
+    except (StartFailed, supervisor.CrashLoop) as exc:
         print(str(exc), file=sys.stderr)
         return 1
     except OSError as exc:  # no nats-server binary, a data folder we may not write, ...
@@ -64,20 +69,35 @@ def run_up(args: argparse.Namespace) -> int:
 def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
          procs: dict[str, Child]) -> int:
     p.logs.mkdir(parents=True, exist_ok=True)
-    env = _base_env(p)
+    files.lock_down(p.data)
+    env = _up_settings(p)
+    references = child_env.catalog_references(p.catalog_path)
     # Secrets travel in the environment only (a command line is readable by every user of
     # the machine), and only to the children that use them: the ledger never sees provider
     # credentials; dispatchers call and reconcilers read back, so both hold the key; only
     # reconcilers verify webhooks, only the sandbox signs them.
     provider_env = {"EFFECTLEDGER_SANDBOX_API_KEY": p.api_key}
 
-    def start(name: str, argv: list[str], extra: dict[str, str]) -> Child:
+    def start(name: str, argv: list[str], extra: dict[str, str],
+              role: ChildRole | None = None) -> Child:
+        role = role or ChildRole(name.split("-")[0])
+        # What the role uses, from the user's environment and this run's settings, then the
+        # child's own secrets (child_env): never the whole environment.
+        child = {**child_env.build(role, os.environ, env, references=references), **extra}
         with sigs.held():
-            procs[name] = children.spawn(name, argv, {**env, **extra}, p.logs)
+            procs[name] = children.spawn(name, argv, child, p.logs)
         return procs[name]
 
+    def start_nats(name: str, argv: list[str], extra: dict[str, str]) -> Child:
+        return start(name, argv, extra, ChildRole.NATS)
+
     auth = _nats_auth(p, args)
-    up_nats.start(p.nats, p.data, start,
+    tokens = _api_tokens(p, args)
+    try:
+        ledger_tokens = tokens.ledger_env(os.environ) if tokens else {}
+    except ValueError as exc:
+        raise Refused(f"effectledger up: {exc}") from None
+    up_nats.start(p.nats, p.data, start_nats,
                   config=auth.config if auth and not p.nats.clustered else None,
                   authorization=auth.authorization() if auth else "")
 
@@ -93,17 +113,20 @@ def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
     streams = _apply_streams(p, env, nats_env(Role.STREAMS))
     if p.with_sandbox:
         sandbox = start("sandbox", children.cli("sandbox", "--port", str(p.sandbox_port)), {
-            **provider_env, "EFFECTLEDGER_SANDBOX_WEBHOOK_URL": p.webhook_url,
+            **provider_env, "EFFECTLEDGER_SANDBOX_WEBHOOK_URL": p.webhook_url("sandbox"),
             "EFFECTLEDGER_SANDBOX_WEBHOOK_SECRET": p.hook_secret,
             "EFFECTLEDGER_SANDBOX_WEBHOOK_ROUTES": "plainhooks"})
         children.wait_listening(sandbox, p.sandbox_port, 30)
     for i, port in enumerate(p.ledger_ports):
         ledger = start(_name("ledger", i), children.cli("ledger", "--port", str(port)),
-                       nats_env(Role.LEDGER))
+                       {**nats_env(Role.LEDGER), **ledger_tokens})
         children.wait_listening(ledger, port, 60)
-    for i in range(p.dispatchers):
-        start(_name("dispatcher", i), children.cli("dispatcher", "--id", f"dispatcher-{i + 1}"),
-              {**nats_env(Role.DISPATCHER, i), **provider_env})
+    for i, port in enumerate(p.dispatcher_metrics_ports):
+        dispatcher = start(_name("dispatcher", i), children.cli(
+            "dispatcher", "--id", f"dispatcher-{i + 1}"), {
+            **nats_env(Role.DISPATCHER, i), **provider_env,
+            "EFFECTLEDGER_DISPATCHER_HEALTH_PORT": str(port)})
+        children.wait_listening(dispatcher, port, 60)
     for i, port in enumerate(p.reconciler_ports):
         reconciler = start(_name("reconciler", i), children.cli(
             "reconciler", "--id", f"reconciler-{i + 1}", "--port", str(port)), {
@@ -113,12 +136,18 @@ def _run(p: UpPlan, args: argparse.Namespace, sigs: StopSignals,
     ledger_urls = [f"http://127.0.0.1:{port}" for port in p.ledger_ports]
     for url in ledger_urls:
         _wait_ready(url, procs)
-    _announce(p, ledger_urls, streams, auth)
+    _announce(p, ledger_urls, streams, auth, tokens)
     if args.demo:
-        code = _demo(ledger_urls[0], args.demo)
+        code = _demo(ledger_urls[0], args.demo, tokens.agents[TENANT] if tokens else None)
         if args.exit_after_demo:
             return code
-    return _supervise(procs)
+    def respawn(child: Child) -> Child:
+        with sigs.held():
+            return children.respawn(child)
+
+    supervisor.run(supervisor.Supervisor(procs, respawn, supervisor.RestartPolicy(
+        max_restarts=args.max_restarts, window_s=args.restart_window)))
+    return 0
 
 
 def _name(role: str, index: int) -> str:
@@ -126,9 +155,16 @@ def _name(role: str, index: int) -> str:
 
 
 def _announce(p: UpPlan, ledger_urls: list[str], streams: str,
-              auth: nats_auth.AuthFiles | None) -> None:
+              auth: nats_auth.AuthFiles | None, tokens: api_tokens.ApiTokens | None) -> None:
     print(f"ledger: {', '.join(ledger_urls)}")
-    print(f"console: {ledger_urls[0]}/console")
+    if tokens is not None:
+        print(f"console: {ledger_urls[0]}/console (sign in with the operator token in "
+              f"{tokens.operator_file})")
+        print(f"operator token (API, operator {tokens.operator_name}): {tokens.operator_file}")
+        print(f"agent token (API, tenant {TENANT}): {tokens.agent_file(TENANT)}")
+    else:
+        print(f"console: {ledger_urls[0]}/console")
+        print(f"api: {OPEN_API_LINE}")
     if p.with_sandbox:
         print(f"sandbox: http://127.0.0.1:{p.sandbox_port}")
     if auth is not None:
@@ -139,11 +175,51 @@ def _announce(p: UpPlan, ledger_urls: list[str], streams: str,
     else:
         print(f"nats: {p.nats.url} (UNSAFE: no users or permissions)")
     print(f"streams: {streams}")
-    print(f"webhooks: {p.webhook_url}")
+    for provider in p.webhook_providers:
+        print(f"webhooks ({provider}): {p.webhook_url(provider)}")
+    if not p.webhook_providers:
+        print("webhooks: none (no provider in the catalog or EFFECTLEDGER_WEBHOOK_SECRETS)")
+    for name, url in metrics_urls(p):
+        print(f"metrics ({name}): {url}")
     print(f"logs: {p.logs}")
     example = "'{\"title\": \"hello\"}'" if p.demo_catalog else "'{...}'"
-    print(f"try: effectledger submit {p.first_tool} --args {example} --wait 5")
+    # The flags a client needs to find this ledger and its tokens, when not the defaults.
+    where = "" if p.ledger_ports[0] == DEFAULT_LEDGER_PORT else f" --ledger-url {ledger_urls[0]}"
+    if tokens is not None and p.data != Path(localtokens.DEFAULT_DATA_DIR).resolve():
+        where += f" --data-dir {p.data}"
+    print(f"try: effectledger submit {p.first_tool} --args {example} --wait 5{where}")
     sys.stdout.flush()
+
+
+def metrics_urls(p: UpPlan) -> list[tuple[str, str]]:
+    """Every child's metrics endpoint: the HTTP services on their own port, each dispatcher
+    on its metrics port, each nats-server on its monitoring port."""
+    urls = [(_name("ledger", i), f"http://127.0.0.1:{port}/metrics")
+            for i, port in enumerate(p.ledger_ports)]
+    urls += [(_name("dispatcher", i), f"http://127.0.0.1:{port}/metrics")
+             for i, port in enumerate(p.dispatcher_metrics_ports)]
+    urls += [(_name("reconciler", i), f"http://127.0.0.1:{port}/metrics")
+             for i, port in enumerate(p.reconciler_ports)]
+    if p.with_sandbox:
+        urls.append(("sandbox", f"http://127.0.0.1:{p.sandbox_port}/metrics"))
+    urls += [(_name("nats", i), f"http://127.0.0.1:{port}/varz")
+             for i, port in enumerate(p.nats.monitor_ports)]
+    return urls
+
+
+OPEN_API_LINE = ("UNSAFE (--unsafe-open-api): the API is open, with no tokens: any local "
+                 "process may submit for any tenant and approve as anyone")
+
+
+def _api_tokens(p: UpPlan, args: argparse.Namespace) -> api_tokens.ApiTokens | None:
+    """An operator token and an agent token per tenant, for the ledger to require, unless
+    the API is opened on purpose (--unsafe-open-api, or its environment switch)."""
+    log = logging.getLogger("effectledger.up")
+    if args.unsafe_open_api:
+        os.environ[OPEN_API.env] = "1"  # the flag is the switch: `unsafe-switches` lists it
+    if check(OPEN_API, os.environ, log):
+        return None
+    return api_tokens.for_up(p.data, [TENANT])
 
 
 def _nats_auth(p: UpPlan, args: argparse.Namespace) -> nats_auth.AuthFiles | None:
@@ -190,9 +266,9 @@ def _apply_streams(p: UpPlan, env: dict[str, str], client: dict[str, str]) -> st
     return ", ".join(f"{s.name} ({s.num_replicas} replicas)" for s in wanted.streams)
 
 
-def _base_env(p: UpPlan) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in PER_CHILD}
-    env.update({
+def _up_settings(p: UpPlan) -> dict[str, str]:
+    """This run's settings, over the user's; each child takes those its role reads."""
+    return {
         "EFFECTLEDGER_DATABASE_URL": p.database_url,
         "EFFECTLEDGER_CATALOG_PATH": str(p.catalog_path),
         # Short enough that the embedded demo recovers from a killed dispatcher quickly.
@@ -200,8 +276,7 @@ def _base_env(p: UpPlan) -> dict[str, str]:
         # The streams were applied before any service: as in a deployment, services only
         # check them (and wait, should one disappear, for the apply step to be run again).
         "EFFECTLEDGER_STREAMS_CREATE_MISSING": "false",
-    })
-    return env
+    }
 
 
 def _wait_ready(url: str, procs: dict[str, Child]) -> None:
@@ -224,10 +299,11 @@ def _check_alive(procs: dict[str, Child]) -> None:
             raise child.failure(f"exited with {code}")
 
 
-def _demo(url: str, n: int) -> int:
+def _demo(url: str, n: int, token: str | None) -> int:
     tools = ["create_ticket", "send_email", "charge_card", "post_message", "page_oncall"]
     ids = []
-    with httpx.Client(base_url=url, timeout=10) as http:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    with httpx.Client(base_url=url, timeout=10, headers=headers) as http:
         for i in range(n):
             tool = tools[i % len(tools)]
             args = ({"amount": 100 + i, "currency": "EUR"} if tool == "charge_card"
@@ -249,12 +325,6 @@ def _demo(url: str, n: int) -> int:
     print("demo: " + json.dumps(summary, sort_keys=True))
     sys.stdout.flush()
     return 0 if summary == {"succeeded": n} else 1
-
-
-def _supervise(procs: dict[str, Child]) -> int:
-    while True:
-        _check_alive(procs)  # a child that died is named with its log, and all stop
-        time.sleep(0.5)  # supervision period
 
 
 def _stop_all(procs: dict[str, Child]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .children import Child, wait_listening
@@ -26,6 +26,8 @@ MAX_REPLICAS = 5  # JetStream's limit for a stream's replicas
 class NatsPlan:
     client_ports: list[int]
     cluster_ports: list[int]
+    # Each node's HTTP monitoring port (/varz, /jsz, /healthz), on loopback; none when empty.
+    monitor_ports: list[int] = field(default_factory=list)
 
     @property
     def clustered(self) -> bool:
@@ -48,9 +50,10 @@ class NatsPlan:
 def plan(nodes: int, first_port: int = 0) -> NatsPlan:
     """Ports for `nodes` servers: from `first_port` upwards when given, else free ones."""
     client = [first_port + i if first_port else free_port() for i in range(nodes)]
+    monitor = [free_port() for _ in range(nodes)]
     if nodes == 1:
-        return NatsPlan(client, [])
-    return NatsPlan(client, [free_port() for _ in range(nodes)])
+        return NatsPlan(client, [], monitor)
+    return NatsPlan(client, [free_port() for _ in range(nodes)], monitor)
 
 
 def nats_password() -> str:
@@ -91,11 +94,16 @@ def start(p: NatsPlan, data: Path, spawn: Callable[[str, list[str], dict[str, st
     `config` when given (nats_auth's users and permissions), else open on loopback; a
     cluster's nodes carry `authorization` (the same users and permissions)."""
     binary = nats_server_binary()
+
+    def monitor(i: int) -> list[str]:
+        # the monitoring port binds where the node listens: loopback
+        return ["-m", str(p.monitor_ports[i])] if p.monitor_ports else []
+
     if not p.clustered:
         argv = ([binary, "-c", str(config)] if config is not None else
                 [binary, "-a", "127.0.0.1", "-p", str(p.client_ports[0]), "-js", "-sd",
                  str(data / "jetstream")])
-        node = spawn("nats", argv, {})
+        node = spawn("nats", [*argv, *monitor(0)], {})
         wait_listening(node, p.client_ports[0], 15)
         return [node]
     nodes = []
@@ -104,7 +112,7 @@ def start(p: NatsPlan, data: Path, spawn: Callable[[str, list[str], dict[str, st
         conf = data / f"{name}.conf"
         # mode 0600 from the start: the block holds every user's password
         write_private(conf, node_config(p, i, data / f"jetstream-{i + 1}", authorization))
-        nodes.append(spawn(name, [binary, "-c", str(conf)], {}))
+        nodes.append(spawn(name, [binary, "-c", str(conf), *monitor(i)], {}))
     for node, port in zip(nodes, p.client_ports, strict=True):
         wait_listening(node, port, 15)
     return nodes

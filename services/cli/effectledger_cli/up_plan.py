@@ -1,8 +1,9 @@
 """What `effectledger up` will run, decided and checked before anything starts.
 
 Every refusal is one line on the terminal and an exit code, and happens before the first
-child process: taken ports (named with their holder), an invalid catalog (named by tool and
-field), several ledgers on SQLite, malformed webhook secrets.
+child process: one port given to two roles (naming both), taken ports (named with their
+holder), an invalid catalog (named by tool and field), several ledgers on SQLite, malformed
+webhook secrets.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from effectledger_core.config import DEMO_CATALOG
 from effectledger_core.errors import EffectLedgerError
 
 from . import children, up_nats
+from .embedded import free_port, reserve
 
 DEMO_SANDBOX = "127.0.0.1:8700"  # where the bundled demo catalog expects its sandbox
 MAX_COUNT = 16
@@ -46,14 +48,15 @@ class UpPlan:
     ledger_ports: list[int]
     reconciler_ports: list[int]
     dispatchers: int
+    dispatcher_metrics_ports: list[int]  # each dispatcher's /metrics, /healthz, /readyz
     nats: up_nats.NatsPlan
     api_key: str
     hook_secret: str  # signs the sandbox's webhooks (the sandbox's environment only)
     hook_secrets: str  # the reconcilers' EFFECTLEDGER_WEBHOOK_SECRETS: the user's + this one
+    webhook_providers: list[str]  # the providers whose webhooks the reconcilers take
 
-    @property
-    def webhook_url(self) -> str:
-        return f"http://127.0.0.1:{self.reconciler_ports[0]}/v1/webhooks/sandbox"
+    def webhook_url(self, provider: str) -> str:
+        return f"http://127.0.0.1:{self.reconciler_ports[0]}/v1/webhooks/{provider}"
 
 
 def demo_catalog_text(sandbox_port: int, host: str = "127.0.0.1") -> str:
@@ -94,6 +97,9 @@ def plan(args: argparse.Namespace) -> UpPlan:
         if not 1 <= count <= MAX_COUNT:
             raise Refused(f"effectledger up: {flag} must be between 1 and {MAX_COUNT}, "
                           f"not {count}")
+    if args.max_restarts < 0 or not args.restart_window > 0:
+        raise Refused("effectledger up: --max-restarts must be 0 or more and "
+                      "--restart-window more than 0 seconds")
     if args.ledgers > 1 and database_url.startswith("sqlite"):
         raise Refused(f"effectledger up: --ledgers {args.ledgers} needs PostgreSQL "
                       "(--database-url postgresql+asyncpg://...): SQLite has a single writer")
@@ -101,9 +107,18 @@ def plan(args: argparse.Namespace) -> UpPlan:
     with_sandbox = demo_catalog or bool(args.demo)
     ledger_ports = [args.ledger_port + i for i in range(args.ledgers)]
     reconciler_ports = [args.reconciler_port + i for i in range(args.reconcilers)]
+    # The ports `up` picks itself (NATS, monitoring, metrics) never land on one given by flag.
+    reserve([*ledger_ports, *reconciler_ports, args.sandbox_port,
+             *([args.metrics_port + i for i in range(args.dispatchers)] if args.metrics_port
+               else []),
+             *([args.nats_port + i for i in range(args.nats_cluster)] if args.nats_port
+               else [])])
+    metrics_ports = [args.metrics_port + i if args.metrics_port else free_port()
+                     for i in range(args.dispatchers)]
     nats = up_nats.plan(args.nats_cluster, args.nats_port)
     ports = {**_numbered("ledger", ledger_ports, "--ledger-port"),
-             **_numbered("reconciler webhooks", reconciler_ports, "--reconciler-port")}
+             **_numbered("reconciler webhooks", reconciler_ports, "--reconciler-port"),
+             **_numbered("dispatcher metrics", metrics_ports, "--metrics-port")}
     if with_sandbox:
         ports["sandbox"] = (args.sandbox_port, "--sandbox-port")
     if args.nats_port:
@@ -111,6 +126,7 @@ def plan(args: argparse.Namespace) -> UpPlan:
     over = [f"{what} {port}" for what, (port, _) in ports.items() if port > 65535]
     if over:
         raise Refused(f"effectledger up: no such port: {', '.join(over)}")
+    _distinct(ports)
     try:
         children.check_ports(ports)
     except children.PortTaken as exc:
@@ -136,10 +152,39 @@ def plan(args: argparse.Namespace) -> UpPlan:
         demo_catalog=demo_catalog,
         first_tool="create_ticket" if demo_catalog else sorted(catalog.tools)[0],
         with_sandbox=with_sandbox, sandbox_port=args.sandbox_port, ledger_ports=ledger_ports,
-        reconciler_ports=reconciler_ports, dispatchers=args.dispatchers, nats=nats,
+        reconciler_ports=reconciler_ports, dispatchers=args.dispatchers,
+        dispatcher_metrics_ports=metrics_ports, nats=nats,
         api_key=os.environ.get("EFFECTLEDGER_SANDBOX_API_KEY") or (
             "sk_sandbox_" + secrets.token_hex(12)),
-        hook_secret=hook_secret, hook_secrets=hook_secrets)
+        hook_secret=hook_secret, hook_secrets=hook_secrets,
+        webhook_providers=webhook_providers(
+            catalog, os.environ.get("EFFECTLEDGER_WEBHOOK_SECRETS"), with_sandbox))
+
+
+def webhook_providers(catalog: Catalog, user_json: str | None,
+                      with_sandbox: bool) -> list[str]:
+    """Every provider the reconcilers take webhooks from: the catalog's `[webhooks.<p>]`, the
+    providers its tools name (`webhook_provider`), those with secrets in
+    EFFECTLEDGER_WEBHOOK_SECRETS, and the sandbox when it runs (its secret is `up`'s own)."""
+    found = set(catalog.webhooks)
+    found.update(t.webhook_provider for t in catalog.tools.values() if t.webhook_provider)
+    # the user's EFFECTLEDGER_WEBHOOK_SECRETS, already checked by merged_webhook_secrets
+    found.update(json.loads(user_json) if user_json and user_json.strip() else {})
+    if with_sandbox:
+        found.add("sandbox")
+    return sorted(found)
+
+
+def _distinct(ports: dict[str, tuple[int, str]]) -> None:
+    """One port given to two roles is refused here, before anything starts: the second
+    child would only fail to listen after `up` had announced every endpoint."""
+    holder: dict[int, tuple[str, str]] = {}
+    for what, (port, flag) in ports.items():
+        if port in holder:
+            first, first_flag = holder[port]
+            raise Refused(f"effectledger up: port {port} is given to both {first} "
+                          f"({first_flag}) and {what} ({flag}); give each its own port")
+        holder[port] = (what, flag)
 
 
 def _numbered(what: str, ports: list[int], flag: str) -> dict[str, tuple[int, str]]:

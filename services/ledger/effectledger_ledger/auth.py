@@ -2,7 +2,8 @@
 
 Tokens come from configuration (`EFFECTLEDGER_AGENT_TOKENS='{"<token>": "<tenant>"}'` and
 `EFFECTLEDGER_OPERATOR_TOKENS='{"<token>": "<operator name>"}'`). With neither set the API runs
-open, for the embedded single-user default, and says so in logs and /readyz.
+open and says so loudly, in its logs and on /readyz (`warnings`). `effectledger up` always
+sets both unless told `--unsafe-open-api`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from fastapi import Request
 from effectledger_core.errors import EffectLedgerError
 
 log = logging.getLogger(__name__)
+OPEN_API_WARNING = ("UNSAFE: the API is open (no EFFECTLEDGER_AGENT_TOKENS or "
+                    "EFFECTLEDGER_OPERATOR_TOKENS): anyone who reaches this port may submit "
+                    "for any tenant and approve, cancel or retry as anyone")
 
 
 class Unauthenticated(EffectLedgerError):
@@ -46,8 +50,7 @@ class Authenticator:
         self._operators = [(t.encode(), name) for t, name in operator_tokens.items() if t]
         self.enabled = bool(self._agents or self._operators)
         if not self.enabled:
-            log.warning("API authentication is DISABLED: set EFFECTLEDGER_AGENT_TOKENS and "
-                        "EFFECTLEDGER_OPERATOR_TOKENS for anything but local use")
+            log.critical(OPEN_API_WARNING)
 
     def authenticate(self, request: Request) -> Principal:
         if not self.enabled:

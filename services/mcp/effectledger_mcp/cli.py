@@ -14,8 +14,6 @@ import sys
 
 from .mapping import DEFAULT_WAIT_S
 
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ledger-url", default=os.environ.get("EFFECTLEDGER_LEDGER_URL",
@@ -24,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve streamable HTTP at http://HOST:PORT/mcp (default: stdio)")
     p.add_argument("--wait", type=float, default=DEFAULT_WAIT_S,
                    help="seconds a tool call waits for its operation to settle")
+    p.add_argument("--unsafe-open-http", action="store_true",
+                   help="UNSAFE: serve --http without EFFECTLEDGER_MCP_TOKEN (whoever reaches "
+                        "the endpoint acts as this server's agent)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +32,8 @@ def run(args: argparse.Namespace) -> int:
 
     from .server import serve_http, serve_stdio
 
-    # The agent's credentials: one tenant's token (EFFECTLEDGER_TOKEN), never an operator's.
+    # The agent's credentials: one tenant's token (EFFECTLEDGER_TOKEN, else the agent token
+    # `effectledger up` wrote, for a ledger on loopback), never an operator's.
     client = AsyncClient(args.ledger_url, timeout_s=10.0)
     if args.http:
         host, _, port = args.http.rpartition(":")
@@ -39,12 +41,27 @@ def run(args: argparse.Namespace) -> int:
             print("effectledger mcp: --http needs HOST:PORT", file=sys.stderr)
             return 2
         token = os.environ.get("EFFECTLEDGER_MCP_TOKEN") or None
-        if token is None and host.strip("[]") not in LOOPBACK:
-            # Whoever reaches the endpoint acts as this tenant's agent: never open by default.
-            print(f"effectledger mcp: serving on {host} needs EFFECTLEDGER_MCP_TOKEN (clients "
-                  "then send it as a bearer token)", file=sys.stderr)
+        if token is None and not _open_on_purpose(args):
+            # Whoever reaches the endpoint acts as this tenant's agent: never open by default,
+            # on loopback neither (every local process and every user of the machine reaches
+            # it, and a browser page can too).
+            print("effectledger mcp: --http needs EFFECTLEDGER_MCP_TOKEN (clients then send it "
+                  "as a bearer token), or --unsafe-open-http", file=sys.stderr)
             return 2
         asyncio.run(serve_http(client, host, int(port), wait_s=args.wait, token=token))
     else:
         asyncio.run(serve_stdio(client, wait_s=args.wait))
     return 0
+
+
+def _open_on_purpose(args: argparse.Namespace) -> bool:
+    import logging
+
+    from effectledger_core.unsafe import OPEN_MCP_HTTP, announce, check
+
+    log = logging.getLogger("effectledger.mcp")
+    if args.unsafe_open_http:
+        announce(OPEN_MCP_HTTP, log)
+        print(f"effectledger mcp: {OPEN_MCP_HTTP.disables}", file=sys.stderr)
+        return True
+    return check(OPEN_MCP_HTTP, os.environ, log)

@@ -37,6 +37,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from effectledger_obs.http import metrics_endpoint
+
 from .faults import FaultError, Phase, parse_fault
 from .responses import RAW_SEND, DropConnection, SlowBodyResponse
 from .state import MAX_KEYS, Claim, Effect, SandboxState, body_digest
@@ -486,6 +488,7 @@ def create_app(*, api_key: str | None = None, webhook_secret: str | None = None,
         Route("/_webhooks/faults", api.clear_webhook_faults, methods=["DELETE"]),
         Route("/_webhooks/send", api.send_webhook, methods=["POST"]),
         Route("/healthz", api.healthz, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),  # the process's own figures
     ]
     app = SandboxApp(routes=routes, lifespan=lifespan,
                      exception_handlers={404: _http_error, 405: _http_error})

@@ -8,6 +8,7 @@ from fastapi.responses import JSONResponse
 from effectledger_core.views import Health, Readiness
 from effectledger_obs.http import metrics_response
 
+from ..auth import OPEN_API_WARNING
 from .deps import ApiState, State
 
 INTENTS_NEED = ("database",)
@@ -37,7 +38,9 @@ async def readiness(state: ApiState, need: tuple[str, ...]) -> JSONResponse:
     return JSONResponse({"ok": ok, "checks": checks, "missing": missing,
                          "accepting_intents": not any(n in missing for n in INTENTS_NEED),
                          "relaying": not any(n in missing for n in RELAY_NEEDS),
-                         "auth": "enabled" if state.authenticator.enabled else "disabled"},
+                         "auth": "enabled" if state.authenticator.enabled else "disabled",
+                         "warnings": ([] if state.authenticator.enabled
+                                      else [OPEN_API_WARNING])},
                         status_code=200 if ok else 503)
 
 
