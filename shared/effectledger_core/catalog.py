@@ -126,6 +126,13 @@ class Tool(_Strict):
     commit_policy: Literal["auto", "approval"] = "auto"
     adapter: str | None = None  # "package.module:Factory" for providers TOML cannot express
     description: str = ""
+    # A short human title (MCP's tool title); empty: derived from the name.
+    title: Annotated[str, Field(max_length=120)] = ""
+    # Whether the effect can be undone without a trace outside: "undoable" (a ticket can be
+    # closed), "irreversible" (money moved, a message sent). Unset: "undoable" for the
+    # `reversible` effect class, else "irreversible". Agents' hosts read it as destructiveHint
+    # (docs/agents.md, "Annotations").
+    reversibility: Literal["undoable", "irreversible"] | None = None
     # JSON Schema (draft 2020-12) for the arguments, checked at admission. Absent: one derived
     # from the {args.*} placeholders the entry uses (each required, any type).
     input_schema: dict[str, Any] | None = None
@@ -262,7 +269,8 @@ def tool_input_schema(tool: Tool) -> dict[str, Any]:
 
 
 _LATER_FIELDS: dict[str, Any] = {"max_result_bytes": MAX_RESULT_BYTES, "result_path": None,
-                                 "dedupe_window_s": DEFAULT_DEDUPE_WINDOW_S}
+                                 "dedupe_window_s": DEFAULT_DEDUPE_WINDOW_S, "title": "",
+                                 "reversibility": None}
 
 
 def _looks_secret(header: str) -> bool:
