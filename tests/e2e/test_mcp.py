@@ -43,15 +43,15 @@ def _env(c: Cluster) -> dict[str, str]:
 
 
 @asynccontextmanager
-async def stdio_session(c: Cluster, *extra: str, env: dict[str, str] | None = None
-                        ) -> AsyncIterator[ClientSession]:
+async def stdio_session(c: Cluster, *extra: str, env: dict[str, str] | None = None,
+                        on_message: Any = None) -> AsyncIterator[ClientSession]:
     params = StdioServerParameters(
         command=sys.executable, args=["-m", "effectledger_cli", "mcp", "--wait", "20", *extra],
         env=env if env is not None else _env(c), cwd=str(c.workdir))
     errlog = _open_log(c.logs / "mcp-stdio.log")
     try:
         async with stdio_client(params, errlog=errlog) as (read, write), \
-                ClientSession(read, write) as session:
+                ClientSession(read, write, message_handler=on_message) as session:
             init = await session.initialize()
             advertised = {**(init.capabilities.experimental or {}),
                           **(init.capabilities.extensions or {})}
@@ -377,3 +377,41 @@ async def test_fastmcp_client_over_stdio_and_http(make_cluster: Callable[..., Cl
             assert over_http.structured_content["operation_id"] == first.structured_content[
                 "operation_id"]
     assert await _applied(c) == applied + 1
+
+
+async def test_the_outcome_later_status_tool_resource_and_notification(
+        make_cluster: Callable[..., Cluster]) -> None:
+    """An answer lost with no oracle: the call says unknown; the model subscribes to the
+    operation's resource; an operator's review settles it; the subscriber is told
+    (notifications/resources/updated) and the status tool says succeeded, decided by the
+    operator's review."""
+    c = await _up(make_cluster)
+    updated: asyncio.Queue[str] = asyncio.Queue()
+
+    async def on_message(message: Any) -> None:
+        params = getattr(getattr(message, "params", None), "uri", None)
+        if params is not None:
+            updated.put_nowait(str(params))
+
+    await _fault(c, "plainpager", {"kind": "drop_after_apply"})
+    async with stdio_session(c, on_message=on_message) as mcp:
+        unknown = await mcp.call_tool("fast_page", {"text": "page later"})
+        info = unknown.structured_content
+        assert info["outcome"] == "unknown", info
+        uri = info["check_status"]["resource"]
+        op_id = info["operation_id"]
+        await wait_until(lambda: _in_state(c, op_id, "needs_review"), 30,
+                         what="the operation to reach review")
+        await mcp.subscribe_resource(uri)
+        review = await c.ledger.post(f"/v1/operations/{op_id}/reviews", json={
+            "conclusion": "completed", "evidence_ref": "pager log #1", "operator": "ada"})
+        assert review.status_code == 200, review.text
+        assert await asyncio.wait_for(updated.get(), 30) == uri
+        status = await mcp.call_tool("operation_status", {"operation_id": op_id})
+        data = status.structured_content
+        assert data["outcome"] == "succeeded" and data["decided_by"] == "operator_review", data
+        assert "Decided by: operator_review" in _text(status)
+
+
+async def _in_state(c: Cluster, op_id: str, state: str) -> bool:
+    return (await c.operation(op_id))["state"] == state

@@ -60,8 +60,10 @@ from .mapping import (
 )
 
 log = logging.getLogger(__name__)
-AT_REST = frozenset({"succeeded", "failed", "cancelled", "needs_review"})
-APPROVAL_POLL_S = 5.0
+FINAL = frozenset({"succeeded", "failed", "cancelled"})
+# A human's decision (approval, review) wakes no wait: a watched operation waiting for one is
+# looked at this often.
+HUMAN_POLL_S = 5.0
 # Which ledger client answers a request: stdio has one; over HTTP it is the caller's token's.
 ClientFor = Callable[[ServerRequestContext[Any]], AsyncClient]
 
@@ -246,9 +248,9 @@ class Tools:
 
     async def _watch(self, client: AsyncClient, ctx: ServerRequestContext[Any], uri: str,
                      op: OperationView) -> None:
-        """Tell the subscriber at each change until the operation is at rest. The ledger's
-        waits push each change; only an operator's approval, which no wait reports, is
-        looked at every APPROVAL_POLL_S."""
+        """Tell the subscriber at each change until the operation is final. The ledger's
+        waits push each change; only an operator's approval or review, which no wait
+        reports, is looked at every HUMAN_POLL_S."""
         seen = {"state": op.state}
 
         async def changed(now: OperationView) -> None:
@@ -257,9 +259,9 @@ class Tools:
                 await ctx.session.send_resource_updated(uri)
 
         try:
-            while op.state not in AT_REST:
-                if op.state == "awaiting_approval":
-                    await asyncio.sleep(APPROVAL_POLL_S)
+            while op.state not in FINAL:
+                if op.state in ("awaiting_approval", "needs_review"):
+                    await asyncio.sleep(HUMAN_POLL_S)
                     op = await client.get(op.id)
                 else:
                     op = await client.wait(op.id, 300.0, on_change=changed, current=op)
