@@ -389,9 +389,14 @@ def build_server(client_for: ClientFor, *, wait_s: float = DEFAULT_WAIT_S) -> Se
 async def serve_stdio(client: AsyncClient, *, wait_s: float = DEFAULT_WAIT_S) -> None:
     from mcp.server.stdio import stdio_server
 
+    from .pipes import open_pipes
+
     server = build_server(lambda _ctx: client, wait_s=wait_s)
-    async with stdio_server() as (read, write):
-        await server.run(read, write, server.create_initialization_options())
+    async with open_pipes() as pipes:
+        # Our pipes where fd 0 and 1 are pipes (no thread per line), else the SDK's own.
+        streams: Any = pipes or (None, None)
+        async with stdio_server(*streams) as (read, write):
+            await server.run(read, write, server.create_initialization_options())
 
 
 async def serve_http(ledger_url: str, host: str, port: int, *,
