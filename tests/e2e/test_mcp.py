@@ -298,7 +298,10 @@ async def test_mcp_over_http_each_caller_is_its_own_tenant(
     c = await _up(make_cluster, _token_env())
     async with http_server(c) as url:
         async with httpx.AsyncClient() as plain:
-            for headers in ({}, {"Authorization": "Bearer not-a-ledger-token"}):
+            # No token, a token the ledger does not know, an operator's token (it could read
+            # every tenant's operations): all refused.
+            for headers in ({}, {"Authorization": "Bearer not-a-ledger-token"},
+                            {"Authorization": f"Bearer {OPERATOR}"}):
                 refused = await plain.post(url, json={}, headers=headers)
                 assert refused.status_code == 401
                 assert "resource_metadata=" in refused.headers["www-authenticate"]

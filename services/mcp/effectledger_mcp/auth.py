@@ -33,10 +33,17 @@ def fingerprint(token: str) -> str:
 
 class LedgerTokens:
     """The SDK's TokenVerifier, asking the ledger. An accepted token is remembered for
-    `ttl_s`; a refused one is not (the next request asks again)."""
+    `ttl_s`; a refused one is not (the next request asks again).
 
-    def __init__(self, ledger_url: str, *, ttl_s: float = 30.0, timeout_s: float = 5.0) -> None:
+    Only agent tokens: an operator token would let its holder read every tenant's operations
+    through `operation_status`, so a token the ledger lets read the review queue (operators
+    only) is refused. An open ledger (no tokens at all) has no agents to tell apart; the server
+    then listens on loopback only (cli.py)."""
+
+    def __init__(self, ledger_url: str, *, open_ledger: bool = False, ttl_s: float = 30.0,
+                 timeout_s: float = 5.0) -> None:
         self.ledger_url = ledger_url
+        self.open_ledger = open_ledger
         self.ttl_s = ttl_s
         self._http = httpx.AsyncClient(base_url=ledger_url, timeout=timeout_s)
         self._accepted: dict[str, float] = {}
@@ -54,6 +61,16 @@ class LedgerTokens:
             return None
         if resp.status_code != 200:
             return None
+        if not self.open_ledger:
+            try:
+                operator = await self._http.get("/v1/reviews", params={"limit": 1}, headers={
+                    "Authorization": f"Bearer {token}"})
+            except httpx.TransportError:
+                return None
+            if operator.status_code != 403:
+                log.warning("refused a token that is not an agent token (%s)",
+                            fingerprint(token))
+                return None
         if len(self._accepted) > 10_000:
             self._accepted.clear()
         self._accepted[token] = now + self.ttl_s

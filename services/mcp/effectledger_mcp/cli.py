@@ -110,5 +110,5 @@ async def _serve_http(url: str, host: str, port: int, wait_s: float) -> int:
           f"mcp ready: http://{host}:{port}/mcp (each caller's own agent token)",
           file=sys.stderr, flush=True)
     print(f"mcp ready: http://{host}:{port}/mcp", flush=True)
-    await serve_http(url, host, port, wait_s=wait_s)
+    await serve_http(url, host, port, wait_s=wait_s, open_ledger=open_ledger)
     return 0
