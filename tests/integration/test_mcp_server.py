@@ -9,8 +9,10 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
+import mcp_types as types
 import pytest
 from mcp import Client
+from pydantic import Field
 
 from effectledger_client import AsyncClient
 from effectledger_core.quotas import QuotaLimits, TenantRates
@@ -137,3 +139,27 @@ async def test_an_unreachable_ledger_is_a_result_saying_the_same_call_is_safe(
     await client.aclose()
     assert lost["is_error"] and lost["error"] == "unavailable" and lost["safe_to_resend"]
     assert "never runs twice" in lost["message"]
+
+
+class _KeyedParams(types.CallToolRequestParams):
+    """SEP-3182's `idempotencyKey` on tools/call, which the SDK's call_tool cannot send."""
+
+    idempotency_key: str = Field(alias="idempotencyKey")
+
+
+class _KeyedCall(types.CallToolRequest):
+    params: _KeyedParams  # type: ignore[assignment]
+
+
+async def test_sep3182_idempotency_key_is_the_key_and_a_keyless_retry_joins(
+        ledger: Ledger) -> None:
+    async with as_agent(ledger) as mcp:
+        await mcp.list_tools()
+        keyed = await mcp.session.send_request(_KeyedCall(params=_KeyedParams(
+            name="email", arguments={"n": 5}, idempotencyKey="sep-key-1")),
+            types.CallToolResult)
+        assert keyed.structured_content is not None
+        assert keyed.structured_content["idempotency_key"] == "sep-key-1"
+        retry = await _call(mcp, "email", {"n": 5})  # the host lost the key
+    assert retry["operation_id"] == keyed.structured_content["operation_id"]
+    assert retry["replayed"] is True and retry["idempotency_key"] == "sep-key-1"
