@@ -241,8 +241,8 @@ def _spawn_http(c: Cluster, port: int, log: Path) -> subprocess.Popen[bytes]:
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 
-def _run_bare(c: Cluster) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "effectledger_cli", "mcp"], env=_env(c),
+def _run_bare(c: Cluster, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "effectledger_cli", "mcp", *extra], env=_env(c),
                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
 
 
@@ -350,6 +350,9 @@ async def test_stdio_takes_its_token_on_the_command_line(
     bare = await asyncio.to_thread(_run_bare, c)
     assert bare.returncode == 2
     assert "refused the agent token (none given: pass --token" in bare.stderr
+    # An operator's token is no agent's: refused at start too.
+    operator = await asyncio.to_thread(_run_bare, c, "--token", OPERATOR)
+    assert operator.returncode == 2 and "operator's token" in operator.stderr
 
 
 async def test_fastmcp_client_over_stdio_and_http(make_cluster: Callable[..., Cluster]) -> None:

@@ -16,6 +16,7 @@ import asyncio
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from .mapping import DEFAULT_WAIT_S
 
@@ -28,6 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http", metavar="HOST:PORT",
                    help="serve streamable HTTP at http://HOST:PORT/mcp, each caller with its "
                         "own ledger agent token as a bearer (default: stdio)")
+    p.add_argument("--public-url", metavar="URL",
+                   help="--http: the endpoint's address as clients reach it (behind a proxy), "
+                        "named in the protected-resource metadata (default http://HOST:PORT/mcp)")
     p.add_argument("--wait", type=float, default=DEFAULT_WAIT_S,
                    help="seconds a tool call waits for its operation to settle (default "
                         f"{DEFAULT_WAIT_S:g}: under the common clients' timeouts)")
@@ -56,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
             print("effectledger mcp: over HTTP each caller sends its own agent token; "
                   "--token is for stdio", file=sys.stderr)
             return 2
-        return asyncio.run(_serve_http(args.ledger_url, host, int(port), args.wait))
+        return asyncio.run(_serve_http(args.ledger_url, host, int(port), args.wait,
+                                       args.public_url))
     try:
         token = _token(args)
     except OSError as exc:
@@ -83,6 +88,10 @@ async def _serve_stdio(url: str, token: str | None, wait_s: float) -> int:
             print(f"effectledger mcp: the ledger at {url} is not usable: {exc}",
                   file=sys.stderr)
             return 1
+        if token is not None and not await _is_agent_token(client, url):
+            print("effectledger mcp: the token is an operator's token; the MCP server acts "
+                  "as one tenant's agent: give it an agent token", file=sys.stderr)
+            return 2
         print(f"effectledger mcp: ledger {url} ok, {len(tools.tools)} tools, serving stdio "
               f"as {'the token given' if token else 'an open ledger (no token)'}",
               file=sys.stderr, flush=True)
@@ -90,7 +99,26 @@ async def _serve_stdio(url: str, token: str | None, wait_s: float) -> int:
     return 0
 
 
-async def _serve_http(url: str, host: str, port: int, wait_s: float) -> int:
+async def _is_agent_token(client: Any, url: str) -> bool:
+    """Agents may not read the review queue (operators only); an open ledger lets anyone."""
+    from effectledger_client import AsyncClient, Forbidden, LedgerError
+
+    try:
+        await client.review_queue(limit=1)
+    except Forbidden:
+        return True
+    except LedgerError:
+        return False
+    async with AsyncClient(url, token="", timeout_s=10.0) as anonymous:
+        try:
+            await anonymous.tools()
+        except LedgerError:
+            return False
+    return True  # an open ledger: no tokens to tell apart
+
+
+async def _serve_http(url: str, host: str, port: int, wait_s: float,
+                      public_url: str | None) -> int:
     import httpx
 
     from .server import serve_http
@@ -110,5 +138,6 @@ async def _serve_http(url: str, host: str, port: int, wait_s: float) -> int:
           f"mcp ready: http://{host}:{port}/mcp (each caller's own agent token)",
           file=sys.stderr, flush=True)
     print(f"mcp ready: http://{host}:{port}/mcp", flush=True)
-    await serve_http(url, host, port, wait_s=wait_s, open_ledger=open_ledger)
+    await serve_http(url, host, port, wait_s=wait_s, open_ledger=open_ledger,
+                     public_url=public_url)
     return 0

@@ -400,7 +400,8 @@ async def serve_stdio(client: AsyncClient, *, wait_s: float = DEFAULT_WAIT_S) ->
 
 
 async def serve_http(ledger_url: str, host: str, port: int, *,
-                     wait_s: float = DEFAULT_WAIT_S, open_ledger: bool = False) -> None:
+                     wait_s: float = DEFAULT_WAIT_S, open_ledger: bool = False,
+                     public_url: str | None = None) -> None:
     """Streamable HTTP at http://HOST:PORT/mcp: each caller's own ledger agent token (auth.py)
     decides its tenant; 401 with WWW-Authenticate and protected-resource metadata without one."""
     import uvicorn
@@ -409,7 +410,7 @@ async def serve_http(ledger_url: str, host: str, port: int, *,
     from .auth import ClientPool, LedgerTokens
 
     tokens = LedgerTokens(ledger_url, open_ledger=open_ledger)
-    resource = f"http://{host if ':' not in host else f'[{host}]'}:{port}/mcp"
+    resource = public_url or f"http://{host if ':' not in host else f'[{host}]'}:{port}/mcp"
     app: Any = build_server(ClientPool(ledger_url), wait_s=wait_s).streamable_http_app(
         host=host, token_verifier=tokens,
         # The ledger issues the tokens (its configured agent tokens; no OAuth flow).
