@@ -18,6 +18,7 @@ from .errors import (
     LedgerError,
     NotFound,
     PayloadTooLarge,
+    RateLimited,
     RetryRefused,
     Unauthenticated,
     Unavailable,
@@ -26,5 +27,5 @@ from .errors import (
 __all__ = [
     "AsyncClient", "Client", "Conflict", "Forbidden", "IdempotencyConflict", "InvalidRequest",
     "Journal", "LedgerError", "NotFound", "OperationPage", "OperationView", "PayloadTooLarge",
-    "Receipt", "RetryRefused", "Submitted", "Unauthenticated", "Unavailable",
+    "RateLimited", "Receipt", "RetryRefused", "Submitted", "Unauthenticated", "Unavailable",
 ]

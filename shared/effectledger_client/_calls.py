@@ -58,7 +58,7 @@ def _body(resp: httpx.Response) -> Any:
     except ValueError:
         body = None
     if resp.status_code >= 400:
-        raise error_from(resp.status_code, body, resp.text)
+        raise error_from(resp.status_code, body, resp.text, resp.headers.get("retry-after"))
     return body
 
 
@@ -81,12 +81,15 @@ def _op(operation_id: str, suffix: str = "") -> str:
 
 
 def submit(tool: str, arguments: dict[str, Any] | None, *, idempotency_key: str | None,
-           task_id: str | None, tenant: str | None, wait_s: float | None) -> Call[Submitted]:
+           task_id: str | None, tenant: str | None, wait_s: float | None,
+           join_identical: bool = False, repeat: str | None = None) -> Call[Submitted]:
     body: dict[str, Any] = {"tool": tool, "arguments": arguments or {}}
     for name, value in (("idempotency_key", idempotency_key), ("task_id", task_id),
-                        ("tenant", tenant)):
+                        ("tenant", tenant), ("repeat", repeat)):
         if value is not None:
             body[name] = value
+    if join_identical:
+        body["join_identical"] = True
     return Call("POST", "/v1/intents", _submitted, wait_param(wait_s), body)
 
 

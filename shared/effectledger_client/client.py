@@ -81,11 +81,15 @@ class Client:
 
     def submit(self, tool: str, arguments: dict[str, Any] | None = None, *,
                idempotency_key: str | None = None, task_id: str | None = None,
-               tenant: str | None = None, wait_s: float | None = None) -> Submitted:
-        """Submit an intent; with `wait_s`, answer once it settles or the wait is over."""
+               tenant: str | None = None, wait_s: float | None = None,
+               join_identical: bool = False, repeat: str | None = None) -> Submitted:
+        """Submit an intent; with `wait_s`, answer once it settles or the wait is over.
+        `join_identical`: a key-less identical call joins the earlier operation (docs/agents.md,
+        "Identical calls"); `repeat` labels a deliberate repeat."""
         return self._send(c.submit(tool, arguments, idempotency_key=idempotency_key,
                                    task_id=task_id, tenant=tenant,
-                                   wait_s=min(wait_s or 0, MAX_ONE_WAIT_S)), wait_s or 0)
+                                   wait_s=min(wait_s or 0, MAX_ONE_WAIT_S),
+                                   join_identical=join_identical, repeat=repeat), wait_s or 0)
 
     def get(self, operation_id: str) -> OperationView:
         return self._send(c.get(operation_id))
@@ -199,10 +203,13 @@ class AsyncClient:
 
     async def submit(self, tool: str, arguments: dict[str, Any] | None = None, *,
                      idempotency_key: str | None = None, task_id: str | None = None,
-                     tenant: str | None = None, wait_s: float | None = None) -> Submitted:
+                     tenant: str | None = None, wait_s: float | None = None,
+                     join_identical: bool = False, repeat: str | None = None) -> Submitted:
         return await self._send(c.submit(tool, arguments, idempotency_key=idempotency_key,
                                          task_id=task_id, tenant=tenant,
-                                         wait_s=min(wait_s or 0, MAX_ONE_WAIT_S)), wait_s or 0)
+                                         wait_s=min(wait_s or 0, MAX_ONE_WAIT_S),
+                                         join_identical=join_identical, repeat=repeat),
+                                wait_s or 0)
 
     async def get(self, operation_id: str) -> OperationView:
         return await self._send(c.get(operation_id))

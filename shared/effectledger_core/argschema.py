@@ -66,7 +66,16 @@ def _problems(error: ValidationError) -> list[dict[str, str]]:
 
 def schema_errors(tool: Tool, arguments: dict[str, Any]) -> list[dict[str, str]]:
     """Every violation of the tool's input schema, each with its JSON pointer (sorted)."""
-    validator = _validator(tool)
+    return _errors(_validator(tool), arguments)
+
+
+def errors_against(schema: dict[str, Any], arguments: dict[str, Any]) -> list[dict[str, str]]:
+    """`schema_errors` for a schema as published (the MCP server checks a call with the
+    schema it listed, before anything is submitted)."""
+    return _errors(_compile(canonical_json(schema)), arguments)
+
+
+def _errors(validator: Draft202012Validator, arguments: dict[str, Any]) -> list[dict[str, str]]:
     seen: dict[str, dict[str, str]] = {}
     for error in validator.iter_errors(arguments):
         for p in _problems(error):

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from . import urltemplate
 from .digest import digest
 from .errors import CatalogError, UnknownTool
+from .identical import DEFAULT_DEDUPE_WINDOW_S
 from .jsonpaths import check_path
 from .results import MAX_RESULT_BYTES, MAX_RESULT_BYTES_CAP, check_result_path
 from .urltemplate import KNOWN, TemplateError, TemplateSyntaxError
@@ -115,6 +116,9 @@ class Tool(_Strict):
     horizon_s: Annotated[float, Field(gt=0, le=86400)] = 5.0
     # Automatic retries stop once this much time has passed since the intent was accepted.
     retry_deadline_s: Annotated[float, Field(gt=0, le=30 * 86400)] = 3600.0
+    # How long a key-less identical call (same tenant, task, tool, arguments) joins an earlier
+    # operation that succeeded, for intents that ask for it (identical.py). 0: never.
+    dedupe_window_s: Annotated[float, Field(ge=0, le=30 * 86400)] = DEFAULT_DEDUPE_WINDOW_S
     # The provider's answer kept for the agent (results.py): at most this many bytes (as JSON;
     # 0 keeps none), and with `result_path` (JSONPath) only the part a model needs.
     max_result_bytes: Annotated[int, Field(ge=0, le=MAX_RESULT_BYTES_CAP)] = MAX_RESULT_BYTES
@@ -122,6 +126,13 @@ class Tool(_Strict):
     commit_policy: Literal["auto", "approval"] = "auto"
     adapter: str | None = None  # "package.module:Factory" for providers TOML cannot express
     description: str = ""
+    # A short human title (MCP's tool title); empty: derived from the name.
+    title: Annotated[str, Field(max_length=120)] = ""
+    # Whether the effect can be undone without a trace outside: "undoable" (a ticket can be
+    # closed), "irreversible" (money moved, a message sent). Unset: "undoable" for the
+    # `reversible` effect class, else "irreversible". Agents' hosts read it as destructiveHint
+    # (docs/agents.md, "Annotations").
+    reversibility: Literal["undoable", "irreversible"] | None = None
     # JSON Schema (draft 2020-12) for the arguments, checked at admission. Absent: one derived
     # from the {args.*} placeholders the entry uses (each required, any type).
     input_schema: dict[str, Any] | None = None
@@ -263,7 +274,9 @@ def tool_input_schema(tool: Tool) -> dict[str, Any]:
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **root}
 
 
-_LATER_FIELDS: dict[str, Any] = {"max_result_bytes": MAX_RESULT_BYTES, "result_path": None}
+_LATER_FIELDS: dict[str, Any] = {"max_result_bytes": MAX_RESULT_BYTES, "result_path": None,
+                                 "dedupe_window_s": DEFAULT_DEDUPE_WINDOW_S, "title": "",
+                                 "reversibility": None}
 
 
 def _looks_secret(header: str) -> bool:

@@ -101,6 +101,12 @@ class SubmitIntent(Message):
     idempotency_key: Ident | None = None
     task_id: Ident | None = None
     tenant: Ident = "default"
+    # Also known by its call identity (tenant, task, tool, arguments, `repeat`): without a key
+    # it joins the latest identical operation unless that one is known not applied or
+    # succeeded longer ago than the tool's dedupe window (effectledger_core/identical.py).
+    join_identical: bool = False
+    # A label that makes a deliberate repeat a different call (only with join_identical).
+    repeat: Ident | None = None
 
 
 class DispatchAttempt(Message):

@@ -68,8 +68,8 @@ OPEN_API = UnsafeSwitch(
 OPEN_MCP_HTTP = UnsafeSwitch(
     env=PREFIX + "OPEN_MCP_HTTP",
     service="mcp --http (--unsafe-open-http)",
-    disables="the MCP HTTP endpoint's bearer token: any local process (or, off loopback, "
-              "anyone) may call the catalog's tools as the MCP server's agent")
+    disables="the MCP HTTP endpoint's tokens in front of an open ledger: any local process "
+              "may call the catalog's tools through it")
 
 SWITCHES: tuple[UnsafeSwitch, ...] = (SKIP_CLAIM, SKIP_WEBHOOK_VERIFICATION,
                                       NATS_WITHOUT_PERMISSIONS, NO_SEND_DEADLINE, OPEN_API,

@@ -19,9 +19,11 @@ from effectledger_cli.client import (
     EXIT_ERROR,
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_RESEND,
     EXIT_TIMEOUT,
     EXIT_UNKNOWN,
 )
+from effectledger_cli.embedded import free_port
 from tests.support.cluster import Cluster
 
 pytestmark = pytest.mark.slow
@@ -100,6 +102,10 @@ async def test_submit_wait_exit_codes(make_cluster: Callable[..., Cluster]) -> N
     code, err = await _cli(c, "show", "no-such-operation")
     assert code == EXIT_ERROR and "not_found" in err
 
+    # Refused: resending it unchanged is refused again (exit 1), nothing recorded.
+    code, err = await _cli(c, "submit", "charge_card", "--args", '{"amount": "x"}')
+    assert code == EXIT_ERROR and "/amount" in err and "safe" not in err
+
     # On a terminal, --wait shows each state as it comes.
     code, shown = await asyncio.to_thread(
         _cli_on_a_terminal, c, "submit", "create_ticket", "--args", '{"title": "tty"}',
@@ -107,3 +113,15 @@ async def test_submit_wait_exit_codes(make_cluster: Callable[..., Cluster]) -> N
     assert code == EXIT_OK
     states = [line.split()[-1] for line in shown.splitlines() if line.strip()]
     assert states[-1] == "succeeded" and len(states) >= 2, shown
+
+
+def test_an_unreachable_ledger_exits_7_naming_the_key_to_resend_with() -> None:
+    """Not "refused": nothing is known to be recorded, and the same command with the key it
+    names is safe to send again."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECTLEDGER_")}
+    env["EFFECTLEDGER_LEDGER_URL"] = f"http://127.0.0.1:{free_port()}"
+    proc = subprocess.run([sys.executable, "-m", "effectledger_cli", "submit", "create_ticket",
+                           "--args", '{"title": "x"}'], env=env, capture_output=True, text=True,
+                          timeout=60, stdin=subprocess.DEVNULL)
+    assert proc.returncode == EXIT_RESEND, proc.stderr
+    assert "unreachable" in proc.stderr and "safe with --key cli-" in proc.stderr

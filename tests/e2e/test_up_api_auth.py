@@ -167,8 +167,33 @@ def test_an_open_api_is_an_explicit_unsafe_switch_that_says_so(
 
 
 def test_the_mcp_http_transport_needs_a_token_on_loopback_too(tmp_path: Path) -> None:
-    port = free_port()
-    done = subprocess.run([*CLI, "mcp", "--http", f"127.0.0.1:{port}"], env=_clean_env(),
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2
-    assert "--http needs EFFECTLEDGER_MCP_TOKEN" in done.stderr, done.stderr
+    """In front of a ledger that runs without tokens, `mcp --http` refuses to serve even on
+    loopback (whoever reaches it would act for the ledger) unless switched open on purpose."""
+    import http.server
+    import threading
+
+    class OpenLedger(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # an open ledger answers /v1/tools without a token
+            body = b'{"tools": []}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: object) -> None:
+            return None
+
+    ledger = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OpenLedger)
+    threading.Thread(target=ledger.serve_forever, daemon=True).start()
+    try:
+        port = free_port()
+        done = subprocess.run([*CLI, "mcp", "--http", f"127.0.0.1:{port}", "--ledger-url",
+                               f"http://127.0.0.1:{ledger.server_address[1]}"],
+                              env=_clean_env(), capture_output=True, text=True, timeout=60)
+    finally:
+        ledger.shutdown()
+    assert done.returncode == 2, done.stderr
+    assert "runs without tokens" in done.stderr and "--unsafe-open-http" in done.stderr
+
+

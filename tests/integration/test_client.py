@@ -15,10 +15,12 @@ from effectledger_client import (
     InvalidRequest,
     NotFound,
     OperationView,
+    RateLimited,
     Unauthenticated,
     Unavailable,
 )
 from effectledger_client.errors import error_from
+from effectledger_core.quotas import QuotaLimits, TenantRates
 from effectledger_ledger.api import create_app
 from effectledger_ledger.auth import Authenticator
 from effectledger_ledger.service import LedgerService
@@ -117,3 +119,36 @@ async def test_an_unreachable_ledger_is_unavailable_and_retryable() -> None:
         with pytest.raises(Unavailable) as exc:
             await c.get("x")
     assert exc.value.retryable
+
+
+async def test_a_quota_refusal_is_rate_limited_with_its_retry_after(
+        svc: LedgerService, agent: AsyncClient) -> None:  # noqa: F811
+    """429 is a typed RateLimited carrying the ledger's retry-after, retryable; nothing was
+    recorded."""
+    svc.quotas = QuotaLimits(rate_per_s=0.001, burst=1)
+    svc.rates = TenantRates(svc.quotas.rate_per_s, svc.quotas.burst)
+    await agent.submit("lookup", {"q": 1})
+    before = (await agent.stats()).operations
+    with pytest.raises(RateLimited) as limited:
+        await agent.submit("lookup", {"q": 2})
+    assert limited.value.retryable and limited.value.status == 429
+    assert limited.value.retry_after_s is not None and limited.value.retry_after_s > 0
+    assert (await agent.stats()).operations == before
+
+
+def test_rate_limited_reads_the_header_when_the_body_has_no_figure() -> None:
+    err = error_from(429, {"error": {"code": "quota_exceeded", "message": "slow down"}}, "",
+                     "7")
+    assert isinstance(err, RateLimited) and err.retry_after_s == 7.0
+
+
+async def test_identical_calls_join_through_the_api(agent: AsyncClient) -> None:
+    """join_identical over HTTP: keyed call, then the same call without the key: one operation
+    (created False); a repeat label makes a second one."""
+    first = await agent.submit("lookup", {"q": 5}, idempotency_key="host-1",
+                               join_identical=True)
+    again = await agent.submit("lookup", {"q": 5}, join_identical=True)
+    assert first.created and not again.created and again.operation.id == first.operation.id
+    assert again.operation.caller_key == "host-1"
+    repeat = await agent.submit("lookup", {"q": 5}, join_identical=True, repeat="2")
+    assert repeat.created and repeat.operation.id != first.operation.id

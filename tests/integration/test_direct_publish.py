@@ -40,7 +40,7 @@ async def test_a_new_intent_is_published_at_once_and_marked(store: Store) -> Non
     js = FakeJetStream()
     svc = service(store, js)
     try:
-        sub = await svc.submit(SubmitIntent(tool="create_ticket", arguments={"t": 1}))
+        sub = await svc.submit(SubmitIntent(tool="create_ticket", arguments={"title": "t1"}))
         assert svc.publisher is not None
         await svc.publisher.drain()
     finally:
@@ -59,7 +59,7 @@ async def test_while_leased_no_relay_takes_the_row(store: Store) -> None:
     svc = service(store, js)
     svc.publisher.submit = lambda item, **_: None  # type: ignore[method-assign, union-attr]
     try:
-        await svc.submit(SubmitIntent(tool="create_ticket", arguments={"t": 2}))
+        await svc.submit(SubmitIntent(tool="create_ticket", arguments={"title": "t2"}))
     finally:
         await svc.close()
     assert await store.run(lease_batch_txn, now=NOW, limit=10, lease_s=30) == []
@@ -73,7 +73,7 @@ async def test_a_failed_publish_is_handed_to_the_relay_at_once(store: Store) -> 
     js = FakeJetStream(fail=True)
     svc = service(store, js)
     try:
-        await svc.submit(SubmitIntent(tool="create_ticket", arguments={"t": 3}))
+        await svc.submit(SubmitIntent(tool="create_ticket", arguments={"title": "t3"}))
         assert svc.publisher is not None
         await svc.publisher.drain()
     finally:
@@ -94,7 +94,7 @@ async def test_a_claim_granted_before_the_mark_is_due_spares_the_mark(store: Sto
     publisher = svc.publisher
     assert publisher is not None
     try:
-        sub = await svc.submit(SubmitIntent(tool="create_ticket", arguments={"t": 4}))
+        sub = await svc.submit(SubmitIntent(tool="create_ticket", arguments={"title": "t4"}))
         op = sub.operation
         reply = await svc.claim(ClaimAttempt(
             operation_id=op["id"], epoch=1, attempt_id="a1", dispatcher_id="d1",
@@ -116,7 +116,7 @@ async def test_a_command_nobody_claims_is_marked_once_the_linger_is_over(store: 
     publisher = svc.publisher
     assert publisher is not None
     try:
-        await svc.submit(SubmitIntent(tool="create_ticket", arguments={"t": 5}))
+        await svc.submit(SubmitIntent(tool="create_ticket", arguments={"title": "t5"}))
         await publisher.drain()
     finally:
         await svc.close()

@@ -222,7 +222,8 @@ async def test_concurrent_same_key_submissions_create_exactly_one_operation(
 async def test_concurrent_submissions_with_conflicting_arguments(store: Store) -> None:
     """Racing submissions with one key and different arguments: one wins, the rest conflict."""
     svc = _service(store)
-    intents = [SubmitIntent(tool="create_ticket", arguments={"n": i}, idempotency_key="same")
+    intents = [SubmitIntent(tool="create_ticket", arguments={"title": f"t{i}"},
+                            idempotency_key="same")
                for i in range(10)]
     results = await asyncio.gather(*(svc.submit(i) for i in intents), return_exceptions=True)
     created = [r for r in results if isinstance(r, Submitted)]

@@ -117,7 +117,7 @@ async def test_waiting_gauges_are_read_from_the_rows_on_scrape(store: Store) -> 
     now = [T0]
     svc = service(store, now)
     try:
-        ops = [(await svc.submit(SubmitIntent(tool="create_ticket", arguments={"n": i})))
+        ops = [(await svc.submit(SubmitIntent(tool="create_ticket", arguments={"title": f"t{i}"})))
                .operation for i in range(3)]
         for i, op in enumerate(ops[:2]):
             await svc.claim(ClaimAttempt(operation_id=op["id"], epoch=1, attempt_id=f"a{i}",

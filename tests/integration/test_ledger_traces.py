@@ -46,7 +46,7 @@ async def test_the_dispatch_and_reconcile_rows_keep_their_trace_context(
     try:
         with tracing.span("POST /v1/intents") as request:
             assert request is not None
-            op = (await svc.submit(SubmitIntent(tool="create_ticket", arguments={}))).operation
+            op = (await svc.submit(_ticket())).operation
         await svc.claim(ClaimAttempt(operation_id=op["id"], epoch=1, attempt_id="a1",
                                      dispatcher_id="d1"))
         now[0] = T0 + timedelta(seconds=3)
@@ -79,7 +79,7 @@ async def test_the_dispatch_and_reconcile_rows_keep_their_trace_context(
 async def test_without_tracing_no_context_is_stored(store: Store) -> None:
     svc = LedgerService(store=store, catalog=CATALOG, subjects=SUBJECTS, clock=lambda: T0)
     try:
-        await svc.submit(SubmitIntent(tool="create_ticket", arguments={}))
+        await svc.submit(_ticket())
     finally:
         await svc.close()
     assert await traceparents(store) == {"dispatch": None}
@@ -106,8 +106,8 @@ async def test_claim_and_outcome_entries_carry_their_messages_trace_ids(
                                          dispatcher_id="d1"))
 
     try:
-        op = (await svc.submit(SubmitIntent(tool="create_ticket", arguments={}))).operation
-        other = (await svc.submit(SubmitIntent(tool="create_ticket", arguments={}))).operation
+        op = (await svc.submit(_ticket())).operation
+        other = (await svc.submit(_ticket())).operation
         # Submitted together, so group commit may decide both in one set-based batch: each
         # entry must carry its own call's context (the second has none), not a neighbour's.
         await asyncio.gather(claim_in_span(op["id"]), svc.claim(ClaimAttempt(
@@ -146,10 +146,14 @@ def _ids(detail: dict[str, object]) -> tuple[object, object]:
 async def test_a_claim_without_trace_context_journals_no_ids(store: Store) -> None:
     svc = LedgerService(store=store, catalog=CATALOG, subjects=SUBJECTS, clock=lambda: T0)
     try:
-        op = (await svc.submit(SubmitIntent(tool="create_ticket", arguments={}))).operation
+        op = (await svc.submit(_ticket())).operation
         await svc.claim(ClaimAttempt(operation_id=op["id"], epoch=1, attempt_id="a1",
                                      dispatcher_id="d1"))
     finally:
         await svc.close()
     claimed = (await journal_details(store, op["id"]))["attempt_claimed"]
     assert claimed == {"attempt_id": "a1"}
+
+
+def _ticket() -> SubmitIntent:
+    return SubmitIntent(tool="create_ticket", arguments={"title": "t"})

@@ -1,9 +1,12 @@
 """`submit`, `show`, `list` and the operator actions, on the typed client (effectledger_client).
 
 Exit codes, so scripts can branch without parsing: 0 succeeded (or, without `--wait`, the
-request was accepted), 1 the ledger refused the request or could not be reached, 2 bad usage,
-and with `--wait`: 3 failed or cancelled, 4 outcome unknown (ambiguous, needs review),
-5 awaiting an operator's approval, 6 the wait ended before the operation settled.
+request was accepted), 1 the ledger refused the request (sending it again unchanged is refused
+again), 2 bad usage, and with `--wait`: 3 failed or cancelled, 4 outcome unknown (ambiguous,
+needs review), 5 awaiting an operator's approval, 6 the wait ended before the operation
+settled; 7 the ledger could not be reached, was unavailable or rate limited the request: it is
+not known to be recorded, and sending the same command again is safe (a `submit` names the
+idempotency key to resend it with).
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from effectledger_client import Client, LedgerError, OperationView, localtokens
+from effectledger_client import Client, LedgerError, OperationView, RateLimited, localtokens
+from effectledger_core.ids import new_id
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 EXIT_FAILED, EXIT_UNKNOWN, EXIT_APPROVAL, EXIT_TIMEOUT = 3, 4, 5, 6
+EXIT_RESEND = 7  # not known to be recorded; the same command again is safe
 _BY_STATE = {"succeeded": EXIT_OK, "failed": EXIT_FAILED, "cancelled": EXIT_FAILED,
              "needs_review": EXIT_UNKNOWN, "ambiguous": EXIT_UNKNOWN,
              "awaiting_approval": EXIT_APPROVAL}
@@ -78,6 +83,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"effectledger: {exc.code}: {exc.message}", file=sys.stderr)
         if exc.details:
             print(json.dumps(exc.details, indent=2), file=sys.stderr)
+        if exc.retryable:
+            after = exc.retry_after_s if isinstance(exc, RateLimited) else None
+            key = getattr(args, "sent_key", None)
+            print("effectledger: not known to be recorded; sending the same command again is "
+                  "safe" + (f" after {after:g} s" if after is not None else "")
+                  + (f" with --key {key}" if key else ""), file=sys.stderr)
+            return EXIT_RESEND
         return EXIT_ERROR
 
 
@@ -102,7 +114,10 @@ def _run(client: Client, args: argparse.Namespace) -> int:
         # otherwise the submission itself waits, and one request usually answers it all.
         progress = _Progress() if args.wait > 0 and sys.stderr.isatty() else None
         started = time.monotonic()
-        submitted = client.submit(args.tool, arguments, idempotency_key=args.key,
+        # Always under a key, so that a submission whose answer is lost can be sent again
+        # safely: the key is named if it must be (exit 7).
+        args.sent_key = args.key or "cli-" + new_id()
+        submitted = client.submit(args.tool, arguments, idempotency_key=args.sent_key,
                                   task_id=args.task, tenant=args.tenant,
                                   wait_s=args.wait if progress is None else None)
         if args.wait > 0:

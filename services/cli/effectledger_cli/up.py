@@ -20,6 +20,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -306,8 +307,7 @@ def _demo(url: str, n: int, token: str | None) -> int:
     with httpx.Client(base_url=url, timeout=10, headers=headers) as http:
         for i in range(n):
             tool = tools[i % len(tools)]
-            args = ({"amount": 100 + i, "currency": "EUR"} if tool == "charge_card"
-                    else {"title": f"demo {i}"})
+            args = _demo_arguments(tool, i)
             resp = http.post("/v1/intents", json={"tool": tool, "arguments": args,
                                                   "idempotency_key": f"demo-{time.time()}-{i}"})
             resp.raise_for_status()
@@ -325,6 +325,17 @@ def _demo(url: str, n: int, token: str | None) -> int:
     print("demo: " + json.dumps(summary, sort_keys=True))
     sys.stdout.flush()
     return 0 if summary == {"succeeded": n} else 1
+
+
+def _demo_arguments(tool: str, i: int) -> dict[str, Any]:
+    """Arguments that fit each demo tool's input schema (demo_catalog.toml)."""
+    by_tool: dict[str, dict[str, Any]] = {
+        "charge_card": {"amount": 100 + i, "currency": "EUR"},
+        "send_email": {"to": "demo@example.com", "subject": f"demo {i}", "body": "hello"},
+        "post_message": {"channel": "#demo", "text": f"demo {i}"},
+        "page_oncall": {"summary": f"demo {i}", "severity": "high"},
+    }
+    return by_tool.get(tool, {"title": f"demo {i}"})
 
 
 def _stop_all(procs: dict[str, Child]) -> None:

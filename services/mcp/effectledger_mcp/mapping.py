@@ -1,80 +1,154 @@
 """How the catalog and the ledger's answers look to an MCP agent. Pure: no I/O.
 
-- `ANNOTATIONS`: the effect class → MCP tool annotations table (README, "Agents over MCP").
-- `input_schema`: the catalog's `input_schema`, else one derived from the tool's
-  `{args.<name>}` placeholders (each one a required property).
-- `idempotency_key`: where a call's key comes from (SEP-3182's `idempotencyKey`, then
-  `_meta["effectledger/idempotencyKey"]`, else derived from the tool and its arguments).
-- `render`: an operation as a tool result. An unknown outcome is a result that says "do not
-  retry", never an error: an error invites the very retry that could apply the effect twice.
+- `tool_annotations`: the (effect class, reversibility) → MCP tool annotations table
+  (docs/agents.md, "Annotations").
+- `published_schema`: the catalog's input schema as listed, with the reserved `repeat`
+  argument of every tool that changes something.
+- `idempotency_key`: a key the host sent (SEP-3182's `idempotencyKey`, then
+  `_meta["effectledger/idempotencyKey"]`); without one the ledger joins identical calls.
+- `render`: an operation as a tool result; the text is the structured content rendered, so a
+  framework that shows the model only one of them loses nothing. An unknown outcome is a result
+  that says "do not retry", never an error: an error invites the very retry that could apply
+  the effect twice.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from typing import Any
 
-from effectledger_core.digest import digest
-from effectledger_core.views import OperationView, Receipt
+from effectledger_core.failures import Failure, Idempotency
+from effectledger_core.messages import FailureClass
+from effectledger_core.views import OperationView
 
-# (readOnlyHint, destructiveHint, idempotentHint, openWorldHint) per effect class. Every tool
-# reaches an external provider (open world). An unknown class is assumed the worst.
-ANNOTATIONS: dict[str, tuple[bool, bool, bool, bool]] = {
-    "read_only": (True, False, True, True),
-    "idempotent": (False, False, True, True),
-    "reversible": (False, False, False, True),
-    "compensatable": (False, True, False, True),
-    "non_idempotent": (False, True, False, True),
-    "unknown": (False, True, False, True),
-}
 META_KEY = "effectledger/idempotencyKey"
-# How long a tool call waits for its operation to settle (`effectledger mcp --wait`). Here, not
-# in server.py, so that the CLI can offer it without importing the MCP SDK.
-DEFAULT_WAIT_S = 30.0
 META_TASK = "effectledger/taskId"
-_ARG = re.compile(r"\{args\.([A-Za-z0-9_]+)((?:\.[A-Za-z0-9_]+)*)\}")
+# How long a tool call waits for its operation to settle (`effectledger mcp --wait`): shorter
+# than the common clients' default timeouts (the OpenAI Agents SDK's is 5 s), so the model gets
+# "still in progress, ask for the status" rather than a client timeout. Here, not in server.py,
+# so that the CLI can offer it without importing the MCP SDK.
+DEFAULT_WAIT_S = 4.0
+# The argument a model sets to do the same thing again on purpose (a second, separate effect).
+REPEAT = "repeat"
+STATUS_TOOL = "operation_status"
+RESOURCE_PREFIX = "effectledger://operations/"
+
+# One table over the effect class and the reversibility (docs/agents.md, "Annotations"):
+# (readOnlyHint, destructiveHint, idempotentHint, openWorldHint). destructiveHint is about the
+# world, not about retries: an idempotent charge is still destructive. Every tool reaches an
+# external provider (open world); an unknown class is assumed the worst.
+ANNOTATIONS: dict[tuple[str, str], tuple[bool, bool, bool, bool]] = {
+    ("read_only", "undoable"): (True, False, True, True),
+    ("read_only", "irreversible"): (True, False, True, True),
+    ("idempotent", "undoable"): (False, False, True, True),
+    ("idempotent", "irreversible"): (False, True, True, True),
+    ("reversible", "undoable"): (False, False, False, True),
+    ("reversible", "irreversible"): (False, True, False, True),
+    # A compensation is a second effect, not an undo: the first one happened.
+    ("compensatable", "undoable"): (False, True, False, True),
+    ("compensatable", "irreversible"): (False, True, False, True),
+    ("non_idempotent", "undoable"): (False, False, False, True),
+    ("non_idempotent", "irreversible"): (False, True, False, True),
+    ("unknown", "undoable"): (False, True, False, True),
+    ("unknown", "irreversible"): (False, True, False, True),
+}
 
 
-def tool_annotations(effect_class: str) -> dict[str, bool]:
-    ro, destructive, idempotent, open_world = ANNOTATIONS.get(effect_class,
-                                                             ANNOTATIONS["unknown"])
-    return {"readOnlyHint": ro, "destructiveHint": destructive, "idempotentHint": idempotent,
-            "openWorldHint": open_world}
+def reversibility(tool: Mapping[str, Any]) -> str:
+    """The catalog's `reversibility`, else the effect class's default."""
+    declared = tool.get("reversibility")
+    if declared in ("undoable", "irreversible"):
+        return str(declared)
+    return "undoable" if tool.get("effect_class") == "reversible" else "irreversible"
 
 
-def _strings(value: Any) -> list[str]:
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, Mapping):
-        return [s for v in value.values() for s in _strings(v)]
-    if isinstance(value, list):
-        return [s for v in value for s in _strings(v)]
-    return []
+def tool_annotations(tool: Mapping[str, Any]) -> dict[str, Any]:
+    effect = str(tool.get("effect_class", "unknown"))
+    ro, destructive, idempotent, open_world = ANNOTATIONS.get(
+        (effect, reversibility(tool)), ANNOTATIONS[("unknown", "irreversible")])
+    return {"title": title(tool), "readOnlyHint": ro, "destructiveHint": destructive,
+            "idempotentHint": idempotent, "openWorldHint": open_world}
 
 
-def input_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
-    """The catalog's declared schema, else one from the placeholders the call uses."""
-    declared = tool.get("input_schema")
-    if isinstance(declared, Mapping):
-        return dict(declared)
-    readback = tool.get("readback") or {}
-    texts = _strings([tool.get("endpoint"), tool.get("body"), readback.get("url")])
-    props: dict[str, Any] = {}
-    for text in texts:
-        for name, nested in _ARG.findall(text):
-            props[name] = {"type": "object"} if nested else {}
-    schema: dict[str, Any] = {"type": "object", "properties": props}
-    if props:
-        schema["required"] = sorted(props)
+def title(tool: Mapping[str, Any]) -> str:
+    given = tool.get("title")
+    if isinstance(given, str) and given:
+        return given
+    return str(tool.get("name", "")).replace("_", " ").capitalize()
+
+
+def joins_identical(tool: Mapping[str, Any]) -> bool:
+    """Whether an identical call joins the earlier operation (everything but a lookup: a
+    lookup asked again should look again)."""
+    return tool.get("effect_class") != "read_only"
+
+
+_REPEAT_PROPERTY = {
+    "type": ["string", "null"],
+    "description": "Leave null. Only to do this same thing AGAIN on purpose as a second, "
+                   "separate effect (the user asked for it twice), set a new short label such "
+                   "as \"2\". A call with the same arguments and the same repeat value is the "
+                   "same call: it never runs twice.",
+    "examples": [None, "2"],
+}
+
+
+def published_schema(tool: Mapping[str, Any]) -> dict[str, Any]:
+    """The input schema as listed: the catalog's, plus `repeat` when identical calls join.
+
+    `repeat` is listed as required and nullable (OpenAI's strict mode wants every property
+    required); the server treats a missing `repeat` as null, so other clients may omit it."""
+    schema = dict(tool.get("input_schema") or {"type": "object", "properties": {}})
+    schema.pop("$schema", None)
+    if not joins_identical(tool):
+        return schema
+    props = dict(schema.get("properties") or {})
+    if REPEAT in props:  # the catalog's own argument of that name wins; no repeat then
+        return schema
+    props[REPEAT] = _REPEAT_PROPERTY
+    schema["properties"] = props
+    schema["required"] = [*(schema.get("required") or []), REPEAT]
     return schema
 
 
-def idempotency_key(tool: str, arguments: Mapping[str, Any], raw_params: Mapping[str, Any]
-                    ) -> tuple[str, str]:
-    """(key, where it came from). A retried call carries the same key, so the ledger returns
-    the same operation instead of creating a second one."""
+def strict_problems(schema: Mapping[str, Any], where: str = "") -> list[str]:
+    """What keeps a schema out of OpenAI's strict function mode: every object closed
+    (`additionalProperties: false`) with every property typed and required."""
+    problems = []
+    if schema.get("type") == "object" or "properties" in schema:
+        props = schema.get("properties") or {}
+        if schema.get("additionalProperties") is not False:
+            problems.append(f"{where or '/'}: additionalProperties must be false")
+        missing = sorted(set(props) - set(schema.get("required") or []))
+        if missing:
+            problems.append(f"{where or '/'}: not required: {', '.join(missing)}")
+        for name, sub in props.items():
+            if not isinstance(sub, Mapping) or not ("type" in sub or "anyOf" in sub
+                                                    or "enum" in sub):
+                problems.append(f"{where}/{name}: no type")
+            elif isinstance(sub, Mapping):
+                problems += strict_problems(sub, f"{where}/{name}")
+    items = schema.get("items")
+    if isinstance(items, Mapping):
+        problems += strict_problems(items, f"{where}/items")
+    return problems
+
+
+def description(tool: Mapping[str, Any]) -> str:
+    """The catalog's description, then what every model must know about calling it."""
+    text = str(tool.get("description") or title(tool)).strip()
+    if not joins_identical(tool):
+        return text
+    return (f"{text}\n\nRuns at most once per call: calling again with the same arguments "
+            "joins the first call (after an error, a timeout or an unknown outcome too), it "
+            "never does it twice. To do it again on purpose, set `repeat` to a new label. If a "
+            f"result says the outcome is unknown, do not retry: ask `{STATUS_TOOL}`.")
+
+
+def idempotency_key(raw_params: Mapping[str, Any]) -> tuple[str | None, str]:
+    """(key, where it came from): SEP-3182's `idempotencyKey`, then `_meta`, else none (the
+    ledger then joins identical calls by their call identity)."""
     given = raw_params.get("idempotencyKey")
     if isinstance(given, str) and given:
         return given, "idempotencyKey"
@@ -83,9 +157,7 @@ def idempotency_key(tool: str, arguments: Mapping[str, Any], raw_params: Mapping
         given = meta.get(META_KEY)
         if isinstance(given, str) and given:
             return given, "_meta"
-    # The same tool with the same arguments is the same decision (within the tenant, and the
-    # task when `_meta` names one): to do it twice on purpose, send two different keys.
-    return "mcp:" + digest({"tool": tool, "arguments": dict(arguments)}), "derived"
+    return None, "none"
 
 
 def task_id(raw_params: Mapping[str, Any]) -> str | None:
@@ -94,59 +166,198 @@ def task_id(raw_params: Mapping[str, Any]) -> str | None:
     return task if isinstance(task, str) and task else None
 
 
+def resource_uri(operation_id: str) -> str:
+    return RESOURCE_PREFIX + operation_id
+
+
+# -- results ----------------------------------------------------------------------------------
+
+# Who decided a settled outcome, from the evidence the ledger kept.
+_DECIDERS = {"readback": "readback", "webhook": "webhook", "operator": "operator_review",
+             "response": "provider"}
+
+
+def decided_by(op: OperationView) -> str | None:
+    if op.state not in ("succeeded", "failed", "cancelled"):
+        return None
+    if op.state == "cancelled":
+        return "operator"
+    source = (op.evidence or {}).get("source")
+    return _DECIDERS.get(str(source), "provider")
+
+
+def guidance(op: OperationView) -> str | None:
+    """The failure's one line for the model (the ledger's receipt renders the same)."""
+    last = op.last_outcome or {}
+    if last.get("type") != "attempt_failed":
+        return None
+    if last.get("guidance"):
+        return str(last["guidance"])
+    try:
+        failure = Failure(FailureClass(last["failure_class"]), last.get("code", ""),
+                          last.get("message", ""), retry_after_s=last.get("retry_after_s"),
+                          idempotency=Idempotency(last.get("idempotency", "unset")))
+    except (KeyError, ValueError):
+        return None
+    return failure.guidance()
+
+
 _UNKNOWN = ("The outcome is UNKNOWN: the provider may or may not have applied this effect. "
-            "Do NOT retry this call and do not try to achieve the same effect another way. ")
+            "Do NOT retry it with other arguments or a new repeat label, and do not try to "
+            "achieve the same effect another way.")
 _NEXT = {
-    "ambiguous": "effectledger is finding out from the provider (readback or webhook); call "
-                 "this tool again with the same arguments to wait for the answer.",
-    "awaiting_confirmation": "The provider accepted the request and will confirm it later; "
-                             "call this tool again with the same arguments to wait for it.",
+    "ambiguous": "effectledger is finding out from the provider (readback or webhook).",
+    "awaiting_confirmation": "The provider accepted the request and will confirm it later.",
     "needs_review": "No machine can tell; an operator will review it. Tell the user the "
                     "outcome is unknown and pending review.",
 }
 
 
-def render(op: OperationView, receipt: Receipt | None) -> tuple[str, dict[str, Any], bool]:
-    """(text for the model, structured content, isError) for an operation after a wait."""
+def render(op: OperationView, *, replayed: bool | None, repeat: str | None = None,
+           extra: Mapping[str, Any] | None = None) -> tuple[str, dict[str, Any], bool]:
+    """(text, structured content, isError) for an operation: after a call (`replayed` says
+    whether the call joined an earlier operation) or for the status tool (`replayed` None)."""
     state = op.state
     kept = op.result  # the provider's answer, as the ledger keeps it
-    result = kept.value if kept is not None else None
-    data: dict[str, Any] = {"state": state, "operation_id": op.id, "tool": op.tool,
-                            "epoch": op.epoch, "provider_ref": op.provider_ref,
-                            "result": result, "do_not_retry": False}
+    key = op.caller_key
+    data: dict[str, Any] = {
+        "outcome": "in_progress", "state": state, "operation_id": op.id, "tool": op.tool,
+        "idempotency_key": key, "replayed": replayed, "repeat": repeat,
+        "decided_by": decided_by(op), "provider_ref": op.provider_ref,
+        "result": kept.value if kept is not None else None, "do_not_retry": False,
+        "message": "", "warning": None, "next": None, "guidance": None,
+        "safe_recall": {"tool": op.tool, "arguments": _recall_arguments(op, repeat),
+                        "idempotency_key": key},
+        "check_status": {"tool": STATUS_TOOL, "arguments": {"operation_id": op.id},
+                         "resource": resource_uri(op.id)},
+    }
     if kept is not None and (kept.truncated or kept.omitted):
-        data["result_note"] = ("truncated" if kept.truncated
-                               else f"omitted: {kept.omitted}")
-    if receipt is not None:
-        data["receipt"] = {"digests": receipt.digests.model_dump(mode="json"),
-                           "provider_request_ref": receipt.provider_request_ref,
-                           "open_uncertainties": receipt.open_uncertainties}
-    ref = f" Operation {op.id}."
+        data["result_note"] = "truncated" if kept.truncated else f"omitted: {kept.omitted}"
+    is_error = False
     if state == "succeeded":
-        data["outcome"] = "succeeded"
-        text = f"Succeeded.{ref}"
-        if op.provider_ref:
-            text += f" Provider reference: {op.provider_ref}."
-        if result is not None:
-            text += " Result: " + (result if isinstance(result, str)
-                                   else json.dumps(result, sort_keys=True))
-        return text, data, False
-    if state in ("failed", "cancelled"):
-        data["outcome"] = state
-        guidance = receipt.guidance if receipt is not None else None
-        data["guidance"] = guidance
-        what = "Cancelled before any attempt: nothing was applied." if state == "cancelled" \
-            else "Failed: the provider refused it and nothing was applied."
-        return f"{what}{ref}" + (f" {guidance}" if guidance else ""), data, True
-    if state in _NEXT:
-        data.update(outcome="unknown", do_not_retry=True, next=_NEXT[state])
-        return f"{_UNKNOWN}{_NEXT[state]}{ref}", data, False
-    if state == "awaiting_approval":
+        data.update(outcome="succeeded", message="Succeeded.")
+    elif state in ("failed", "cancelled"):
+        is_error = True
+        data.update(outcome=state, guidance=guidance(op), message=(
+            "Cancelled: nothing was applied." if state == "cancelled"
+            else "Failed: the provider refused it and nothing was applied."),
+            next="Once the cause is fixed, calling again with the same arguments runs it "
+                 "anew (a failed or cancelled call is never joined).")
+    elif state in _NEXT:
+        data.update(outcome="unknown", do_not_retry=True, warning=_UNKNOWN,
+                    message="Outcome unknown.", next=(
+                        f"{_NEXT[state]} Learn the outcome with {STATUS_TOOL} (operation_id "
+                        f"{op.id}); calling this tool again with the same arguments only waits "
+                        "for the same operation."))
+    elif state == "awaiting_approval":
         data.update(outcome="awaiting_approval",
-                    next="An operator must approve these exact arguments first.")
-        return ("Awaiting an operator's approval: nothing has been done yet. Call this tool "
-                f"again with the same arguments to wait for the decision.{ref}"), data, False
-    data.update(outcome="in_progress",
-                next="call this tool again with the same arguments to keep waiting")
-    return (f"Still in progress ({state}). Calling this tool again with the same arguments "
-            f"waits for the same operation; it will not run twice.{ref}"), data, False
+                    message="Awaiting an operator's approval: nothing has been done yet.",
+                    next=f"Ask {STATUS_TOOL} (operation_id {op.id}) for the decision; the same "
+                         "call again waits on the same operation.")
+    else:
+        data.update(message=f"Still in progress ({state}); it will not run twice.",
+                    next=f"Ask {STATUS_TOOL} (operation_id {op.id}), which can wait, or call "
+                         "again with the same arguments: it joins this operation.")
+    if extra:
+        data.update(extra)
+    return text_of(data), data, is_error
+
+
+def _recall_arguments(op: OperationView, repeat: str | None) -> dict[str, Any]:
+    args = dict(op.arguments)
+    if repeat is not None:
+        args[REPEAT] = repeat
+    return args
+
+
+def text_of(data: Mapping[str, Any]) -> str:
+    """The structured content rendered for a model that reads only text."""
+    lines = [f"{data['message']} Operation {data['operation_id']} ({data['tool']}), "
+             f"idempotency key {data['idempotency_key']!s}"
+             + (", a replay of an earlier identical call" if data.get("replayed") else "")
+             + "."]
+    if data.get("warning"):
+        lines.append(f"WARNING: {data['warning']}")
+    if data.get("guidance"):
+        lines.append(f"Guidance: {data['guidance']}")
+    if data.get("next"):
+        lines.append(f"Next: {data['next']}")
+    recall = data.get("safe_recall")
+    if recall and data.get("outcome") not in ("succeeded", "failed", "cancelled"):
+        lines.append(f"Safe re-call: {recall['tool']} with arguments "
+                     f"{json.dumps(recall['arguments'], sort_keys=True)} and idempotency key "
+                     f"{recall['idempotency_key']!s} joins this operation; it never runs twice.")
+    if data.get("decided_by"):
+        lines.append(f"Decided by: {data['decided_by']}.")
+    if data.get("provider_ref"):
+        lines.append(f"Provider reference: {data['provider_ref']}.")
+    if data.get("result") is not None:
+        result = data["result"]
+        lines.append("Result: " + (result if isinstance(result, str)
+                                   else json.dumps(result, sort_keys=True)))
+    lines.append("Structured: " + json.dumps(data, sort_keys=True, default=str))
+    return "\n".join(lines)
+
+
+def error_result(kind: str, message: str, **fields: Any) -> tuple[str, dict[str, Any]]:
+    """(text, structured content) of a call refused before or at submission."""
+    data = {"outcome": "refused", "error": kind, "message": message, **fields}
+    return message + "\nStructured: " + json.dumps(data, sort_keys=True, default=str), data
+
+
+def expected_at(schema: Mapping[str, Any], pointer: str) -> str | None:
+    """What the schema expects at a JSON pointer: its type, description and an example."""
+    node: Any = schema
+    for part in [p.replace("~1", "/").replace("~0", "~") for p in pointer.split("/")[1:]]:
+        if not isinstance(node, Mapping):
+            return None
+        node = (node.get("properties") or {}).get(part) if "properties" in node \
+            else node.get("items")
+    if not isinstance(node, Mapping) or node is schema:
+        return None
+    bits = []
+    if "type" in node:
+        bits.append(f"type {json.dumps(node['type'])}")
+    if "enum" in node:
+        bits.append(f"one of {json.dumps(node['enum'])}")
+    if node.get("description"):
+        bits.append(str(node["description"]))
+    if node.get("examples"):
+        bits.append(f"e.g. {json.dumps(node['examples'][0])}")
+    return "; ".join(bits) or None
+
+
+# The structured result's schema (tools' outputSchema). Loose where the provider speaks
+# (`result`), exact where a framework branches (`outcome`, `do_not_retry`).
+OUTPUT_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "outcome": {"type": "string", "enum": [
+            "succeeded", "failed", "cancelled", "unknown", "awaiting_approval", "in_progress",
+            "refused"]},
+        "state": {"type": "string"},
+        "operation_id": {"type": "string"},
+        "tool": {"type": "string"},
+        "idempotency_key": {"type": ["string", "null"]},
+        "replayed": {"type": ["boolean", "null"],
+                     "description": "true: this call joined an earlier identical call"},
+        "repeat": {"type": ["string", "null"]},
+        "decided_by": {"type": ["string", "null"], "enum": [
+            "provider", "readback", "webhook", "operator_review", "operator", None]},
+        "provider_ref": {"type": ["string", "null"]},
+        "result": {"description": "the provider's answer (JSON or text), if any"},
+        "result_note": {"type": "string"},
+        "do_not_retry": {"type": "boolean"},
+        "message": {"type": "string"},
+        "warning": {"type": ["string", "null"]},
+        "next": {"type": ["string", "null"]},
+        "guidance": {"type": ["string", "null"]},
+        "safe_recall": {"type": "object"},
+        "check_status": {"type": "object"},
+        "error": {"type": "string"},
+        "errors": {"type": "array"},
+        "retry_after_s": {"type": ["number", "null"]},
+        "open_uncertainties": {"type": "array", "items": {"type": "string"}},
+    },
+    "required": ["outcome", "message"],
+}

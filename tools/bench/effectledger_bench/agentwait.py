@@ -3,8 +3,11 @@
 1. One operation at a time, N times: the bare provider call (the sandbox's idempotent route,
    same headers as the dispatcher sends) and the same call through `effectledger_client`'s
    `submit(..., wait_s=...)`: latency p50/p99 of each and the overhead (difference of the
-   percentiles). With DBOS installed (`pip install '.[bench]'`), the same figure for DBOS's
-   durable workflow around the same call (`peer_dbos --mode direct --concurrency 1`).
+   percentiles). The same call as an MCP `tools/call` (the official client, `effectledger mcp`
+   on stdio), interleaved call by call with the client's submit-and-wait so that both see the
+   same load: what the MCP path adds. With DBOS installed (`pip install '.[bench]'`), the same
+   figure for DBOS's durable workflow around the same call (`peer_dbos --mode direct
+   --concurrency 1`); without it the report says so.
 2. W concurrent waiters on one ledger (over NATS, `<prefix>.rpc.v1.operation.wait`), each on
    its own pending operation while no dispatcher runs: the ledger's memory and CPU while they
    wait, its responsiveness meanwhile (GET /healthz and an operation read, p50/p99), and how
@@ -27,12 +30,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from .measure import percentile
 from .procs import sample
@@ -90,6 +94,60 @@ async def submit_and_wait(stack: Stack, n: int, tag: str,
                         "claim_to_outcome": at["outcome_recorded"] - at["attempt_claimed"],
                         "outcome_to_answer": end_wall - at["outcome_recorded"]})
     return lat
+
+
+def _devnull() -> TextIO:
+    return open(os.devnull, "w")
+
+
+async def client_vs_mcp(stack: Stack, n: int
+                        ) -> tuple[list[float], list[float], list[float]]:
+    """Latencies (ms) of the client's submit-and-wait (keyed), the same without a key joining
+    identical calls (what the MCP server asks the ledger for), and an MCP tools/call of the
+    same tool, one of each per round so that all see the same machine load."""
+    from mcp import ClientSession, StdioServerParameters, stdio_client
+
+    from effectledger_client import AsyncClient
+
+    from .stack import TOOL
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("EFFECTLEDGER_")}
+    params = StdioServerParameters(
+        command=sys.executable, args=["-m", "effectledger_cli", "mcp", "--ledger-url",
+                                      stack.ledger_url, "--wait", "10"], env=env)
+    direct: list[float] = []
+    joining: list[float] = []
+    over_mcp: list[float] = []
+    tag = f"mcp{time.time_ns()}"
+    with _devnull() as quiet:
+        async with AsyncClient(stack.ledger_url, token="") as client, \
+                stdio_client(params, errlog=quiet) as (read, write), \
+                ClientSession(read, write) as mcp:
+            await mcp.initialize()
+            for i in range(-20, n):  # 20 warm-up rounds, not counted
+                t = time.perf_counter()
+                done = await client.submit(TOOL, {"title": f"{tag} c{i}"},
+                                           idempotency_key=f"{tag}-c{i}", wait_s=10)
+                took = (time.perf_counter() - t) * 1000
+                if done.operation.state != "succeeded":
+                    raise RuntimeError(f"operation ended {done.operation.state}")
+                t = time.perf_counter()
+                done = await client.submit(TOOL, {"title": f"{tag} j{i}"},
+                                           join_identical=True, wait_s=10)
+                took_join = (time.perf_counter() - t) * 1000
+                if done.operation.state != "succeeded":
+                    raise RuntimeError(f"operation ended {done.operation.state}")
+                t = time.perf_counter()
+                result = await mcp.call_tool(TOOL, {"title": f"{tag} m{i}"})
+                took_mcp = (time.perf_counter() - t) * 1000
+                data = result.structured_content or {}
+                if data.get("outcome") != "succeeded":
+                    raise RuntimeError(f"MCP call ended {data.get('state')}")
+                if i >= 0:
+                    direct.append(took)
+                    joining.append(took_join)
+                    over_mcp.append(took_mcp)
+    return direct, joining, over_mcp
 
 
 def _stage_medians(stages: list[dict[str, float]]) -> dict[str, float | None]:
@@ -212,6 +270,16 @@ async def measure(stack: Stack, n: int, count: int) -> dict[str, Any]:
         "overhead_ms": {k: round((s[k] or 0) - (b[k] or 0), 2) for k in b},
         # Journal times are taken when each transaction is built, just before its commit.
         "stage_p50_ms": _stage_medians(stages)}
+    direct, joining, over_mcp = await client_vs_mcp(stack, n)
+    c, j, m = _ms(direct), _ms(joining), _ms(over_mcp)
+    result["mcp"] = {
+        "interleaved_submit_and_wait_ms": c, "submit_and_wait_joining_ms": j,
+        "tools_call_ms": m,
+        "mcp_over_client_ms": {k: round((m[k] or 0) - (c[k] or 0), 2) for k in c},
+        # What the MCP layer itself adds (protocol, stdio, the server), the ledger's rule for
+        # identical calls apart.
+        "mcp_over_joining_client_ms": {k: round((m[k] or 0) - (j[k] or 0), 2) for k in c},
+        "target": "tools_call p50 <= submit_and_wait p50 + 2 ms"}
     peer = dbos_figures(stack, n)
     if peer is not None and "latency_ms" in peer:
         lat = peer["latency_ms"]

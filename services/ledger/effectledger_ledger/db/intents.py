@@ -12,6 +12,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.errors import EffectLedgerError, IdempotencyConflict
+from effectledger_core.identical import call_identity, joins
 from effectledger_core.ids import operation_key as derive_operation_key
 from effectledger_core.intents import reject_nul, validate_arguments
 from effectledger_core.messages import SubmitIntent
@@ -38,6 +39,12 @@ class Submitted:
 # Built once (see common._LOCK_WITH_ATTEMPTS).
 _BY_KEYS = {d: sa.select(operations).where(hot.one_of(operations.c.operation_key, "keys", d))
             for d in hot.DIALECTS}
+_BY_CALLS = {d: sa.select(operations).where(hot.one_of(operations.c.call_key, "calls", d))
+             for d in hot.DIALECTS}
+# A newer identical operation takes the call identity over: the older one lets go of it.
+_RELEASE_CALL = operations.update().where(
+    operations.c.id == sa.bindparam("holder_id"),
+    operations.c.call_key == sa.bindparam("held")).values(call_key=None)
 _INSERT_OPERATION = operations.insert()
 _INSERT_OUTBOX = outbox.insert()
 
@@ -48,9 +55,16 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
 
     A refused intent (invalid arguments, unknown tool, key reused with other arguments) gets
     its error instead of a result and writes nothing; intents after it are unaffected.
+
+    An intent that joins identical calls (`join_identical`) is also known by its call
+    identity (effectledger_core/identical.py): without a key it joins the identity's holder
+    when `joins` says so; a new operation takes the identity over (the holder lets go of it in
+    the same transaction, so the unique index sees one holder at a time).
     """
     results: list[Submitted | Exception | None] = [None] * len(items)
     keys: dict[int, str] = {}
+    caller: dict[int, str | None] = {}  # the caller key each new operation would carry
+    calls: dict[int, str] = {}  # the call identity, for intents that join identical calls
     valid: dict[int, tuple[Tool, str]] = {}  # the tool and the arguments digest, by position
     for i, kw in enumerate(items):
         intent = kw.intent
@@ -62,15 +76,29 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
             results[i] = exc
             continue
         valid[i] = (tool, args_digest)
+        given = intent.idempotency_key
+        if intent.join_identical:
+            calls[i] = call_identity(tenant=intent.tenant, task_id=intent.task_id,
+                                     tool=tool.name, arguments_digest=args_digest,
+                                     repeat=intent.repeat)
+            # A key-less call still runs under a key the caller can send again later: its own.
+            given = given or "auto-" + kw.operation_id
+        caller[i] = given
         keys[i] = derive_operation_key(tenant=intent.tenant, task_id=intent.task_id,
-                                       caller_key=intent.idempotency_key,
-                                       operation_id=kw.operation_id)
+                                       caller_key=given, operation_id=kw.operation_id)
     caller_keys = [keys[i] for i in keys if items[i].intent.idempotency_key is not None]
     known: dict[str, OperationRow] = {}
     if caller_keys:
         # Lockless: the unique key re-checks it at the INSERT (see the note below).
         known = {r["operation_key"]: OperationRow.of(r) for r in await hot.fetch(
             conn, _BY_KEYS[conn.dialect.name], {"keys": caller_keys}, lockless=True)}
+    holders: dict[str, OperationRow] = {}  # the current holder of each call identity
+    if calls:
+        holders = {r["call_key"]: OperationRow.of(r) for r in await hot.fetch(
+            conn, _BY_CALLS[conn.dialect.name], {"calls": sorted(set(calls.values()))},
+            lockless=True)}
+    releases: list[dict[str, Any]] = []
+    batch_columns: dict[str, dict[str, Any]] = {}  # this batch's new operations, by id
 
     relay = False  # whether any command is left to the relays (then wake them)
     new_ops: list[dict[str, Any]] = []
@@ -81,6 +109,12 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
         intent = kw.intent
         tool, args_digest = valid[i]
         existing = known.get(op_key) if intent.idempotency_key is not None else None
+        call_key = calls.get(i)
+        holder = holders.get(call_key) if call_key is not None else None
+        if existing is None and holder is not None and intent.idempotency_key is None \
+                and joins(state=holder.state.value, created_at=holder.created_at, now=kw.now,
+                          window_s=tool.dedupe_window_s):
+            existing = holder  # the same call again: that operation, not a second effect
         if existing is not None:
             if existing.tool != tool.name or existing.arguments_digest != args_digest:
                 results[i] = IdempotencyConflict(
@@ -93,14 +127,22 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
         state = State.AWAITING_APPROVAL if tool.commit_policy == "approval" else State.PENDING
         op = OperationRow(
             id=kw.operation_id, tenant=intent.tenant, task_id=intent.task_id,
-            caller_key=intent.idempotency_key, operation_key=op_key, tool=tool.name,
+            caller_key=caller[i], operation_key=op_key, tool=tool.name,
             arguments=intent.arguments, arguments_digest=args_digest,
             tool_digest=tool.digest(), contract_revision=tool.contract_revision,
             effect_class=tool.effect_class.value, commit_policy=tool.commit_policy,
-            state=state, epoch=1, created_at=now, updated_at=now)
+            state=state, epoch=1, created_at=now, updated_at=now, call_key=call_key)
         columns = op.as_dict()
         new_ops.append(columns)
         known[op_key] = op  # a second intent with this key in the same batch finds it
+        if call_key is not None:
+            if holder is not None:
+                if holder.id in batch_columns:
+                    batch_columns[holder.id]["call_key"] = None
+                else:
+                    releases.append({"holder_id": holder.id, "held": call_key})
+            holders[call_key] = op
+            batch_columns[op.id] = columns
         entries.append(journal_row(
             operation_id=kw.operation_id, at=now, kind=JournalKind.INTENT_ACCEPTED, actor=kw.actor,
             epoch=1, to_state=state.value,
@@ -123,6 +165,8 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
                 relay = True
             commands.append(row)
         results[i] = Submitted(columns, created=True, command=command)
+    if releases:
+        await conn.execute(_RELEASE_CALL, releases)
     if new_ops:
         # A unique violation (the same key committed meanwhile by another transaction) aborts
         # the batch; the service then retries each intent on its own and finds the winner.

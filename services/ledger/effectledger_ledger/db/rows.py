@@ -43,6 +43,7 @@ class OperationRow(NamedTuple):
     last_outcome: dict[str, Any] | None = None
     evidence: dict[str, Any] | None = None
     result: dict[str, Any] | None = None
+    call_key: str | None = None  # the call identity it holds (identical.py), if any
 
     @classmethod
     def of(cls, row: Mapping[Any, Any]) -> OperationRow:

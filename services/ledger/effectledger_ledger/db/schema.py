@@ -75,6 +75,10 @@ operations = sa.Table(
     # The provider's answer for the agent (effectledger_core.results.ProviderResult): from the
     # successful response or the readback that found the effect. Never synthesized.
     sa.Column("result", JSONType),
+    # The call identity (effectledger_core/identical.py) while this operation holds it: set
+    # only for intents that join identical calls; cleared when a newer identical operation
+    # takes it over, so the unique index admits one holder and never deduplicates forever.
+    sa.Column("call_key", sa.String(64), unique=True),
     # Operations that are not yet at rest are what relays, sweepers and dashboards query.
     sa.Index("ix_operations_active_state", "state", "updated_at",
              postgresql_where=_active, sqlite_where=_active),
