@@ -192,7 +192,8 @@ class LedgerCalls:
     async def call(self, tool: str, arguments: dict[str, Any], *, key: str,
                    task_id: str | None = None) -> Answer:
         """Submit under `key`, wait up to `wait_s`, answer. Never raises a `LedgerError`."""
-        deadline = time.monotonic() + self.submit_retry_s
+        started = time.monotonic()
+        deadline = started + self.submit_retry_s
         delay = 0.1
         while True:
             try:
@@ -207,9 +208,12 @@ class LedgerCalls:
             except LedgerError as exc:
                 return refused(tool, key, exc)
         op = submitted.operation
-        if not op.settled:
+        # The submission waited already; the rest of `wait_s` is left only when the ledger
+        # capped that wait below it.
+        remaining = self.wait_s - (time.monotonic() - started)
+        if not op.settled and remaining > 0:
             try:
-                op = await self.client.wait(op.id, self.wait_s, current=op)
+                op = await self.client.wait(op.id, remaining, current=op)
             except LedgerError:
                 pass  # the submission is recorded: the answer says how to ask for its status
         return render(op, key=key, replayed=not submitted.created)

@@ -64,13 +64,19 @@ class FakeLedger:
     def __init__(self, *statuses: int) -> None:
         self.statuses = list(statuses)
         self.bodies: list[dict[str, Any]] = []
+        self.waits: list[str] = []
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "GET":  # a wait on the operation: it settles meanwhile
+            self.waits.append(request.url.params["wait"])
+            return httpx.Response(200, json=_op("succeeded"))
         assert request.url.path == "/v1/intents"
         self.bodies.append(json.loads(request.content))
         status = self.statuses.pop(0)
         if status == 201:
             return httpx.Response(201, json=_op("succeeded"))
+        if status == 202:  # accepted, but the ledger's cap ended the submission's wait early
+            return httpx.Response(201, json=_op("in_flight"))
         code = {503: "store_unavailable", 422: "invalid_request"}[status]
         return httpx.Response(status, json={"error": {
             "code": code, "message": "nope", "details": {"field": "/to"}}})
@@ -86,6 +92,14 @@ async def test_an_unanswered_submission_is_sent_again_under_the_same_key() -> No
         "send_email", {"to": "a"}, key="k-1")
     assert answer.outcome == "succeeded"
     assert [b["idempotency_key"] for b in ledger.bodies] == ["k-1"] * 3
+
+
+async def test_a_call_waits_wait_s_in_all_not_once_more_after_the_submission() -> None:
+    ledger = FakeLedger(202)
+    answer = await LedgerCalls(ledger.client(), wait_s=2).call("send_email", {}, key="k-1")
+    assert answer.outcome == "succeeded"
+    assert len(ledger.bodies) == 1 and len(ledger.waits) == 1
+    assert float(ledger.waits[0].removesuffix("s")) < 2  # only what was left of wait_s
 
 
 async def test_a_ledger_that_never_answers_is_an_unknown_outcome_not_an_error() -> None:
