@@ -20,7 +20,7 @@ from faststream.security import SASLPlaintext
 from effectledger_bus import permissions
 from effectledger_core.config import Settings
 from effectledger_core.messages import OperationReply, SubmitIntent
-from effectledger_integrations.faststream import LedgerRouter
+from effectledger_integrations.faststream import LedgerRouter, LedgerUnanswered
 from tests.support import agentstack
 from tests.support.cluster import Cluster, wait_until
 from tests.support.natsauth import private_broker
@@ -32,7 +32,7 @@ AGENT = "agent-acme"
 @asynccontextmanager
 async def _app(url: str, settings: Settings, errors: list[str], *, user: str | None = None,
                password: str | None = None) -> AsyncIterator[
-                   tuple[LedgerRouter, list[OperationReply]]]:
+                   tuple[LedgerRouter, list[OperationReply], LedgerRouter]]:
     """A FastStream app with the router, connected (as `user` when given); its settled
     operations are collected."""
     async def on_error(exc: Exception) -> None:
@@ -49,9 +49,13 @@ async def _app(url: str, settings: Settings, errors: list[str], *, user: str | N
         settled.append(reply)
 
     broker.include_router(ledger)
+    # A router for another tenant on this connection: the credentials, not the router, decide.
+    other = LedgerRouter("globex", subjects=settings.subjects, request_timeout_s=2,
+                         inbox_prefix=permissions.inbox_prefix(AGENT))
+    broker.include_router(other)
     await broker.start()
     try:
-        yield ledger, settled
+        yield ledger, settled, other
     finally:
         await broker.stop()
 
@@ -85,7 +89,7 @@ async def test_faststream_app_on_the_shared_nats_server(
     c = make_cluster()
     await c.start()
     errors: list[str] = []
-    async with _app(settings.nats_url, settings, errors) as (ledger, settled):
+    async with _app(settings.nats_url, settings, errors) as (ledger, settled, _):
         await _submit_twice_one_effect(c, ledger, settled)
     assert errors == []
 
@@ -94,7 +98,8 @@ async def test_faststream_app_as_the_least_privilege_agent_user(
         settings: Settings, tmp_path: Path, make_cluster: Callable[..., Cluster]) -> None:
     """Connected as `agent-acme` to a nats-server with `effectledger up`'s users and
     permissions (the ledger and the dispatcher each with their own user): the same, with no
-    permissions violation reported to the app."""
+    permissions violation reported to the app; a router for another tenant on these
+    credentials is refused by NATS and applies nothing."""
     with private_broker(tmp_path, settings.subjects) as broker:
         c = make_cluster(env={"EFFECTLEDGER_NATS_URL": broker.url})
         await c.start_sandbox()
@@ -103,6 +108,14 @@ async def test_faststream_app_as_the_least_privilege_agent_user(
         cred = broker.files.credentials[AGENT]
         errors: list[str] = []
         async with _app(broker.url, settings, errors, user=cred.user,
-                        password=cred.password) as (ledger, settled):
+                        password=cred.password) as (ledger, settled, other):
             await _submit_twice_one_effect(c, ledger, settled)
-        assert errors == []
+            assert errors == []
+            # Another tenant's intents subject: NATS refuses the publish, nothing is applied.
+            before = await agentstack.applied(c)
+            with pytest.raises(LedgerUnanswered):
+                await other.submit(SubmitIntent(tool="create_ticket", idempotency_key="x-1"))
+            subject = settings.subjects.rpc_intents_for("globex").lower()
+            assert any("permissions violation" in e.lower() and subject in e.lower()
+                       for e in errors), errors
+            assert await agentstack.applied(c) == before
