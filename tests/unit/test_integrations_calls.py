@@ -77,7 +77,8 @@ class FakeLedger:
             return httpx.Response(201, json=_op("succeeded"))
         if status == 202:  # accepted, but the ledger's cap ended the submission's wait early
             return httpx.Response(201, json=_op("in_flight"))
-        code = {503: "store_unavailable", 422: "invalid_request"}[status]
+        code = {503: "store_unavailable", 422: "invalid_request",
+                409: "idempotency_key_conflict"}[status]
         return httpx.Response(status, json={"error": {
             "code": code, "message": "nope", "details": {"field": "/to"}}})
 
@@ -115,6 +116,14 @@ async def test_a_refusal_is_a_result_naming_what_to_fix() -> None:
     answer = await LedgerCalls(ledger.client()).call("send_email", {}, key="k-1")
     assert answer.outcome == "refused" and answer.do_not_retry is False
     assert answer.data["details"] == {"field": "/to"} and len(ledger.bodies) == 1
+
+
+async def test_a_call_id_reused_with_other_arguments_is_refused_not_retried() -> None:
+    ledger = FakeLedger(409)
+    answer = await LedgerCalls(ledger.client()).call("send_email", {"to": "b"}, key="k-1")
+    assert answer.outcome == "refused" and answer.data["error"] == "idempotency_key_conflict"
+    assert "already used with different arguments" in answer.data["message"]
+    assert len(ledger.bodies) == 1
 
 
 def test_the_shared_part_loads_no_framework() -> None:
