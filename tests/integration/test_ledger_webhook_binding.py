@@ -4,7 +4,6 @@ databases: another provider's event for the same operation key changes nothing, 
 from __future__ import annotations
 
 import itertools
-from datetime import UTC, datetime
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -21,8 +20,8 @@ from effectledger_ledger.db.resolution import Recorded
 from effectledger_ledger.db.schema import journal, webhook_events
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.service import LedgerService
+from tests.support.ledger import NOW
 
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 CATALOG = Catalog.from_mapping({
     "tools": {
         "pay": {"endpoint": "https://p.test/pay", "contract_revision": "r",
