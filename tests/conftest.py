@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -74,6 +75,20 @@ async def store(db_url: str) -> AsyncIterator[object]:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # Nothing here may depend on wall-clock sleeps; this only orders slow tests last.
-    items.sort(key=lambda i: 1 if i.get_closest_marker("slow") else 0)
-
+    # Nothing here may depend on wall-clock sleeps; this only orders the tests.
+    #
+    # On one process the slow tests run last: the quick ones report first. On two workers
+    # (`pytest -n 2`, with `--dist loadgroup` from pyproject.toml) they run first instead:
+    # with the longest tests handed out early, the run ends on short unit tests, not on one
+    # worker finishing an 80 s end-to-end test while the other waits. Every worker collects
+    # and sorts the same way, as xdist requires.
+    #
+    # Every test runs on whichever worker is free, except those marked
+    # `xdist_group("heavy")`: the chaos runs and the benchmarks (each starts a private
+    # PostgreSQL, nats-server and a dozen service processes) and the tests that time the
+    # services' answers. They run one after another on one worker, first (xdist hands out the
+    # largest group first), so no two of them ever compete for the cores. Each worker is its
+    # own process with its own session fixtures: its own PostgreSQL database (`pg_url`) and,
+    # per test, its own NATS prefix.
+    slow_first = "PYTEST_XDIST_WORKER" in os.environ
+    items.sort(key=lambda i: bool(i.get_closest_marker("slow")) != slow_first)

@@ -24,6 +24,10 @@ from effectledger_cli.embedded import free_port, start_nats
 from effectledger_core.config import Settings
 from tests.support.cluster import Cluster, wait_until
 
+# It times the ledger's answers (an ack within 5 s, a 503 within 2 s): never beside a chaos
+# run or a benchmark hogging both cores.
+pytestmark = pytest.mark.xdist_group("heavy")
+
 
 @pytest.fixture
 def nats_port() -> int:

@@ -16,6 +16,8 @@ TIME_LIMIT_S = 300
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("heavy")
+@pytest.mark.timeout(TIME_LIMIT_S + 120)
 def test_bench_agent_measures_and_answers_every_waiter(tmp_path: Path) -> None:
     reason = _why_no_private_postgres()
     if reason:

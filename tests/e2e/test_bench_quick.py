@@ -30,6 +30,8 @@ def _why_no_private_postgres() -> str | None:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("heavy")
+@pytest.mark.timeout(TIME_LIMIT_S + 120)
 def test_bench_quick_check_finds_no_lost_or_duplicated_effect(tmp_path: Path) -> None:
     """The harness starts its private servers and services, runs every scenario small, and the
     sandbox's ground truth agrees with the ledger: zero lost, zero duplicated."""

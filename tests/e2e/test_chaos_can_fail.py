@@ -29,7 +29,7 @@ import pytest
 from effectledger_chaos import ChaosConfig, parse_faults, run_chaos
 from effectledger_chaos.procs import database_choice
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("heavy")]
 SEED = 1
 
 

@@ -22,7 +22,8 @@ from effectledger_chaos.config import ALL_FAULTS
 from effectledger_chaos.procs import database_choice
 from effectledger_chaos.report import table
 
-pytestmark = pytest.mark.slow
+# Three seeds in one module fixture: about 6 minutes on the loaded 2-core CI machine.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("heavy"), pytest.mark.timeout(1200)]
 SEEDS = (1, 2, 3)
 OPS = 200
 DURATION_S = 30.0  # the fault phase; submissions spread over its first 85%

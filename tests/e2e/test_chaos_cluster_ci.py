@@ -22,7 +22,7 @@ from effectledger_chaos.config import FAULT_GROUPS
 from effectledger_chaos.procs import database_choice
 from effectledger_chaos.report import table
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("heavy"), pytest.mark.timeout(600)]
 SEED = 1
 OPS = 100
 DURATION_S = 45.0

@@ -20,7 +20,8 @@ import pytest
 
 from tests.support.upproc import bindable, lines_until, reaped, stop_and_check, up_args, up_ports
 
-pytestmark = pytest.mark.slow
+# Stop signals must free every port within seconds: not beside a chaos run or a benchmark.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("heavy")]
 REPO = Path(__file__).resolve().parents[2]
 
 

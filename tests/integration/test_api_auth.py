@@ -10,7 +10,6 @@ import json
 import random
 import tomllib
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -24,14 +23,12 @@ from effectledger_core.messages import (
     VerdictReached,
 )
 from effectledger_core.retry_policy import RetryBudget
-from effectledger_core.subjects import Subjects
 from effectledger_ledger.api import create_app
 from effectledger_ledger.auth import Authenticator
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.service import LedgerService
+from tests.support.ledger import NOW, SUBJECTS
 
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
-SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
 CATALOG = Catalog.from_mapping(tomllib.loads("""
 [tools.lookup]
 endpoint = "http://provider.test/lookup"

@@ -3,25 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
 
 from effectledger_bus.testing import FakeJetStream
-from effectledger_core.catalog import Catalog
-from effectledger_core.config import DEMO_CATALOG
 from effectledger_core.messages import ClaimAttempt, ClaimStatus, SubmitIntent
-from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.outbox import lease_batch_txn
 from effectledger_ledger.db.schema import outbox
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.relay import DirectPublisher
 from effectledger_ledger.service import LedgerService
-
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
-SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
-CATALOG = Catalog.load(DEMO_CATALOG)
+from tests.support.ledger import DEMO as CATALOG
+from tests.support.ledger import NOW, SUBJECTS
 
 
 async def outbox_rows(store: Store) -> list[dict[str, Any]]:

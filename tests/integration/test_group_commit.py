@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import ClassVar
 
 import pytest
@@ -18,8 +18,7 @@ from effectledger_ledger.db.common import append_journal
 from effectledger_ledger.db.outbox import mark_published_txn
 from effectledger_ledger.db.schema import OUTBOX_PUBLISHING, journal, outbox
 from effectledger_ledger.db.store import Store
-
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
+from tests.support.ledger import NOW
 
 
 async def write(conn: AsyncConnection, n: int) -> int:

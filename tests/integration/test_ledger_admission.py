@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import tomllib
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -15,14 +14,12 @@ import pytest
 import sqlalchemy as sa
 
 from effectledger_core.catalog import Catalog
-from effectledger_core.subjects import Subjects
 from effectledger_ledger.api import create_app
 from effectledger_ledger.db.schema import metadata
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.service import LedgerService
+from tests.support.ledger import NOW, SUBJECTS
 
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
-SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
 CATALOG = Catalog.from_mapping(tomllib.loads("""
 [tools.charge_card]
 endpoint = "https://p.test/v1/charges"

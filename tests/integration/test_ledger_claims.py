@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -20,17 +20,15 @@ from effectledger_core.messages import (
     ClaimStatus,
     SubmitIntent,
 )
-from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.claims import claim_txn
 from effectledger_ledger.db.intents import submit_intent_txn
 from effectledger_ledger.db.outcomes import record_outcome_txn
 from effectledger_ledger.db.schema import attempts, journal, operations, outbox
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.service import LedgerService
+from tests.support.ledger import NOW, SUBJECTS
 
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 LATER = NOW + timedelta(seconds=5)
-SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
 CATALOG = Catalog({
     **Catalog.load(DEMO_CATALOG).tools,
     "wire_money": Tool.model_validate({

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -21,14 +20,11 @@ from effectledger_core.errors import (
     UnknownTool,
 )
 from effectledger_core.messages import DispatchAttempt, SubmitIntent, parse
-from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.intents import Submitted, submit_intent_txn
 from effectledger_ledger.db.schema import journal, metadata, operations, outbox
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.service import LedgerService
-
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
-SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
+from tests.support.ledger import NOW, SUBJECTS
 
 
 def make_catalog() -> Catalog:

@@ -2,32 +2,28 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 
 import httpx
 import sqlalchemy as sa
 from prometheus_client import REGISTRY
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from effectledger_core.catalog import Catalog
-from effectledger_core.config import DEMO_CATALOG
 from effectledger_core.messages import (
     AttemptSucceeded,
     ClaimAttempt,
     OutcomeAmbiguous,
     SubmitIntent,
 )
-from effectledger_core.subjects import Subjects
 from effectledger_ledger.api import create_app
 from effectledger_ledger.db.common import append_journal
 from effectledger_ledger.db.schema import operations
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.gauges import DbGauges
 from effectledger_ledger.service import LedgerService
-
-SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
-CATALOG = Catalog.load(DEMO_CATALOG)
-T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
+from tests.support.ledger import DEMO as CATALOG
+from tests.support.ledger import NOW as T0
+from tests.support.ledger import SUBJECTS
 
 
 def sample(name: str, **labels: str) -> float:

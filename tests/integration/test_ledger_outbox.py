@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from effectledger_core.catalog import Catalog
-from effectledger_core.config import DEMO_CATALOG
 from effectledger_core.messages import ClaimAttempt, ClaimStatus, DispatchAttempt, SubmitIntent
-from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.claims import claim_txn
 from effectledger_ledger.db.intents import submit_intent_txn
 from effectledger_ledger.db.outbox import (
@@ -25,10 +22,9 @@ from effectledger_ledger.db.outbox import (
 )
 from effectledger_ledger.db.schema import journal, operations, outbox
 from effectledger_ledger.db.store import Store
-
-T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
-SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
-CATALOG = Catalog.load(DEMO_CATALOG)
+from tests.support.ledger import DEMO as CATALOG
+from tests.support.ledger import NOW as T0
+from tests.support.ledger import SUBJECTS
 
 
 def at(seconds: float) -> datetime:

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
-from effectledger_core.catalog import Catalog
-from effectledger_core.config import DEMO_CATALOG
 from effectledger_core.messages import (
     AttemptAccepted,
     AttemptFailed,
@@ -26,7 +24,6 @@ from effectledger_core.messages import (
     SubmitIntent,
     parse,
 )
-from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.claims import claim_txn
 from effectledger_ledger.db.intents import submit_intent_txn
 from effectledger_ledger.db.outcomes import record_dead_letter_txn, record_outcome_txn
@@ -41,11 +38,10 @@ from effectledger_ledger.db.schema import (
 )
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.service import LedgerService
+from tests.support.ledger import DEMO as CATALOG
+from tests.support.ledger import NOW, SUBJECTS
 
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 LATER = NOW + timedelta(seconds=7)
-SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
-CATALOG = Catalog.load(DEMO_CATALOG)
 OUT = dict(operation_id="op1", epoch=1, attempt_id="a1", dispatcher_id="d1", at=LATER)
 
 

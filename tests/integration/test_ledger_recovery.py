@@ -4,14 +4,9 @@ cancellation, and explicit single-use retry plans that still pass admission."""
 from __future__ import annotations
 
 import asyncio
-import itertools
-import random
-import tomllib
-from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
 from effectledger_core.catalog import Catalog
 from effectledger_core.errors import NotFound
@@ -22,25 +17,17 @@ from effectledger_core.messages import (
     ClaimStatus,
     DispatchAttempt,
     FailureClass,
-    OutcomeAmbiguous,
-    SubmitIntent,
-    VerdictReached,
     parse,
 )
 from effectledger_core.recovery import Conclusion, RecoveryRefused, Review
-from effectledger_core.retry_policy import RetryBudget
-from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.recovery import ActionRejected, record_plan_txn
 from effectledger_ledger.db.schema import journal, operations, outbox, retry_plans
 from effectledger_ledger.db.store import Store
-from effectledger_ledger.service import LedgerService
-
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
-SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
+from tests.support.ledger import LedgerDriver, catalog_from_toml
 
 
 def catalog(revision: str = "r1") -> Catalog:
-    return Catalog.from_mapping(tomllib.loads(f"""
+    return catalog_from_toml(f"""
 [tools.lookup]
 endpoint = "http://provider.test/lookup"
 effect_class = "read_only"
@@ -62,73 +49,15 @@ endpoint = "http://provider.test/payouts"
 effect_class = "non_idempotent"
 contract_revision = "{revision}"
 commit_policy = "approval"
-"""))
+""")
 
 
-class Ledger:
-    def __init__(self, store: Store, cat: Catalog | None = None) -> None:
-        self.store, self.now = store, NOW
-        self.ids = itertools.count(1)
-        self.svc = self._service(cat or catalog())
-        self.messages = itertools.count(1)
-
-    def _service(self, cat: Catalog) -> LedgerService:
-        return LedgerService(
-            store=self.store, catalog=cat, subjects=SUBJECTS, clock=lambda: self.now,
-            ids=lambda: f"id{next(self.ids):05d}", rng=random.Random(3),
-            budget=RetryBudget(capacity=1e9, refill_per_s=0.0))
-
-    def use_catalog(self, cat: Catalog) -> None:
-        self.svc = self._service(cat)
-
-    async def submit(self, tool: str, **args: Any) -> str:
-        result = await self.svc.submit(SubmitIntent(tool=tool, arguments=args or {"n": 1}))
-        return str(result.operation["id"])
-
-    async def claim(self, op_id: str, epoch: int) -> str:
-        attempt = f"{op_id}-a{epoch}"
-        reply = await self.svc.claim(ClaimAttempt(operation_id=op_id, epoch=epoch,
-                                                  attempt_id=attempt, dispatcher_id="d1"))
-        assert reply.status is ClaimStatus.GRANTED, reply
-        return attempt
-
-    async def ambiguous(self, op_id: str, epoch: int = 1) -> None:
-        attempt = await self.claim(op_id, epoch)
-        r = await self.svc.record_outcome(OutcomeAmbiguous(
-            operation_id=op_id, epoch=epoch, attempt_id=attempt, dispatcher_id="d1",
-            at=self.now, reason="timeout"), consumer="ledger", message_id=self._mid())
-        assert r.to_state == "ambiguous"
-
-    async def undecidable(self, op_id: str, epoch: int = 1) -> None:
-        await self.ambiguous(op_id, epoch)
-        r = await self.svc.record_verdict(VerdictReached(
-            operation_id=op_id, epoch=epoch, verdict="undecidable", reconciler_id="r1",
-            reason="no oracle", at=self.now), consumer="ledger", message_id=self._mid())
-        assert r.to_state == "needs_review"
-
-    def _mid(self) -> str:
-        return f"m{next(self.messages)}"
-
-    async def op(self, op_id: str) -> dict[str, Any]:
-        return await self.svc.operation(op_id)
-
-    async def rows(self, table: sa.Table, *where: Any) -> list[dict[str, Any]]:
-        async with self.store.transaction() as conn:
-            return [dict(r) for r in (await conn.execute(sa.select(table).where(*where)))
-                    .mappings()]
-
-    async def dispatch_rows(self, op_id: str) -> list[dict[str, Any]]:
-        rows = await self.rows(outbox, outbox.c.operation_id == op_id,
-                               outbox.c.kind == "dispatch")
-        return sorted(rows, key=lambda r: (r["epoch"], r["id"]))
-
-    async def kinds(self, op_id: str) -> list[str]:
-        rows = await self.rows(journal, journal.c.operation_id == op_id)
-        return [r["kind"] for r in sorted(rows, key=lambda r: r["id"])]
+class Ledger(LedgerDriver):
+    default_catalog, seed = catalog(), 3
 
     async def snapshot(self, op_id: str) -> tuple[Any, ...]:
         """Everything an action could change about one operation."""
-        return (await self.op(op_id), await self.dispatch_rows(op_id), await self.kinds(op_id),
+        return (await self.op(op_id), await self.outbox_rows(op_id), await self.kinds(op_id),
                 await self.rows(retry_plans, retry_plans.c.operation_id == op_id))
 
 
@@ -176,7 +105,7 @@ async def test_approval_of_the_exact_arguments_dispatches(store: Store) -> None:
                           operator="alice")
     op = await led.op(op_id)
     assert (op["state"], op["epoch"]) == ("pending", 1)
-    [row] = await led.dispatch_rows(op_id)
+    [row] = await led.outbox_rows(op_id)
     assert (row["epoch"], row["status"]) == (1, "pending")
     assert parse(DispatchAttempt, row["payload"].encode()).arguments == {"amount": 10}
     [entry] = await led.rows(journal, journal.c.kind == "approved")
@@ -208,7 +137,7 @@ async def test_cancel_of_pending_obsoletes_its_outbox_rows(store: Store) -> None
     op_id = await led.submit("ticket")
     await led.svc.cancel(op_id, operator="carol", reason="not needed")
     assert (await led.op(op_id))["state"] == "cancelled"
-    assert [r["status"] for r in await led.dispatch_rows(op_id)] == ["obsolete"]
+    assert [r["status"] for r in await led.outbox_rows(op_id)] == ["obsolete"]
     reply = await led.svc.claim(ClaimAttempt(operation_id=op_id, epoch=1, attempt_id="a",
                                              dispatcher_id="d"))
     assert reply.status is ClaimStatus.NOT_CLAIMABLE
@@ -240,7 +169,7 @@ async def test_ambiguous_deduplicating_tool_admits_one_explicit_retry(store: Sto
     assert admission.admitted and admission.reason == "admitted"
     op = await led.op(op_id)
     assert (op["state"], op["epoch"], op["operation_key"]) == ("pending", 2, key)
-    rows = await led.dispatch_rows(op_id)
+    rows = await led.outbox_rows(op_id)
     assert [(r["epoch"], r["status"]) for r in rows] == [(1, "consumed"), (2, "pending")]
     cmd = parse(DispatchAttempt, rows[1]["payload"].encode())
     assert (cmd.epoch, cmd.operation_key) == (2, key)
@@ -343,7 +272,7 @@ async def test_concurrent_uses_of_one_plan_admit_it_once(store: Store) -> None:
     refused = [r for r in results if isinstance(r, RecoveryRefused)]
     assert len(admitted) == 1 and admitted[0].admitted and len(refused) == 4
     assert {r.reason for r in refused} == {"plan_already_used"}
-    assert [r["epoch"] for r in await led.dispatch_rows(op_id)] == [1, 2]
+    assert [r["epoch"] for r in await led.outbox_rows(op_id)] == [1, 2]
 
 
 async def test_unknown_plan_is_not_found(store: Store) -> None:
@@ -419,7 +348,7 @@ async def test_admitted_plan_for_an_approval_gated_tool_needs_a_fresh_approval(
     assert admission.admitted
     op = await led.op(op_id)
     assert (op["state"], op["epoch"]) == ("awaiting_approval", 2)
-    assert [(r["epoch"], r["status"]) for r in await led.dispatch_rows(op_id)] == [
+    assert [(r["epoch"], r["status"]) for r in await led.outbox_rows(op_id)] == [
         (1, "consumed"), (2, "obsolete")]
     with pytest.raises(ActionRejected):
         await led.svc.approve(op_id, epoch=1, arguments_digest=op["arguments_digest"],
@@ -427,5 +356,5 @@ async def test_admitted_plan_for_an_approval_gated_tool_needs_a_fresh_approval(
     await led.svc.approve(op_id, epoch=2, arguments_digest=op["arguments_digest"],
                           operator="alice")
     assert (await led.op(op_id))["state"] == "pending"
-    assert [(r["epoch"], r["status"]) for r in await led.dispatch_rows(op_id)][-1] == (
+    assert [(r["epoch"], r["status"]) for r in await led.outbox_rows(op_id)][-1] == (
         2, "pending")

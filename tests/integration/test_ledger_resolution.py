@@ -5,42 +5,29 @@ is rejected or kept, and journaled."""
 from __future__ import annotations
 
 import asyncio
-import itertools
-import random
-import tomllib
-from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from datetime import timedelta
+from typing import Literal
 
 import pytest
-import sqlalchemy as sa
 
-from effectledger_core.catalog import Catalog
 from effectledger_core.ids import operation_key
 from effectledger_core.messages import (
     AttemptFailed,
     AttemptSucceeded,
-    ClaimAttempt,
-    ClaimStatus,
     DispatchAttempt,
     Evidence,
     FailureClass,
-    OutcomeAmbiguous,
     ReconcileOperation,
-    SubmitIntent,
     VerdictReached,
     WebhookReceived,
     parse,
 )
-from effectledger_core.retry_policy import RetryBudget
-from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.resolution import Recorded
-from effectledger_ledger.db.schema import journal, operations, outbox, webhook_events
+from effectledger_ledger.db.schema import operations, outbox, webhook_events
 from effectledger_ledger.db.store import Store
-from effectledger_ledger.service import LedgerService
+from tests.support.ledger import NOW, LedgerDriver, catalog_from_toml
 
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
-SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
-CATALOG = Catalog.from_mapping(tomllib.loads("""
+CATALOG = catalog_from_toml("""
 [tools.ticket]
 endpoint = "http://provider.test/tickets"
 effect_class = "idempotent"
@@ -65,85 +52,11 @@ contract_revision = "r1"
 max_attempts = 1
 capabilities = { accepts_idempotency_key = true, readback = true }
 readback = { url = "http://provider.test/once/{operation_key}" }
-"""))
+""")
 
 
-class Ledger:
-    def __init__(self, store: Store) -> None:
-        self.store, self.now = store, NOW
-        counter = itertools.count(1)
-        self.svc = LedgerService(
-            store=store, catalog=CATALOG, subjects=SUBJECTS, clock=lambda: self.now,
-            ids=lambda: f"id{next(counter):05d}", rng=random.Random(5),
-            budget=RetryBudget(capacity=1e9, refill_per_s=0.0))
-        self.messages = itertools.count(1)
-
-    def mid(self) -> str:
-        return f"m{next(self.messages):05d}"
-
-    async def submit(self, tool: str = "ticket", *, caller_key: str | None = None,
-                     n: int = 1) -> str:
-        result = await self.svc.submit(SubmitIntent(tool=tool, arguments={"n": n},
-                                                    idempotency_key=caller_key))
-        return str(result.operation["id"])
-
-    async def claim(self, op_id: str, epoch: int = 1) -> str:
-        attempt = f"{op_id}-a{epoch}"
-        reply = await self.svc.claim(ClaimAttempt(operation_id=op_id, epoch=epoch,
-                                                  attempt_id=attempt, dispatcher_id="d1"))
-        assert reply.status is ClaimStatus.GRANTED, reply
-        return attempt
-
-    async def ambiguous(self, op_id: str, epoch: int = 1, *, claimed: bool = False) -> Recorded:
-        attempt = f"{op_id}-a{epoch}" if claimed else await self.claim(op_id, epoch)
-        return await self.svc.record_outcome(OutcomeAmbiguous(
-            operation_id=op_id, epoch=epoch, attempt_id=attempt, dispatcher_id="d1",
-            at=self.now, reason="timeout"), consumer="ledger", message_id=self.mid())
-
-    async def verdict(self, op_id: str, verdict: Literal["applied", "not_applied",
-                                                          "undecidable"],
-                      epoch: int = 1, *, reconciler: str = "r1") -> Recorded:
-        evidence = None
-        if verdict != "undecidable":
-            evidence = Evidence(source="readback", at=self.now, provider_ref="tk_7",
-                                digest="sha256:readback", detail="found by key")
-        return await self.svc.record_verdict(VerdictReached(
-            operation_id=op_id, epoch=epoch, verdict=verdict, evidence=evidence,
-            reconciler_id=reconciler, reason="readback", at=self.now),
-            consumer="ledger", message_id=self.mid())
-
-    async def webhook(self, webhook_id: str, *, key: str | None,
-                      outcome: Literal["applied", "not_applied", "pending"] = "applied",
-                      final: bool = True, fencing_token: int | None = None) -> Recorded:
-        return await self.svc.record_webhook(WebhookReceived(
-            provider="sandbox", webhook_id=webhook_id, event_type="effect.updated",
-            operation_key=key, provider_ref="tk_hook", outcome=outcome, final=final,
-            fencing_token=fencing_token, body_digest="sha256:body", signed_at=self.now,
-            received_at=self.now))
-
-    async def op(self, op_id: str) -> dict[str, Any]:
-        return await self.svc.operation(op_id)
-
-    async def key(self, op_id: str) -> str:
-        return str((await self.op(op_id))["operation_key"])
-
-    async def rows(self, table: sa.Table, *where: Any) -> list[dict[str, Any]]:
-        async with self.store.transaction() as conn:
-            rows = (await conn.execute(sa.select(table).where(*where))).mappings().all()
-        return sorted((dict(r) for r in rows), key=lambda r: str(r.get("id")))
-
-    async def entries(self, op_id: str | None, kind: str) -> list[dict[str, Any]]:
-        async with self.store.transaction() as conn:
-            rows = (await conn.execute(
-                sa.select(journal).where(journal.c.operation_id.is_(None) if op_id is None
-                                         else journal.c.operation_id == op_id,
-                                         journal.c.kind == kind)
-                .order_by(journal.c.id))).mappings().all()
-        return [dict(r) for r in rows]
-
-    async def outbox_rows(self, op_id: str, kind: str) -> list[dict[str, Any]]:
-        rows = await self.rows(outbox, outbox.c.operation_id == op_id, outbox.c.kind == kind)
-        return sorted(rows, key=lambda r: (r["epoch"], r["id"]))
+class Ledger(LedgerDriver):
+    default_catalog, tool, seed = CATALOG, "ticket", 5
 
 
 # ---- verdicts ------------------------------------------------------------------------------

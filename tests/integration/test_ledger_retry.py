@@ -3,43 +3,32 @@ outcomes are simulated by calling the service directly; time, ids and jitter are
 
 from __future__ import annotations
 
-import itertools
-import random
-import tomllib
-from datetime import UTC, datetime, timedelta
-from typing import Any
+from datetime import datetime, timedelta
 
 import pytest
-import sqlalchemy as sa
 
 from effectledger_core.catalog import Catalog
 from effectledger_core.errors import PoisonMessage
 from effectledger_core.failures import Failure, Idempotency, policy_digest
 from effectledger_core.messages import (
-    AttemptFailed,
     ClaimAttempt,
     ClaimStatus,
     DispatchAttempt,
     FailureClass,
-    SubmitIntent,
     parse,
     parse_outcome,
 )
 from effectledger_core.retry_policy import RetryBudget
-from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.resolution import Recorded
-from effectledger_ledger.db.schema import journal, outbox
 from effectledger_ledger.db.store import Store
-from effectledger_ledger.service import LedgerService
+from tests.support.ledger import NOW, LedgerDriver, catalog_from_toml
 
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
-SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
 FC = FailureClass
 
 
 def catalog(revision: str = "r1", *, max_attempts: int = 3,
             retry_deadline_s: float = 3600.0) -> Catalog:
-    return Catalog.from_mapping(tomllib.loads(f"""
+    return catalog_from_toml(f"""
 [tools.ticket]
 endpoint = "http://provider.test/tickets"
 effect_class = "idempotent"
@@ -53,68 +42,11 @@ endpoint = "http://provider.test/emails"
 effect_class = "non_idempotent"
 contract_revision = "{revision}"
 max_attempts = {max_attempts}
-"""))
+""")
 
 
-class Ledger:
-    """A LedgerService with a controllable clock, counted ids and a seeded rng, plus the
-    dispatcher's side of the conversation (claims and outcomes) for tests."""
-
-    def __init__(self, store: Store, cat: Catalog | None = None,
-                 budget: RetryBudget | None = None) -> None:
-        self.store, self.now = store, NOW
-        counter = itertools.count(1)
-        self.svc = LedgerService(
-            store=store, catalog=cat or catalog(), subjects=SUBJECTS, clock=lambda: self.now,
-            ids=lambda: f"id{next(counter):05d}", rng=random.Random(7),
-            budget=budget or RetryBudget(capacity=1e9, refill_per_s=0.0))
-        self.messages = itertools.count(1)
-
-    def with_catalog(self, cat: Catalog) -> Ledger:
-        other = Ledger(self.store, cat)
-        other.now, other.messages = self.now, self.messages
-        return other
-
-    async def submit(self, tool: str = "ticket", **args: Any) -> str:
-        result = await self.svc.submit(SubmitIntent(tool=tool, arguments=args or {"t": 1}))
-        return str(result.operation["id"])
-
-    async def claim(self, op_id: str, epoch: int) -> str:
-        attempt = f"{op_id}-a{epoch}"
-        reply = await self.svc.claim(ClaimAttempt(operation_id=op_id, epoch=epoch,
-                                                  attempt_id=attempt, dispatcher_id="d1"))
-        assert reply.status is ClaimStatus.GRANTED, reply
-        return attempt
-
-    async def fail(self, op_id: str, epoch: int, cls: FailureClass, *, code: str,
-                   http_status: int, retry_after_s: float | None = None,
-                   idempotency: str = "yes", guidance: str | None = None) -> Recorded:
-        attempt = await self.claim(op_id, epoch)
-        if guidance is None:  # what the dispatcher renders from the same table
-            guidance = Failure(cls, code, "provider said no", retry_after_s=retry_after_s,
-                               idempotency=Idempotency(idempotency)).guidance()
-        outcome = AttemptFailed(
-            operation_id=op_id, epoch=epoch, attempt_id=attempt, dispatcher_id="d1",
-            at=self.now, http_status=http_status, failure_class=cls, code=code,
-            message="provider said no", retry_after_s=retry_after_s, idempotency=idempotency,
-            guidance=guidance)
-        return await self.svc.record_outcome(outcome, consumer="ledger.outcomes",
-                                             message_id=f"m{next(self.messages)}")
-
-    async def op(self, op_id: str) -> dict[str, Any]:
-        return await self.svc.operation(op_id)
-
-    async def outbox(self, op_id: str, kind: str = "dispatch") -> list[dict[str, Any]]:
-        async with self.store.transaction() as conn:
-            return [dict(r) for r in (await conn.execute(
-                sa.select(outbox).where(outbox.c.operation_id == op_id, outbox.c.kind == kind)
-                .order_by(outbox.c.epoch, outbox.c.id))).mappings()]
-
-    async def entries(self, op_id: str, kind: str) -> list[dict[str, Any]]:
-        async with self.store.transaction() as conn:
-            return [dict(r) for r in (await conn.execute(
-                sa.select(journal).where(journal.c.operation_id == op_id, journal.c.kind == kind)
-                .order_by(journal.c.id))).mappings()]
+class Ledger(LedgerDriver):
+    default_catalog, tool, seed = catalog(), "ticket", 7
 
 
 async def test_rate_limited_retries_at_a_new_epoch_no_sooner_than_retry_after(
@@ -131,7 +63,7 @@ async def test_rate_limited_retries_at_a_new_epoch_no_sooner_than_retry_after(
 
     op = await led.op(op_id)
     assert (op["state"], op["epoch"], op["operation_key"]) == ("pending", 2, key)
-    first, second = await led.outbox(op_id)
+    first, second = await led.outbox_rows(op_id)
     assert (first["epoch"], first["status"]) == (1, "consumed")
     assert (second["epoch"], second["status"]) == (2, "pending")
     assert second["available_at"] >= NOW + timedelta(seconds=2)
@@ -164,7 +96,7 @@ async def test_invalid_argument_fails_without_retry_and_the_receipt_guides(
     assert result == Recorded("applied", to_state="failed")
     op = await led.op(op_id)
     assert (op["state"], op["epoch"]) == ("failed", 1)
-    assert [r["epoch"] for r in await led.outbox(op_id)] == [1]
+    assert [r["epoch"] for r in await led.outbox_rows(op_id)] == [1]
     [entry] = await led.entries(op_id, "retry_declined")
     assert entry["detail"]["reason"] == "class_not_retryable:invalid_argument"
     assert entry["detail"]["policy_digest"] == policy_digest()
@@ -201,7 +133,7 @@ async def test_transient_503_before_body_retries_until_max_attempts_then_fails(
         r = await led.fail(op_id, epoch, FC.TRANSIENT, code="service_unavailable",
                            http_status=503, retry_after_s=1.0)
         assert r.to_state == "pending"
-        row = (await led.outbox(op_id))[-1]
+        row = (await led.outbox_rows(op_id))[-1]
         assert row["epoch"] == epoch + 1 and row["available_at"] >= led.now + timedelta(
             seconds=1)
         led.now = row["available_at"]  # the relay publishes it when due
@@ -209,7 +141,7 @@ async def test_transient_503_before_body_retries_until_max_attempts_then_fails(
     assert r == Recorded("applied", to_state="failed")
     op = await led.op(op_id)
     assert (op["state"], op["epoch"], op["operation_key"]) == ("failed", 3, key)
-    assert [r["epoch"] for r in await led.outbox(op_id)] == [1, 2, 3]
+    assert [r["epoch"] for r in await led.outbox_rows(op_id)] == [1, 2, 3]
     assert [e["epoch"] for e in await led.entries(op_id, "retry_scheduled")] == [2, 3]
     [declined] = await led.entries(op_id, "retry_declined")
     assert declined["detail"]["reason"] == "max_attempts_reached"
@@ -222,11 +154,11 @@ async def test_contract_revision_change_between_attempts_blocks_automatic_retry(
     otherwise retry fails instead, journaled as contract_revision_changed."""
     led = Ledger(store, catalog("r1"))
     op_id = await led.submit()
-    led = led.with_catalog(catalog("r2"))
+    led.use_catalog(catalog("r2"))
     r = await led.fail(op_id, 1, FC.RATE_LIMITED, code="rate_limited", http_status=429,
                        retry_after_s=1.0)
     assert r.to_state == "failed"
-    assert [row["epoch"] for row in await led.outbox(op_id)] == [1]
+    assert [row["epoch"] for row in await led.outbox_rows(op_id)] == [1]
     [declined] = await led.entries(op_id, "retry_declined")
     assert declined["detail"]["reason"] == "contract_revision_changed"
 

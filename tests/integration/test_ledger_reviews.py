@@ -3,85 +3,35 @@ operator conclusions bound to the operation's epoch."""
 
 from __future__ import annotations
 
-import itertools
-import random
-import tomllib
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import pytest
-import sqlalchemy as sa
 
-from effectledger_core.catalog import Catalog
-from effectledger_core.messages import (
-    ClaimAttempt,
-    ClaimStatus,
-    OutcomeAmbiguous,
-    SubmitIntent,
-    VerdictReached,
-    WebhookReceived,
-)
+from effectledger_core.messages import VerdictReached, WebhookReceived
 from effectledger_core.recovery import Conclusion, RecoveryRefused, Review
-from effectledger_core.retry_policy import RetryBudget
-from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.recovery import ActionRejected
 from effectledger_ledger.db.schema import journal, outbox, reviews
 from effectledger_ledger.db.store import Store
-from effectledger_ledger.service import LedgerService
+from tests.support.ledger import NOW, LedgerDriver, catalog_from_toml
 
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
-SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
-CATALOG = Catalog.from_mapping(tomllib.loads("""
+CATALOG = catalog_from_toml("""
 [tools.email]
 endpoint = "http://provider.test/emails"
 effect_class = "non_idempotent"
 contract_revision = "r1"
-"""))
+""")
 
 
-class Ledger:
-    def __init__(self, store: Store) -> None:
-        self.store, self.now = store, NOW
-        counter = itertools.count(1)
-        self.svc = LedgerService(
-            store=store, catalog=CATALOG, subjects=SUBJECTS, clock=lambda: self.now,
-            ids=lambda: f"id{next(counter):05d}", rng=random.Random(1),
-            budget=RetryBudget(capacity=1e9, refill_per_s=0.0))
-        self.messages = itertools.count(1)
-
-    async def submit(self, n: int = 1) -> str:
-        result = await self.svc.submit(SubmitIntent(tool="email", arguments={"n": n}))
-        return str(result.operation["id"])
-
-    async def ambiguous(self, op_id: str, epoch: int = 1) -> None:
-        attempt = f"{op_id}-a{epoch}"
-        reply = await self.svc.claim(ClaimAttempt(operation_id=op_id, epoch=epoch,
-                                                  attempt_id=attempt, dispatcher_id="d1"))
-        assert reply.status is ClaimStatus.GRANTED
-        r = await self.svc.record_outcome(OutcomeAmbiguous(
-            operation_id=op_id, epoch=epoch, attempt_id=attempt, dispatcher_id="d1",
-            at=self.now, reason="connection_lost", message="reset after send"),
-            consumer="ledger", message_id=f"m{next(self.messages)}")
-        assert r.to_state == "ambiguous"
+class Ledger(LedgerDriver):
+    default_catalog, tool = CATALOG, "email"
 
     async def in_review(self, n: int = 1) -> str:
-        """An operation no machine could decide: ambiguous, then an undecidable verdict."""
-        op_id = await self.submit(n)
-        await self.ambiguous(op_id)
-        r = await self.svc.record_verdict(VerdictReached(
-            operation_id=op_id, epoch=1, verdict="undecidable", reconciler_id="r1",
-            reason="no readback and no webhook", at=self.now),
-            consumer="ledger", message_id=f"m{next(self.messages)}")
-        assert r.to_state == "needs_review"
+        """An operation no machine could decide: its answer lost when the connection reset
+        after the send, then an undecidable verdict."""
+        op_id = await self.submit(n=n)
+        await self.undecidable(op_id, reason="connection_lost", message="reset after send")
         return op_id
-
-    async def op(self, op_id: str) -> dict[str, Any]:
-        return await self.svc.operation(op_id)
-
-    async def rows(self, table: sa.Table, *where: Any) -> list[dict[str, Any]]:
-        async with self.store.transaction() as conn:
-            return [dict(r) for r in (await conn.execute(sa.select(table).where(*where)))
-                    .mappings()]
 
     async def snapshot(self, op_id: str) -> tuple[Any, ...]:
         return (await self.op(op_id),
@@ -100,7 +50,7 @@ async def test_queue_lists_operations_in_review_with_their_evidence(store: Store
     (the ambiguous outcome and the undecidable verdict) and webhooks for its key."""
     led = Ledger(store)
     waiting = await led.in_review(1)
-    other = await led.submit(2)
+    other = await led.submit(n=2)
     await led.ambiguous(other)  # still with the reconciler: not in the queue
     key = (await led.op(waiting))["operation_key"]
     await led.svc.record_webhook(WebhookReceived(

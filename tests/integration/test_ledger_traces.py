@@ -4,25 +4,21 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import pytest
 import sqlalchemy as sa
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import Span
 
-from effectledger_core.catalog import Catalog
-from effectledger_core.config import DEMO_CATALOG
 from effectledger_core.messages import ClaimAttempt, OutcomeAmbiguous, SubmitIntent
-from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.schema import journal, outbox
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.service import LedgerService
 from effectledger_obs import tracing
-
-SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
-CATALOG = Catalog.load(DEMO_CATALOG)
-T0 = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
+from tests.support.ledger import DEMO as CATALOG
+from tests.support.ledger import NOW as T0
+from tests.support.ledger import SUBJECTS
 
 
 @pytest.fixture

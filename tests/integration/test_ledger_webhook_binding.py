@@ -5,7 +5,6 @@ later, and a tool that names no provider is decided by no webhook (bound by defa
 from __future__ import annotations
 
 import itertools
-from datetime import UTC, datetime
 from typing import Any, Literal
 
 import sqlalchemy as sa
@@ -23,8 +22,8 @@ from effectledger_ledger.db.schema import journal, webhook_events
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.service import LedgerService
 from effectledger_obs import metrics
+from tests.support.ledger import NOW
 
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 CATALOG = Catalog.from_mapping({
     "tools": {
         "pay": {"endpoint": "https://p.test/pay", "contract_revision": "r",

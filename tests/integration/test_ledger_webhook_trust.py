@@ -6,7 +6,6 @@ bound to the tool."""
 from __future__ import annotations
 
 import itertools
-from datetime import UTC, datetime
 from typing import Any
 
 from effectledger_core.catalog import Catalog
@@ -22,8 +21,8 @@ from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.rows import Recorded
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.service import LedgerService
+from tests.support.ledger import NOW
 
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 CATALOG = Catalog.from_mapping({"tools": {
     "post": {"endpoint": "https://p.test/post", "contract_revision": "r",
              "effect_class": "non_idempotent", "webhook_provider": "sandbox",

@@ -11,7 +11,7 @@ grants, duplicates, and outcomes that leave the set-based path.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -29,7 +29,6 @@ from effectledger_core.messages import (
     SubmitIntent,
 )
 from effectledger_core.retry_policy import RetryDecision
-from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.calls import BatchCall
 from effectledger_ledger.db.claims import ClaimCall
 from effectledger_ledger.db.intents import SubmitCall
@@ -37,10 +36,9 @@ from effectledger_ledger.db.outcomes import OutcomeCall, record_outcome_txn
 from effectledger_ledger.db.rows import OperationRow
 from effectledger_ledger.db.schema import journal, metadata
 from effectledger_ledger.db.store import Store
+from tests.support.ledger import NOW, SUBJECTS
 
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 LATER = NOW + timedelta(seconds=5)
-SUBJECTS = Subjects(prefix="tst", stream_prefix="TST")
 CATALOG = Catalog({
     **Catalog.load(DEMO_CATALOG).tools,
     "wire_money": Tool.model_validate({

@@ -8,7 +8,6 @@ import asyncio
 import itertools
 import random
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -24,8 +23,8 @@ from effectledger_ledger.db.store import Store
 from effectledger_ledger.service import LedgerService
 from tests.integration.test_api_auth import AGENT_A, AGENT_B, AGENTS, CATALOG, SUBJECTS, auth
 from tests.support.cluster import wait_until
+from tests.support.ledger import NOW
 
-NOW = datetime(2026, 11, 30, 9, 0, tzinfo=UTC)
 # Long enough that a wait ending early can only have been woken, never timed out.
 LONG = "30s"
 

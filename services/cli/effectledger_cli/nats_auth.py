@@ -106,8 +106,13 @@ def start(files: AuthFiles, port: int, *, log_file: Path | None = None,
           ) -> subprocess.Popen[bytes]:
     """nats-server with this configuration (its users, permissions and JetStream folder)."""
     args = [nats_server_binary(), "-c", str(files.config), *(extra_args or [])]
-    out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+    if log_file is None:
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    else:
+        # The child writes through its own copy of the descriptor; ours is closed at once
+        # (left open, it leaked one file per broker until the garbage collector found it).
+        with open(log_file, "ab") as out:
+            proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
     wait_for_port(host, port, 15.0, proc)
     return proc
 
