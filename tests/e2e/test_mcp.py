@@ -236,8 +236,10 @@ async def _grew(c: Cluster, before: int) -> bool:
 def _spawn_http(c: Cluster, port: int, log: Path) -> subprocess.Popen[bytes]:
     with open(log, "wb") as out:
         return subprocess.Popen(
+            # --unsafe-open-http: most of these clusters run the ledger open (no tokens); the
+            # switch only matters then, and only on loopback.
             [sys.executable, "-m", "effectledger_cli", "mcp", "--http", f"127.0.0.1:{port}",
-             "--wait", "20"], env=_env(c), cwd=c.workdir, stdout=out,
+             "--wait", "20", "--unsafe-open-http"], env=_env(c), cwd=c.workdir, stdout=out,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
 

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
                   "--token is for stdio", file=sys.stderr)
             return 2
         return asyncio.run(_serve_http(args.ledger_url, host, int(port), args.wait,
-                                       args.public_url, open_on_purpose=_open_on_purpose(args)))
+                                       args.public_url,
+                                       open_on_purpose=lambda: _open_on_purpose(args)))
     try:
         token = _token(args)
     except OSError as exc:
@@ -121,7 +123,8 @@ async def _is_agent_token(client: Any, url: str) -> bool:
 
 
 async def _serve_http(url: str, host: str, port: int, wait_s: float,
-                      public_url: str | None, *, open_on_purpose: bool) -> int:
+                      public_url: str | None, *,
+                      open_on_purpose: Callable[[], bool]) -> int:
     import httpx
 
     from .server import serve_http
@@ -132,7 +135,7 @@ async def _serve_http(url: str, host: str, port: int, wait_s: float,
     except httpx.TransportError as exc:
         print(f"effectledger mcp: cannot reach the ledger at {url}: {exc}", file=sys.stderr)
         return 1
-    if open_ledger and host in LOOPBACK and not open_on_purpose:
+    if open_ledger and host in LOOPBACK and not open_on_purpose():
         # Loopback is no excuse: every local process and every user of the machine reaches
         # it, and a browser page can too.
         print(f"effectledger mcp: the ledger at {url} runs without tokens, so whoever reaches "
