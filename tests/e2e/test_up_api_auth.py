@@ -29,6 +29,8 @@ from tests.support.upproc import lines_until, reaped, stop_and_check, up_ports
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "effectledger_cli"]
+# Arguments that fit the demo catalog's `wire_funds` schema.
+WIRE = {"currency": "EUR", "to_account": "DE89370400440532013000"}
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -109,7 +111,7 @@ def test_under_up_defaults_another_tenants_submission_and_a_tokenless_approval_a
                             start_new_session=True)
     running_up.append(proc)
     lines_until(proc, "try:", 120)
-    wire = {"tool": "wire_funds", "arguments": {"amount": 5000, "currency": "EUR"},
+    wire = {"tool": "wire_funds", "arguments": {**WIRE, "amount": 5000, "reference": "attack"},
             "tenant": "victim", "idempotency_key": "attack-1"}
     with httpx.Client(base_url=url, timeout=10) as http:
         assert http.post("/v1/intents", json=wire).status_code == 401  # 201 on the old `up`
@@ -122,7 +124,7 @@ def test_under_up_defaults_another_tenants_submission_and_a_tokenless_approval_a
         # The agent's own wire waits for an operator; neither no token nor the agent's may
         # approve it.
         own = http.post("/v1/intents", headers=agent, json={
-            "tool": "wire_funds", "arguments": {"amount": 7, "currency": "EUR"},
+            "tool": "wire_funds", "arguments": {**WIRE, "amount": 7, "reference": "own"},
             "idempotency_key": "own-1"})
         assert own.status_code == 201, own.text
         op_id = own.json()["id"]
@@ -160,7 +162,8 @@ def test_an_open_api_is_an_explicit_unsafe_switch_that_says_so(
     ready = httpx.get(f"{url}/readyz", timeout=10).json()
     assert ready["auth"] == "disabled"
     assert ready["warnings"] and ready["warnings"][0].startswith("UNSAFE: the API is open")
-    assert httpx.post(f"{url}/v1/intents", json={"tool": "create_ticket", "arguments": {}},
+    assert httpx.post(f"{url}/v1/intents",
+                      json={"tool": "create_ticket", "arguments": {"title": "open"}},
                       timeout=10).status_code == 201
     stop_and_check(proc, signal.SIGTERM, list(ports.values()))
     assert "UNSAFE: EFFECTLEDGER_UNSAFE_OPEN_API" in (proc.stderr.read() if proc.stderr else "")
