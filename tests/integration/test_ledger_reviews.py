@@ -20,6 +20,7 @@ CATALOG = catalog_from_toml("""
 endpoint = "http://provider.test/emails"
 effect_class = "non_idempotent"
 contract_revision = "r1"
+webhook_provider = "sandbox"
 """)
 
 

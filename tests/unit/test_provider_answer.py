@@ -63,10 +63,11 @@ def test_a_bad_result_path_fails_the_catalog_naming_the_field() -> None:
 
 
 def test_unused_new_fields_leave_an_entrys_digest_unchanged() -> None:
-    """An entry that sets neither field digests exactly as before the fields existed."""
+    """An entry that sets none of the later fields digests exactly as before they existed
+    (these two, and the identical-call rule's `dedupe_window_s`, `title`, `reversibility`)."""
     plain = make_tool()
-    before = {k: v for k, v in plain.model_dump(mode="json").items()
-              if k not in ("max_result_bytes", "result_path")}
+    later = ("max_result_bytes", "result_path", "dedupe_window_s", "title", "reversibility")
+    before = {k: v for k, v in plain.model_dump(mode="json").items() if k not in later}
     assert plain.digest() == digest(before)
     assert plain.digest() != make_tool(result_path="$.id").digest()
 

@@ -25,6 +25,7 @@ from .common import execute_rows, insert_journal, journal_row, notify_outbox
 from .outbox import OutboxItem, dispatch_row
 from .rows import JournalRow, OperationRow
 from .schema import OUTBOX_PUBLISHING, operations, outbox
+from .transitions import RELEASE_CALL_IDENTITY
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,6 @@ _BY_KEYS = {d: sa.select(operations).where(hot.one_of(operations.c.operation_key
             for d in hot.DIALECTS}
 _BY_CALLS = {d: sa.select(operations).where(hot.one_of(operations.c.call_key, "calls", d))
              for d in hot.DIALECTS}
-# A newer identical operation takes the call identity over: the older one lets go of it.
-_RELEASE_CALL = operations.update().where(
-    operations.c.id == sa.bindparam("holder_id"),
-    operations.c.call_key == sa.bindparam("held")).values(call_key=None)
 _INSERT_OPERATION = operations.insert()
 _INSERT_OUTBOX = outbox.insert()
 
@@ -166,7 +163,7 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
             commands.append(row)
         results[i] = Submitted(columns, created=True, command=command)
     if releases:
-        await conn.execute(_RELEASE_CALL, releases)
+        await conn.execute(RELEASE_CALL_IDENTITY, releases)
     if new_ops:
         # A unique violation (the same key committed meanwhile by another transaction) aborts
         # the batch; the service then retries each intent on its own and finds the winner.

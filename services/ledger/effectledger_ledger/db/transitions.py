@@ -314,6 +314,12 @@ async def apply_many(conn: AsyncConnection, changes: Sequence[Change]) -> list[S
 
 # ---- the effects ----------------------------------------------------------------------------
 
+# Not a change of state: a newer identical operation takes the call identity over
+# (db/intents.py) and the older one lets go of it. Here because this module is the only one
+# that updates `operations` (tests/unit/test_transitions.py).
+RELEASE_CALL_IDENTITY = operations.update().where(
+    operations.c.id == sa.bindparam("holder_id"),
+    operations.c.call_key == sa.bindparam("held")).values(call_key=None)
 _INSERT_OUTBOX = outbox.insert()
 
 
