@@ -166,9 +166,11 @@ def _run_demo(url: str, ledger_env: dict[str, str], started: list[children.Child
     with httpx.Client(base_url=url, timeout=10) as anonymous:
         assert anonymous.post("/v1/intents", json={"tool": "create_ticket",
                                                    "arguments": {}}).status_code == 401
-    calls = [("create_ticket", {"title": "compose"}), ("send_email", {"title": "compose"}),
+    calls = [("create_ticket", {"title": "compose"}),
+             ("send_email", {"to": "ops@example.com", "subject": "compose", "body": "hi"}),
              ("charge_card", {"amount": 100, "currency": "EUR"}),
-             ("post_message", {"title": "compose"})]  # readback, form body, webhook
+             # readback, form body, webhook
+             ("post_message", {"channel": "#ops", "text": "compose"})]
     with httpx.Client(base_url=url, timeout=10,
                       headers={"Authorization": f"Bearer {agent_token}"}) as http:
         deadline = time.monotonic() + 60

@@ -169,9 +169,10 @@ def _stream_replicas(moves: Moves, env: dict[str, str]) -> dict[str, int]:
 
 def _demo(urls: list[str], ledger_env: dict[str, str], started: list[children.Child]) -> None:
     token = next(iter(json.loads(ledger_env["EFFECTLEDGER_AGENT_TOKENS"])))
-    calls = [("create_ticket", {"title": "k8s"}), ("send_email", {"title": "k8s"}),
+    calls = [("create_ticket", {"title": "k8s"}),
+             ("send_email", {"to": "ops@example.com", "subject": "k8s", "body": "hi"}),
              ("charge_card", {"amount": 7, "currency": "EUR"}),
-             ("post_message", {"title": "k8s"})]
+             ("post_message", {"channel": "#ops", "text": "k8s"})]
     ids: list[tuple[str, str]] = []
     deadline = time.monotonic() + 120
     for n, url in enumerate(urls):  # every ledger replica takes intents
