@@ -7,6 +7,7 @@ counts such as `/v1/stats` must see only this test's rows.
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 from effectledger_core.config import Settings
 from tests.support.cluster import Cluster
 from tests.support.servers import postgres_database
+from tests.support.upproc import reaped
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -63,3 +65,10 @@ async def cluster(make_cluster: Callable[..., Cluster]) -> Cluster:
     c = make_cluster()
     await c.start()
     return c
+
+
+@pytest.fixture
+def running_up() -> Iterator[list[subprocess.Popen[str]]]:
+    """The `effectledger up` processes a test starts: each is stopped and reaped afterwards."""
+    with reaped() as started:
+        yield started

@@ -12,23 +12,16 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.support.upproc import bindable, lines_until, reaped, stop_and_check, up_args, up_ports
+from tests.support.upproc import bindable, lines_until, stop_and_check, up_args, up_ports
 
 # Stop signals must free every port within seconds: not beside a chaos run or a benchmark.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("heavy")]
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def running_up() -> Iterator[list[subprocess.Popen[str]]]:
-    with reaped() as started:
-        yield started
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])

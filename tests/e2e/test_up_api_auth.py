@@ -17,7 +17,6 @@ import signal
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -25,7 +24,7 @@ import pytest
 
 from effectledger_cli.embedded import free_port
 from effectledger_client import Client
-from tests.support.upproc import lines_until, reaped, stop_and_check, up_ports
+from tests.support.upproc import lines_until, stop_and_check, up_ports
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "effectledger_cli"]
@@ -44,12 +43,6 @@ def _up(cwd: Path, ports: dict[str, int], *extra: str) -> list[str]:
     return [*CLI, "up", "--nats-port", str(ports["nats"]), "--ledger-port",
             str(ports["ledger"]), "--sandbox-port", str(ports["sandbox"]),
             "--reconciler-port", str(ports["reconciler"]), *extra]
-
-
-@pytest.fixture
-def running_up() -> Iterator[list[subprocess.Popen[str]]]:
-    with reaped() as started:
-        yield started
 
 
 def test_a_new_user_submits_with_no_token_given_and_a_tokenless_request_gets_401(

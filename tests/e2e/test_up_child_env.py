@@ -13,23 +13,16 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.support.upproc import lines_until, reaped, stop_and_check, up_args, up_ports
+from tests.support.upproc import lines_until, stop_and_check, up_args, up_ports
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/<pid>/environ")]
 SHELL_SECRET = "shell-secret-no-role-uses"
-
-
-@pytest.fixture
-def running_up() -> Iterator[list[subprocess.Popen[str]]]:
-    with reaped() as started:
-        yield started
 
 
 def _environ(pid: int) -> dict[str, str]:

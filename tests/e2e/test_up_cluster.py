@@ -9,7 +9,6 @@ import signal
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +23,12 @@ from tests.support.servers import postgres_database
 from tests.support.upproc import (
     free_ports_in_a_row,
     lines_until,
-    reaped,
     stop_and_check,
     up_args,
     up_ports,
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def running_up() -> Iterator[list[subprocess.Popen[str]]]:
-    with reaped() as started:
-        yield started
 
 
 def _scaled_ports(ledgers: int, reconcilers: int) -> dict[str, int]:

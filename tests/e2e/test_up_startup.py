@@ -16,23 +16,16 @@ import signal
 import stat
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from effectledger_cli.embedded import free_port
-from tests.support.upproc import bindable, lines_until, reaped, stop_and_check, up_args, up_ports
+from tests.support.upproc import bindable, lines_until, stop_and_check, up_args, up_ports
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def running_up() -> Iterator[list[subprocess.Popen[str]]]:
-    with reaped() as started:
-        yield started
 
 
 def test_one_port_given_to_two_roles_is_refused_naming_both_and_nothing_starts(

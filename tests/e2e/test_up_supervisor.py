@@ -13,7 +13,6 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -23,7 +22,6 @@ from effectledger_client import Client, Unavailable
 from tests.support.upproc import (
     free_ports_in_a_row,
     lines_until,
-    reaped,
     stop_and_check,
     up_args,
     up_children,
@@ -31,12 +29,6 @@ from tests.support.upproc import (
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def running_up() -> Iterator[list[subprocess.Popen[str]]]:
-    with reaped() as started:
-        yield started
 
 
 def _agent_token(tmp_path: Path) -> str | None:
