@@ -3,7 +3,9 @@
 - `connect`: connections from settings; `streams`: stream definitions;
 - `pull`: JetStream pull consumers; `delivery`: one delivery (ack, nak, term, heartbeat) and
   dead-letter records; `backoff`: the one nak delay rule;
-- `publish`: publish with publish-ack, and retries; `msgids`: every `Nats-Msg-Id`;
+- `catalogue`: every message with its subject, `Nats-Msg-Id`, publisher and consumers, from
+  which the contract document, the permissions and the streams' subjects are derived;
+- `publish`: publish with publish-ack, and retries;
 - `rpc`: request-reply, serving and asking, with typed replies;
 - `asyncapi`: the message contract document; `testing`: in-memory fakes for unit tests.
 

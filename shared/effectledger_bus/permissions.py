@@ -2,7 +2,9 @@
 
 This module turns the subject prefix, the stream prefix and the deployment's roles into the
 `authorization { users: [...] }` block of a nats-server configuration, so that the broker itself
-refuses what a role may not say:
+refuses what a role may not say. The message subjects each role may publish come from the
+message catalogue (`effectledger_bus.catalogue`: its routes' publishers); the JetStream API each
+role needs and the reply inboxes are added here:
 
 - only the ledger publishes dispatch and reconcile commands and answers request-reply
   subjects, and only into the inboxes of the users that may ask (`_INBOX_<user>.>` of each,
@@ -44,22 +46,15 @@ import re
 import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 from effectledger_core.subjects import Subjects
+
+from . import catalogue
+from .catalogue import Role as Role  # defined with the message catalogue, named here too
 
 # A NATS subject token that is also a safe user name: no dots, wildcards or spaces.
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 JS_API = "$JS.API"
-
-
-class Role(StrEnum):
-    LEDGER = "ledger"
-    DISPATCHER = "dispatcher"
-    RECONCILER = "reconciler"
-    AGENT = "agent"
-    OPERATOR = "operator"
-    STREAMS = "streams"
 
 
 @dataclass(frozen=True)
@@ -147,9 +142,10 @@ def ledger(s: Subjects, *, inbox_consumer: str = "ledger-inbox",
     """`requesters`: the users whose requests the ledger answers, each in its own inbox."""
     user = "ledger"
     return Principal(Role.LEDGER, user, Permissions(
-        publish=(s.dispatch_all, s.reconcile_all, *_ledger_jetstream(s, inbox_consumer),
+        publish=(*catalogue.publish_grants(Role.LEDGER, s),
+                 *_ledger_jetstream(s, inbox_consumer),
                  *(f"{inbox_prefix(u)}.>" for u in requesters)),
-        subscribe=(s.rpc_all, f"{inbox_prefix(user)}.>")))
+        subscribe=(catalogue.absolute(s, catalogue.REQUESTS), f"{inbox_prefix(user)}.>")))
 
 
 def dispatcher(s: Subjects, dispatcher_id: str | None, *,
@@ -158,13 +154,9 @@ def dispatcher(s: Subjects, dispatcher_id: str | None, *,
     for deployments that cannot give each replica its own credentials; it may publish under
     any dispatcher id, so one replica could then speak for another (the ledger still accepts
     an outcome only for the attempt that holds the claim)."""
-    if dispatcher_id is None:
-        user, claim, outcomes = "dispatcher", s.rpc_claim_by("*"), s.outcomes_of("*")
-    else:
-        user = user_name(Role.DISPATCHER, dispatcher_id)
-        claim, outcomes = s.rpc_claim_by(dispatcher_id), s.outcomes_of(dispatcher_id)
+    user = "dispatcher" if dispatcher_id is None else user_name(Role.DISPATCHER, dispatcher_id)
     return Principal(Role.DISPATCHER, user, Permissions(
-        publish=(claim, outcomes, s.deadletter,
+        publish=(*catalogue.publish_grants(Role.DISPATCHER, s, dispatcher_id),
                  *_stream_lookup(s), *_consumer_api(s.dispatch_stream, consumer)),
         subscribe=(f"{inbox_prefix(user)}.>",)), scope=dispatcher_id)
 
@@ -174,7 +166,7 @@ def reconciler(s: Subjects, reconciler_id: str | None, *,
     """One reconciler's user; `None`: one user shared by every replica (`reconciler`)."""
     user = "reconciler" if reconciler_id is None else user_name(Role.RECONCILER, reconciler_id)
     return Principal(Role.RECONCILER, user, Permissions(
-        publish=(s.verdict, s.webhook, s.deadletter, s.rpc_operation,
+        publish=(*catalogue.publish_grants(Role.RECONCILER, s),
                  *_stream_lookup(s), *_consumer_api(s.events_stream, consumer)),
         subscribe=(f"{inbox_prefix(user)}.>",)), scope=reconciler_id)
 
@@ -182,7 +174,7 @@ def reconciler(s: Subjects, reconciler_id: str | None, *,
 def agent(s: Subjects, tenant: str) -> Principal:
     user = f"agent-{token(tenant, 'tenant')}"  # a tenant named agent-x is still agent-agent-x
     return Principal(Role.AGENT, user, Permissions(
-        publish=(s.tenant_requests(tenant),),
+        publish=catalogue.publish_grants(Role.AGENT, s, tenant),
         subscribe=(f"{inbox_prefix(user)}.>",)), scope=tenant)
 
 
@@ -193,7 +185,7 @@ def operator(s: Subjects) -> Principal:
         # waits on its own tenant's subject, under tenant_requests. Not the tenants'
         # subjects: the ledger answers those only in that tenant's agent's inbox, so an
         # agent cannot have its answers written into the operator's (replies.py).
-        publish=(s.rpc_intents, s.rpc_operation, s.rpc_operation_wait,
+        publish=(*catalogue.publish_grants(Role.OPERATOR, s),
                  f"{JS_API}.INFO",
                  f"{JS_API}.STREAM.NAMES", f"{JS_API}.STREAM.INFO.*", f"{JS_API}.CONSUMER.INFO.*.*",
                  f"{JS_API}.CONSUMER.NAMES.*", f"{JS_API}.CONSUMER.LIST.*"),

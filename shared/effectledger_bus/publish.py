@@ -1,7 +1,7 @@
 """Publishing to JetStream with a message id, returning only after the publish-ack.
 
 Every service needs the same guarantee: it settles its input (acks a command, answers a
-webhook 2xx) only after JetStream has stored the output. Ids come from `effectledger_bus.msgids`,
+webhook 2xx) only after JetStream has stored the output. Ids come from `effectledger_bus.catalogue`,
 so a republish after a lost ack is dropped by the stream's duplicate window. Tests use
 `effectledger_bus.testing.FakePublisher`.
 """

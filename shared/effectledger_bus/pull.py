@@ -16,9 +16,9 @@ Cost. FastStream's concurrent subscriber passed each message through an anyio me
 worker, its middleware and dependency-injection stack and a message wrapper: about half the
 dispatcher's CPU in the benchmark profile. Here a message is one task calling one handler.
 
-So every JetStream consumer of the services is a `PullConsumer`: the dispatcher's commands, the
-ledger's inbox and the reconciler's commands (which carry only the ambiguous few, but one way
-of consuming is easier to reason about than two). Handlers take an
+So every JetStream consumer of the services is a `PullConsumer`, built by `durable_consumer`:
+the dispatcher's commands, the ledger's inbox and the reconciler's commands (which carry only
+the ambiguous few, but one way of consuming is easier to reason about than two). Handlers take an
 `effectledger_bus.delivery.Delivery`.
 
 Semantics kept from the FastStream setup this replaces:
@@ -49,10 +49,12 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
 from nats.js.errors import NotFoundError
 
+from effectledger_core.config import Settings
 from effectledger_obs import metrics, tracing
 
 from .delivery import Delivery, JsDelivery
 from .streams import at_startup
+from .topology import topology
 
 log = logging.getLogger(__name__)
 
@@ -235,3 +237,17 @@ class PullConsumer:
         if self._sub is not None:
             with contextlib.suppress(Exception):  # a closed connection has nothing to undo
                 await self._sub.unsubscribe()
+
+
+def durable_consumer(nc: NatsClient, settings: Settings, durable: str, handler: MessageHandler,
+                     *, concurrency: int, batch: int, name: str | None = None) -> PullConsumer:
+    """The one way a service builds its JetStream consumer: the stream, the filter and the
+    delivery settings (ack wait, deliveries, pending acks) of `durable` are those of the
+    topology (`effectledger_bus.topology`, from the message catalogue), the same definition
+    `effectledger streams apply` creates; only the process's own concurrency is the caller's."""
+    for spec in topology(settings).consumers:
+        if spec.config.durable_name == durable:
+            return PullConsumer(nc, subject=spec.config.filter_subject or "", stream=spec.stream,
+                                durable=durable, config=spec.config, handler=handler,
+                                concurrency=concurrency, batch=batch, name=name)
+    raise KeyError(f"no durable consumer {durable!r} in the topology")

@@ -34,12 +34,13 @@ from nats.js.errors import NotFoundError
 from effectledger_core.config import Settings
 from effectledger_core.subjects import Subjects
 
+from . import catalogue
+from .catalogue import DISPATCHER, LEDGER_INBOX, RECONCILER
+
 log = logging.getLogger(__name__)
 
 MAX_MSG_SIZE = 512 * 1024  # every message is bounded below this at its entry
 DEFAULT = Subjects()
-# Durable consumer names, shared with the services that consume them.
-DISPATCHER, LEDGER_INBOX, RECONCILER = "dispatcher", "ledger-inbox", "reconciler"
 RECONCILER_ACK_WAIT_S = 30.0
 
 
@@ -86,36 +87,38 @@ def _definitions(settings: Settings) -> Topology:
         max_msg_size=MAX_MSG_SIZE)
     streams = [
         # Work queue: a dispatch command is removed once a dispatcher acks it.
-        StreamConfig(name=subjects.dispatch_stream, subjects=[subjects.dispatch_all],
+        StreamConfig(name=subjects.dispatch_stream,
+                     subjects=catalogue.stream_subjects(subjects, "DISPATCH"),
                      retention=RetentionPolicy.WORK_QUEUE,
                      description="effectledger dispatch commands (from the ledger outbox)",
                      **common),
         # Also a work queue: the ledger's and the reconciler's consumers filter on disjoint
         # subtrees, and acknowledged events leave no backlog behind.
-        StreamConfig(name=subjects.events_stream, subjects=subjects.events_subjects,
+        StreamConfig(name=subjects.events_stream,
+                     subjects=catalogue.stream_subjects(subjects, "EVENTS"),
                      retention=RetentionPolicy.WORK_QUEUE,
                      description="effectledger attempt outcomes, ambiguity notices, dead letters",
                      **common),
     ]
-    consumers = [
+    # What each durable consumer's service needs; which stream and subjects it reads come
+    # from the message catalogue.
+    delivery: dict[str, dict[str, Any]] = {
         # ack_wait bounds how long a silently dead dispatcher holds a command; live ones send
         # in_progress heartbeats during provider calls.
-        ConsumerSpec(subjects.dispatch_stream, ConsumerConfig(
-            durable_name=DISPATCHER, filter_subject=subjects.dispatch_all,
-            ack_policy=AckPolicy.EXPLICIT, ack_wait=settings.ack_wait_s,
-            max_deliver=settings.max_deliver,
-            max_ack_pending=max(1024, settings.dispatcher_concurrency * 4))),
-        ConsumerSpec(subjects.events_stream, ConsumerConfig(
-            durable_name=LEDGER_INBOX, filter_subject=subjects.ledger_all,
-            ack_policy=AckPolicy.EXPLICIT, ack_wait=settings.inbox_ack_wait_s,
-            max_deliver=settings.max_deliver, max_ack_pending=4096)),
-        # Unlimited deliveries: how long to keep trying comes from the command's own timestamps
-        # (horizon, webhook wait, reconciliation deadline), never from a delivery count.
-        ConsumerSpec(subjects.events_stream, ConsumerConfig(
-            durable_name=RECONCILER, filter_subject=subjects.reconcile_all,
-            ack_policy=AckPolicy.EXPLICIT, ack_wait=RECONCILER_ACK_WAIT_S, max_deliver=-1,
-            max_ack_pending=4096)),
-    ]
+        DISPATCHER: dict(ack_wait=settings.ack_wait_s, max_deliver=settings.max_deliver,
+                         max_ack_pending=max(1024, settings.dispatcher_concurrency * 4)),
+        LEDGER_INBOX: dict(ack_wait=settings.inbox_ack_wait_s, max_deliver=settings.max_deliver,
+                           max_ack_pending=4096),
+        # Unlimited deliveries: how long to keep trying comes from the command's own
+        # timestamps (horizon, webhook wait, reconciliation deadline), never from a count.
+        RECONCILER: dict(ack_wait=RECONCILER_ACK_WAIT_S, max_deliver=-1, max_ack_pending=4096),
+    }
+    consumers = [
+        ConsumerSpec(catalogue.stream_name(subjects, c), ConsumerConfig(
+            durable_name=c.durable,
+            filter_subject=catalogue.absolute(subjects, c.filter or c.address),
+            ack_policy=AckPolicy.EXPLICIT, **delivery[c.durable or ""]))
+        for c in catalogue.durable_consumers()]
     return Topology(streams, consumers)
 
 

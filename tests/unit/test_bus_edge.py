@@ -8,13 +8,18 @@ from datetime import UTC, datetime
 
 import pytest
 
-from effectledger_bus import msgids
+from effectledger_bus import catalogue
 from effectledger_bus.backoff import nak_backoff
 from effectledger_bus.delivery import dead_letter, heartbeat
 from effectledger_bus.publish import publish_with_retries
 from effectledger_bus.testing import FakeDelivery, FakePublisher
 from effectledger_core.errors import BrokerUnavailable
-from effectledger_core.messages import AttemptFailed, FailureClass, VerdictReached
+from effectledger_core.messages import (
+    AttemptFailed,
+    FailureClass,
+    VerdictReached,
+    WebhookReceived,
+)
 
 NOW = datetime(2026, 12, 1, tzinfo=UTC)
 
@@ -25,17 +30,19 @@ def test_message_ids_keep_their_wire_formats() -> None:
                            at=NOW, failure_class=FailureClass.PERMANENT, message="no", code="x")
     verdict = VerdictReached(operation_id="op", epoch=2, verdict="not_applied",
                              reconciler_id="r1", at=NOW)
-    assert msgids.dispatch("ob1", 0) == "ob1"
-    assert msgids.dispatch("ob1", 2) == "ob1.r2"
-    assert msgids.outcome(failed) == "attempt_failed:a9"
-    assert msgids.verdict(verdict) == "verdict:op:2:not_applied"
-    assert msgids.webhook("sandbox", "msg_1") == "webhook:sandbox:msg_1"
+    hook = WebhookReceived(provider="sandbox", webhook_id="msg_1", event_type="t",
+                           outcome="applied", body_digest="d", signed_at=NOW, received_at=NOW)
+    assert catalogue.dispatch_id("ob1", 0) == "ob1"
+    assert catalogue.dispatch_id("ob1", 2) == "ob1.r2"
+    assert catalogue.message_id(failed) == "attempt_failed:a9"
+    assert catalogue.message_id(verdict) == "verdict:op:2:not_applied"
+    assert catalogue.message_id(hook) == "webhook:sandbox:msg_1"
 
 
 def test_equal_verdicts_of_two_replicas_share_one_message_id() -> None:
     a, b = (VerdictReached(operation_id="op", epoch=1, verdict="applied", reconciler_id=r,
                            at=NOW) for r in ("r1", "r2"))
-    assert msgids.verdict(a) == msgids.verdict(b)
+    assert catalogue.message_id(a) == catalogue.message_id(b)
 
 
 @pytest.mark.parametrize(("deliveries", "delay"),
@@ -52,13 +59,13 @@ def test_a_dead_letter_names_its_source_and_is_bounded() -> None:
     assert (letter.consumer, letter.deliveries) == ("dispatcher", 4)
     assert len(letter.subject) == len(letter.error) == len(letter.message_id or "") == 1024
     assert len(letter.payload_excerpt) == 2048
-    assert msgids.dead_letter(letter).startswith("deadletter:dispatcher:mmm")
+    assert catalogue.message_id(letter).startswith("deadletter:dispatcher:mmm")
 
 
 def test_a_dead_letter_without_a_message_id_says_so() -> None:
     letter = dead_letter(FakeDelivery(b"{}", headers={}), consumer="c", error="bad")
     assert letter.message_id is None
-    assert msgids.dead_letter(letter) == f"deadletter:c:{letter.subject}:1"
+    assert catalogue.message_id(letter) == f"deadletter:c:{letter.subject}:1"
 
 
 async def test_heartbeat_sends_in_progress_while_the_work_runs_and_stops_after() -> None:

@@ -7,20 +7,11 @@ from __future__ import annotations
 import pytest
 
 from effectledger_bus import permissions as perm
+from effectledger_bus.catalogue import covers as _matches
 from effectledger_core.subjects import Subjects
 
 S = Subjects("fx", "FX")
 PLANE = perm.plane(S, dispatchers=["d1", "d2"], reconcilers=["r1"], tenants=["acme", "globex"])
-
-
-def _matches(pattern: str, subject: str) -> bool:
-    p, s = pattern.split("."), subject.split(".")
-    for i, tok in enumerate(p):
-        if tok == ">":
-            return len(s) > i
-        if i >= len(s) or (tok != "*" and tok != s[i]):
-            return False
-    return len(p) == len(s)
 
 
 def may_publish(user: str, subject: str) -> bool:

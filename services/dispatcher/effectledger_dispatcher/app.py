@@ -9,11 +9,10 @@ import os
 import signal
 
 from nats.aio.client import Client as NatsClient
-from nats.js.api import AckPolicy, ConsumerConfig
 
 from effectledger_bus.connect import connect
 from effectledger_bus.publish import JetStreamPublisher
-from effectledger_bus.pull import PullConsumer
+from effectledger_bus.pull import PullConsumer, durable_consumer
 from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
@@ -32,20 +31,9 @@ log = logging.getLogger("effectledger.dispatcher")
 def build_consumer(nc: NatsClient, settings: Settings, dispatcher: Dispatcher) -> PullConsumer:
     """The durable `dispatcher` pull consumer of the dispatch stream (plain nats-py; see
     effectledger_bus.pull for why not FastStream here)."""
-    subjects = settings.subjects
-
-    return PullConsumer(
-        nc, subject=subjects.dispatch_all, stream=subjects.dispatch_stream,
-        durable=CONSUMER, handler=dispatcher.handle, name="dispatcher",
-        concurrency=settings.dispatcher_concurrency,
-        batch=min(256, settings.dispatcher_concurrency),
-        config=ConsumerConfig(
-            ack_policy=AckPolicy.EXPLICIT,
-            # ack_wait bounds how long a silently dead dispatcher holds a command; live ones
-            # send in_progress heartbeats during provider calls.
-            ack_wait=settings.ack_wait_s,
-            max_deliver=settings.max_deliver,
-            max_ack_pending=max(1024, settings.dispatcher_concurrency * 4)))
+    return durable_consumer(nc, settings, CONSUMER, dispatcher.handle, name="dispatcher",
+                            concurrency=settings.dispatcher_concurrency,
+                            batch=min(256, settings.dispatcher_concurrency))
 
 
 async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> None:

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from effectledger_bus import msgids
+from effectledger_bus import catalogue
 from effectledger_bus.delivery import Delivery, dead_letter, heartbeat, keep
 from effectledger_bus.publish import publish_with_retries
 from effectledger_bus.rpc import NoReply
@@ -55,7 +55,7 @@ from . import decision
 from .ports import LedgerClient, ProviderCaller, Publisher
 
 log = logging.getLogger(__name__)
-CONSUMER = "dispatcher"
+CONSUMER = catalogue.DISPATCHER
 # While our catalog lacks a tool the ledger accepted (a rollout in progress), look again this
 # often, until max_deliver sends the command to the dead letters.
 UNKNOWN_TOOL_RETRY_S = 10.0
@@ -251,7 +251,7 @@ class Dispatcher:
             await publish_with_retries(
                 self.publisher, self.subjects.outcome_by(self.dispatcher_id, outcome.type),
                 encode(outcome),
-                msg_id=msgids.outcome(outcome), within_s=self._publish_window(),
+                msg_id=catalogue.message_id(outcome), within_s=self._publish_window(),
                 before_retry=lambda: keep(d))
         except BrokerUnavailable as exc:
             log.error("could not publish outcome of %s: %s", outcome.operation_id, exc.message)
@@ -267,7 +267,7 @@ class Dispatcher:
         self.stats["dead_lettered"] += 1
         letter = dead_letter(d, consumer=CONSUMER, error=error)
         await self.publisher.publish(self.subjects.deadletter, encode(letter),
-                                     msg_id=msgids.dead_letter(letter))
+                                     msg_id=catalogue.message_id(letter))
 
 
 def _observe_call(tool: Tool, outcome: Outcome, attempt_id: str) -> None:

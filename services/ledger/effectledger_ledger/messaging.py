@@ -2,20 +2,23 @@
 
 The inbox is a durable JetStream consumer with explicit acks. A message is acked only after the
 ledger transaction that it caused has committed; poison messages are recorded and then acked.
+Each message type the inbox consumes (its rows in `effectledger_bus.catalogue`) has its handler
+in `INBOX_HANDLERS`.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from nats.aio.client import Client as NatsClient
-from nats.js.api import AckPolicy, ConsumerConfig
+from pydantic import BaseModel
 
-from effectledger_bus import msgids
+from effectledger_bus import catalogue
 from effectledger_bus.backoff import nak_backoff
 from effectledger_bus.delivery import Delivery, dead_letter, message_id
-from effectledger_bus.pull import PullConsumer
+from effectledger_bus.pull import PullConsumer, durable_consumer
 from effectledger_bus.replies import ReplyPolicy
 from effectledger_bus.rpc import RequestServer
 from effectledger_core.commands import arguments_digest
@@ -28,6 +31,9 @@ from effectledger_core.errors import (
     PoisonMessage,
 )
 from effectledger_core.messages import (
+    AttemptAccepted,
+    AttemptFailed,
+    AttemptSucceeded,
     ClaimAttempt,
     DeadLetter,
     ErrorDetail,
@@ -37,6 +43,8 @@ from effectledger_core.messages import (
     OperationReply,
     OperationSummary,
     OperationWait,
+    Outcome,
+    OutcomeAmbiguous,
     SubmitIntent,
     VerdictReached,
     WebhookReceived,
@@ -48,7 +56,7 @@ from effectledger_core.messages import (
 from .service import LedgerService
 
 log = logging.getLogger(__name__)
-INBOX_CONSUMER = "ledger-inbox"
+INBOX_CONSUMER = catalogue.LEDGER_INBOX
 # Longest pause before a failed inbox message is delivered again.
 INBOX_BACKOFF_CAP_S = 30.0
 
@@ -212,7 +220,6 @@ async def serve_requests(nc: NatsClient, settings: Settings,
 def build_inbox(nc: NatsClient, settings: Settings, service: LedgerService) -> PullConsumer:
     """The inbox: a durable JetStream pull consumer of outcomes, verdicts, webhooks and dead
     letters (plain nats-py; see effectledger_bus.pull for why not FastStream here)."""
-    subjects = settings.subjects
     max_deliver = settings.max_deliver
 
     async def on_event(d: Delivery) -> None:
@@ -233,12 +240,8 @@ def build_inbox(nc: NatsClient, settings: Settings, service: LedgerService) -> P
                 d, consumer=INBOX_CONSUMER, error=f"{type(exc).__name__}: {exc}"))
         await d.ack()
 
-    return PullConsumer(
-        nc, subject=subjects.ledger_all, stream=subjects.events_stream,
-        durable=INBOX_CONSUMER, handler=on_event, name="ledger.inbox",
-        concurrency=settings.inbox_concurrency, batch=64,
-        config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=settings.inbox_ack_wait_s,
-                              max_deliver=max_deliver, max_ack_pending=4096))
+    return durable_consumer(nc, settings, INBOX_CONSUMER, on_event, name="ledger.inbox",
+                            concurrency=settings.inbox_concurrency, batch=64)
 
 
 async def _handle_event(service: LedgerService, d: Delivery) -> None:
@@ -250,22 +253,45 @@ async def _handle_event(service: LedgerService, d: Delivery) -> None:
         return
     # A message published without an id (by hand, by an old publisher) is deduplicated under
     # the id its publisher would have given it.
-    msg_id = message_id(d)
-    if isinstance(event, DeadLetter):
-        await service.record_dead_letter(event)
-    elif isinstance(event, VerdictReached):
-        await service.record_verdict(event, consumer=INBOX_CONSUMER,
-                                     message_id=msg_id or msgids.verdict(event))
-    elif isinstance(event, WebhookReceived):
-        await service.record_webhook(event)  # deduplicated by (provider, webhook id)
-    else:
-        sender = service.subjects.outcome_sender(d.subject)
-        if sender is not None and sender != event.dispatcher_id:
-            # The subject is the sender's identity (only that dispatcher may publish on it);
-            # an outcome claiming another dispatcher's name is a forgery, kept as evidence.
-            await service.record_dead_letter(dead_letter(
-                d, consumer=INBOX_CONSUMER,
-                error=f"outcome from {sender!r} names dispatcher {event.dispatcher_id!r}"))
-            return
-        await service.record_outcome(event, consumer=INBOX_CONSUMER,
-                                     message_id=msg_id or msgids.outcome(event))
+    await INBOX_HANDLERS[type(event)](service, event, d,
+                                      message_id(d) or catalogue.message_id(event))
+
+
+# --- the inbox's handlers, one per message it consumes (effectledger_bus.catalogue) ---
+
+InboxHandler = Callable[[LedgerService, Any, Delivery, str], Awaitable[None]]
+
+
+async def _on_dead_letter(service: LedgerService, letter: DeadLetter, d: Delivery,
+                          msg_id: str) -> None:
+    await service.record_dead_letter(letter)
+
+
+async def _on_verdict(service: LedgerService, verdict: VerdictReached, d: Delivery,
+                      msg_id: str) -> None:
+    await service.record_verdict(verdict, consumer=INBOX_CONSUMER, message_id=msg_id)
+
+
+async def _on_webhook(service: LedgerService, hook: WebhookReceived, d: Delivery,
+                      msg_id: str) -> None:
+    await service.record_webhook(hook)  # deduplicated by (provider, webhook id)
+
+
+async def _on_outcome(service: LedgerService, outcome: Outcome, d: Delivery,
+                      msg_id: str) -> None:
+    sender = service.subjects.outcome_sender(d.subject)
+    if sender is not None and sender != outcome.dispatcher_id:
+        # The subject is the sender's identity (only that dispatcher may publish on it);
+        # an outcome claiming another dispatcher's name is a forgery, kept as evidence.
+        await service.record_dead_letter(dead_letter(
+            d, consumer=INBOX_CONSUMER,
+            error=f"outcome from {sender!r} names dispatcher {outcome.dispatcher_id!r}"))
+        return
+    await service.record_outcome(outcome, consumer=INBOX_CONSUMER, message_id=msg_id)
+
+
+INBOX_HANDLERS: dict[type[BaseModel], InboxHandler] = {
+    AttemptSucceeded: _on_outcome, AttemptAccepted: _on_outcome, AttemptFailed: _on_outcome,
+    OutcomeAmbiguous: _on_outcome, VerdictReached: _on_verdict, WebhookReceived: _on_webhook,
+    DeadLetter: _on_dead_letter,
+}

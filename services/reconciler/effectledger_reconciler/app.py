@@ -10,13 +10,12 @@ from collections.abc import Mapping
 
 import uvicorn
 from nats.aio.client import Client as NatsClient
-from nats.js.api import AckPolicy, ConsumerConfig
 from starlette.applications import Starlette
 
 from effectledger_bus.connect import connect_client
 from effectledger_bus.httpedge import server_config
 from effectledger_bus.publish import JetStreamPublisher
-from effectledger_bus.pull import PullConsumer
+from effectledger_bus.pull import PullConsumer, durable_consumer
 from effectledger_bus.streams import ensure_streams
 from effectledger_core import unsafe
 from effectledger_core.catalog import Catalog
@@ -31,7 +30,7 @@ from .ledger_client import NatsLedgerClient
 from .native import NativeWebhooks
 from .signatures import WebhookVerifier
 from .webhooks import create_app
-from .worker import ACK_WAIT_S, CONSUMER, Reconciler, http_readback
+from .worker import CONSUMER, Reconciler, http_readback
 
 log = logging.getLogger("effectledger.reconciler")
 CONCURRENCY = 32
@@ -51,18 +50,8 @@ def build_verifier(settings: Settings, *, skip: bool = False) -> WebhookVerifier
 def build_consumer(nc: NatsClient, settings: Settings, reconciler: Reconciler) -> PullConsumer:
     """The durable `reconciler` pull consumer of reconcile commands, on the same edge as the
     dispatcher's and the inbox's (effectledger_bus.pull)."""
-    subjects = settings.subjects
-
-    return PullConsumer(
-        nc, subject=subjects.reconcile_all, stream=subjects.events_stream, durable=CONSUMER,
-        handler=reconciler.handle, name="reconciler", concurrency=CONCURRENCY, batch=CONCURRENCY,
-        config=ConsumerConfig(
-            ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=ACK_WAIT_S,
-            # Unlimited: how long to keep trying comes from the command's own timestamps
-            # (horizon, webhook wait, reconciliation deadline), never from a delivery count.
-            max_deliver=-1,
-            max_ack_pending=4096))
+    return durable_consumer(nc, settings, CONSUMER, reconciler.handle, name="reconciler",
+                            concurrency=CONCURRENCY, batch=CONCURRENCY)
 
 
 async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> None:

@@ -41,7 +41,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from effectledger_bus import msgids
+from effectledger_bus import catalogue
 from effectledger_bus.publish import Publisher
 from effectledger_core import unsafe
 from effectledger_core.errors import BrokerUnavailable
@@ -179,7 +179,7 @@ class _Ingest:
             self.stats["rejected"] += 1
             log.info("webhook from %r rejected: %s (%s)", provider[:64], exc.code, exc.message)
             return error(exc.status, exc.code, exc.message)
-        msg_id = msgids.webhook(provider, message.webhook_id)
+        msg_id = catalogue.message_id(message)
         if not await self._ready():
             # The broker is away: say so now rather than wait out a publish timeout, so the
             # provider's retry schedule, not our socket, holds the event (never hangs).

@@ -22,9 +22,10 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from effectledger_bus import msgids
+from effectledger_bus import catalogue
 from effectledger_bus.delivery import Delivery, dead_letter, heartbeat
 from effectledger_bus.publish import Publisher, publish_with_retries
+from effectledger_bus.topology import RECONCILER_ACK_WAIT_S
 from effectledger_core.catalog import Catalog, Tool
 from effectledger_core.errors import BrokerUnavailable, PayloadTooLarge, PoisonMessage, UnknownTool
 from effectledger_core.ids import Clock, utcnow
@@ -40,8 +41,9 @@ from .decisions import Timing
 from .ledger_client import LedgerClient, LedgerUnavailable
 
 log = logging.getLogger(__name__)
-CONSUMER = "reconciler"
-ACK_WAIT_S = 30.0
+CONSUMER = catalogue.RECONCILER
+# The consumer's ack wait (topology): heartbeats are paced by it.
+ACK_WAIT_S = RECONCILER_ACK_WAIT_S
 PUBLISH_ATTEMPTS = 3
 # Waits remembered for their closing log line; beyond this (commands abandoned mid-wait, e.g.
 # taken over by another replica) the oldest are forgotten, and only their end line is lost.
@@ -186,7 +188,7 @@ class Reconciler:
         try:
             async with heartbeat(d, self.ack_wait_s / 3):
                 await self._publish(self.subjects.verdict, encode(verdict),
-                                    msgids.verdict(verdict))
+                                    catalogue.message_id(verdict))
         except BrokerUnavailable as exc:
             self.stats["publish_failed"] += 1
             log.error("reconcile: verdict not stored: %s", exc.message)
@@ -203,7 +205,7 @@ class Reconciler:
         letter = dead_letter(d, consumer=CONSUMER, error=error)
         try:
             await self._publish(self.subjects.deadletter, encode(letter),
-                                msgids.dead_letter(letter))
+                                catalogue.message_id(letter))
         except BrokerUnavailable as exc:
             log.error("could not dead-letter a message on %s: %s", d.subject, exc.message)
             await d.nak(delay=decisions.backoff(d.deliveries, self.timing))

@@ -19,7 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from effectledger_bus import msgids
+from effectledger_bus import catalogue
 from effectledger_core.messages import DispatchAttempt, encode
 from effectledger_core.states import UNRESOLVED, JournalKind, OutboxKind, State
 from effectledger_core.subjects import Subjects
@@ -52,7 +52,7 @@ class OutboxItem:
         # Each publish generation gets its own Nats-Msg-Id: a relay retry of the same
         # generation is deduplicated by JetStream, while a sweeper republish after message loss
         # must not be swallowed by the duplicate window. Consumers dedup by claim/inbox anyway.
-        return msgids.dispatch(self.id, self.publish_count)
+        return catalogue.dispatch_id(self.id, self.publish_count)
 
 
 def dispatch_row(op: OperationRow, *, subjects: Subjects, outbox_id: str,
