@@ -411,7 +411,7 @@ async def test_quotas_answer_429_with_retry_after_over_http_and_the_same_error_o
         assert int(over.headers["Retry-After"]) >= 1
     listed = await limited.list_operations(state=None, limit=100, cursor=None,
                                            tenant="tenant-a")
-    assert len(listed["items"]) == 2  # nothing recorded for the refusals
+    assert len(listed.items) == 2  # nothing recorded for the refusals
 
     reply = json.loads(await Requests(limited).intent(json.dumps(
         {"tool": "lookup", "arguments": {"q": 4}, "tenant": "tenant-a"}).encode()))

@@ -125,7 +125,7 @@ async def test_invalid_wait_is_refused_before_anything_is_submitted(
                              json={"tool": "lookup", "arguments": {"q": 3}})
     assert resp.status_code == 422 and resp.json()["error"]["code"] == "invalid_request"
     assert "wait" in resp.json()["error"]["message"]
-    assert (await svc.list_operations(state=None, limit=10, cursor=None))["items"] == []
+    assert (await svc.list_operations(state=None, limit=10, cursor=None)).items == []
 
 
 async def test_waiting_on_another_tenants_operation_is_not_found(
