@@ -32,14 +32,14 @@ async def review_page(request: Request, console: Console, session: Session,
     service = console.service
     op = await service.operation(operation_id)
     async with service.store.transaction() as conn:
-        evidence = await review_item(conn, op, kinds=cr.REVIEW_PAGE_KINDS)
+        item = await review_item(conn, op, kinds=cr.REVIEW_PAGE_KINDS)
     preview = None
     try:
         preview = views.retry_preview(op, service.catalog.get(op.tool))
     except UnknownTool:
         pass
     return console.render(request, "review.html", session, status_code=status_code,
-                          op=op, evidence=evidence, preview=preview, error=error,
+                          op=op, item=item, preview=preview, error=error,
                           conclusions=[c.value for c in Conclusion])
 
 
