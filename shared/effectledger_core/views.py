@@ -1,17 +1,19 @@
 """What the ledger's HTTP API answers: the response models of every route.
 
-The same models document the API (OpenAPI) and type the Python client (`effectledger_client`).
-They accept fields they do not declare (`extra="allow"`): a newer ledger may add a field
-without breaking an older client. Requests are the strict models in `messages` and the
-ledger's API module.
+One type per concept, end to end: the ledger's service returns these models, its HTTP API and
+console answer them, they document the API (OpenAPI) and type the Python client
+(`effectledger_client`). They accept fields they do not declare (`extra="allow"`): a newer
+ledger may add a field without breaking an older client. Requests are the strict models in
+`messages` and the ledger's API module.
 """
 
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PlainSerializer, WithJsonSchema
+from pydantic.json_schema import SkipJsonSchema
 
 from .results import ProviderResult
 from .waiting import is_settled
@@ -21,22 +23,32 @@ class _View(BaseModel):
     model_config = ConfigDict(frozen=True, extra="allow")
 
 
+def _iso(value: datetime) -> str:
+    return value.isoformat()
+
+
+# A time in JSON as the API has always written it, Python's isoformat ("+00:00"): pydantic's
+# own form ("Z") would change the bytes of every answer. Read from either form.
+Timestamp = Annotated[datetime, PlainSerializer(_iso, return_type=str, when_used="json"),
+                      WithJsonSchema({"type": "string", "format": "date-time"})]
+
+
 class AttemptView(_View):
     id: str
     operation_id: str
     epoch: int
     dispatcher_id: str
     status: str  # claimed | the outcome's type
-    claimed_at: datetime
-    finished_at: datetime | None = None
+    claimed_at: Timestamp
+    finished_at: Timestamp | None = None
     http_status: int | None = None
     provider_ref: str | None = None
     response_digest: str | None = None
     outcome: dict[str, Any] | None = None
 
 
-class OperationView(_View):
-    """`GET /v1/operations/{id}` and the answer to `POST /v1/intents`."""
+class OperationRecord(_View):
+    """An operation's own columns: what a retry's admission and the review queue show."""
 
     id: str
     tenant: str
@@ -52,8 +64,8 @@ class OperationView(_View):
     commit_policy: str
     state: str
     epoch: int
-    created_at: datetime
-    updated_at: datetime
+    created_at: Timestamp
+    updated_at: Timestamp
     provider_ref: str | None = None
     response_digest: str | None = None
     last_outcome: dict[str, Any] | None = None
@@ -61,12 +73,21 @@ class OperationView(_View):
     # The provider's answer (bounded, scrubbed, narrowed by the tool's result_path): from the
     # successful response, or from the readback that found the effect.
     result: ProviderResult | None = None
-    attempts: list[AttemptView] = []
+    # The call identity the operation holds (identical.py), if any: always in the JSON, in
+    # this place, but left out of the API's documented schema (an internal column).
+    call_key: SkipJsonSchema[str | None] = None
 
     @property
     def settled(self) -> bool:
         """At rest or waiting for a human: a wait on it is over."""
         return is_settled(self.state)
+
+
+class OperationView(OperationRecord):
+    """`GET /v1/operations/{id}` and the answer to `POST /v1/intents`: the operation with its
+    attempts."""
+
+    attempts: list[AttemptView] = []
 
 
 class OperationSummary(_View):
@@ -75,8 +96,8 @@ class OperationSummary(_View):
     state: str
     epoch: int
     operation_key: str
-    created_at: datetime
-    updated_at: datetime
+    created_at: Timestamp
+    updated_at: Timestamp
 
 
 class OperationPage(_View):
@@ -87,7 +108,7 @@ class OperationPage(_View):
 class JournalEntry(_View):
     id: int
     operation_id: str | None
-    at: datetime
+    at: Timestamp
     kind: str
     epoch: int | None = None
     from_state: str | None = None
@@ -144,11 +165,38 @@ class Admission(_View):
 
     plan_id: str
     admitted: bool
-    operation: dict[str, Any]
+    operation: OperationRecord
+
+
+class WebhookEventView(_View):
+    """A provider's webhook as the ledger received it (evidence for a reviewer)."""
+
+    id: int
+    provider: str
+    webhook_id: str
+    event_type: str
+    operation_key: str | None = None
+    provider_ref: str | None = None
+    outcome: str
+    final: bool
+    fencing_token: int | None = None
+    body_digest: str
+    signed_at: Timestamp
+    received_at: Timestamp
+    operation_id: str | None = None
+    applied: str | None = None  # null until used: applied | rejected:<why> | ignored
+
+
+class ReviewItem(_View):
+    """An operation waiting for a human, with the evidence gathered so far."""
+
+    operation: OperationRecord
+    evidence: list[JournalEntry]
+    webhooks: list[WebhookEventView]
 
 
 class ReviewQueue(_View):
-    items: list[dict[str, Any]]
+    items: list[ReviewItem]
 
 
 class ToolList(_View):

@@ -23,6 +23,7 @@ from typing import Any
 from effectledger_client import AsyncClient, LedgerError, OperationView
 from effectledger_client.errors import IdempotencyConflict, NotFound, Unavailable
 from effectledger_core.digest import sha256_hex
+from effectledger_core.states import State
 
 DEFAULT_WAIT_S = 20.0
 # A submission the ledger did not answer is sent again with the same key for this long: the
@@ -42,11 +43,12 @@ STATUS_DESCRIPTION = (
 
 _UNKNOWN = ("The outcome is UNKNOWN: the provider may or may not have applied this effect. Do "
             "NOT retry this call and do not try to achieve the same effect another way.")
-_NEXT = {
-    "ambiguous": "effectledger is finding out from the provider (readback or webhook).",
-    "awaiting_confirmation": "The provider accepted the request and will confirm it later.",
-    "needs_review": "No machine can tell; an operator will review it. Tell the user the outcome "
-                    "is unknown and pending review.",
+_NEXT: dict[str, str] = {
+    State.AMBIGUOUS: "effectledger is finding out from the provider (readback or webhook).",
+    State.AWAITING_CONFIRMATION: "The provider accepted the request and will confirm it "
+                                 "later.",
+    State.NEEDS_REVIEW: "No machine can tell; an operator will review it. Tell the user the "
+                        "outcome is unknown and pending review.",
 }
 
 
@@ -106,7 +108,7 @@ def render(op: OperationView, *, key: str | None, replayed: bool | None = None) 
     if evidence:
         data["decided_by"] = evidence
     state, ref = op.state, f" Operation {op.id}."
-    if state == "succeeded":
+    if state == State.SUCCEEDED:
         data.update(outcome="succeeded", provider_ref=op.provider_ref,
                     result=op.result.value if op.result is not None else None)
         if op.result is not None and (op.result.truncated or op.result.omitted):
@@ -114,14 +116,14 @@ def render(op: OperationView, *, key: str | None, replayed: bool | None = None) 
                                    else f"omitted: {op.result.omitted}")
         again = " (an earlier call with this key; applied once)" if replayed else ""
         data["message"] = f"Succeeded{again}.{ref}"
-    elif state in ("failed", "cancelled"):
-        what = ("Cancelled before any attempt: nothing was applied." if state == "cancelled"
+    elif state in (State.FAILED, State.CANCELLED):
+        what = ("Cancelled before any attempt: nothing was applied." if state == State.CANCELLED
                 else "Failed: the provider refused it and nothing was applied.")
         data.update(outcome=state, message=what + ref, last_outcome=op.last_outcome)
     elif state in _NEXT:
         data.update(outcome="unknown", do_not_retry=True,
                     message=f"{_UNKNOWN} {_NEXT[state]} {_status_hint(op.id)}{ref}")
-    elif state == "awaiting_approval":
+    elif state == State.AWAITING_APPROVAL:
         data.update(outcome="awaiting_approval", do_not_retry=True, message=(
             "Awaiting an operator's approval: nothing has been done yet. Do not call this tool "
             f"again for the same effect. {_status_hint(op.id)}{ref}"))

@@ -48,7 +48,7 @@ from effectledger_core.messages import (
     SubmitIntent,
     parse_answer,
 )
-from effectledger_core.states import AT_REST
+from effectledger_core.states import AT_REST, State
 from effectledger_core.subjects import Subjects
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class LedgerRouter(NatsRouter):
                         reply.error.message)
             return
         op = reply.operation
-        if op.state == "awaiting_approval":
+        if op.state == State.AWAITING_APPROVAL:
             self._later_watch(op.id, self.approval_poll_s)
             return
         if op.state not in _AT_REST:

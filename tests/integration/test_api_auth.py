@@ -187,8 +187,8 @@ async def test_agent_cannot_act_as_an_operator(client: httpx.AsyncClient,
     for method, url, body in attempts:
         resp = await client.request(method, url, headers=auth(AGENT_A), json=body)
         assert_error(resp, 403, "forbidden")
-    assert (await svc.operation(gated["id"]))["state"] == "awaiting_approval"
-    assert (await svc.operation(own["id"]))["state"] == "ambiguous"
+    assert (await svc.operation(gated["id"])).state == "awaiting_approval"
+    assert (await svc.operation(own["id"])).state == "ambiguous"
 
 
 # ---- operators -----------------------------------------------------------------------------
@@ -257,7 +257,7 @@ async def test_operator_body_naming_another_operator_is_forbidden(
                              json={"epoch": 1, "arguments_digest": gated["arguments_digest"],
                                    "operator": "mallory"})
     assert_error(resp, 403, "forbidden")
-    assert (await svc.operation(gated["id"]))["state"] == "awaiting_approval"
+    assert (await svc.operation(gated["id"])).state == "awaiting_approval"
     op = await submit(client, AGENT_A, tool="email")
     await ambiguous(svc, op["id"], undecidable=True)
     resp = await client.post(f"/v1/operations/{op['id']}/reviews", headers=auth(OPERATOR),
@@ -268,7 +268,7 @@ async def test_operator_body_naming_another_operator_is_forbidden(
                              json={"review": {"conclusion": "not_executed", "evidence_ref": "x",
                                               "operator": "mallory"}})
     assert_error(resp, 403, "forbidden")
-    assert (await svc.operation(op["id"]))["state"] == "needs_review"
+    assert (await svc.operation(op["id"])).state == "needs_review"
     # naming oneself is fine
     resp = await client.post(f"/v1/operations/{gated['id']}/approve", headers=auth(OPERATOR),
                              json={"epoch": 1, "arguments_digest": gated["arguments_digest"],
@@ -323,8 +323,8 @@ async def test_without_tokens_the_api_is_open_and_says_so(open_client: httpx.Asy
                                    json={"epoch": 1, "arguments_digest": op["arguments_digest"],
                                          "operator": "local-admin"})
     assert named.status_code == 200 and named.json()["state"] == "pending"
-    journal = (await svc.journal(op["id"]))[-1]
-    assert journal["actor"] == "operator:local-admin"
+    journal = (await svc.journal(op["id"])).entries[-1]
+    assert journal.actor == "operator:local-admin"
 
 
 async def test_invalid_body_is_a_json_error(client: httpx.AsyncClient) -> None:
@@ -342,7 +342,7 @@ async def test_agent_submission_goes_through_the_same_service(
     direct = await svc.submit(SubmitIntent(tool="lookup", arguments={"q": 1},
                                            tenant="tenant-a"))
     assert direct.operation["id"] != op["id"]
-    assert (await svc.operation(op["id"]))["arguments_digest"] == direct.operation[
+    assert (await svc.operation(op["id"])).arguments_digest == direct.operation[
         "arguments_digest"]
 
 
@@ -411,7 +411,7 @@ async def test_quotas_answer_429_with_retry_after_over_http_and_the_same_error_o
         assert int(over.headers["Retry-After"]) >= 1
     listed = await limited.list_operations(state=None, limit=100, cursor=None,
                                            tenant="tenant-a")
-    assert len(listed["items"]) == 2  # nothing recorded for the refusals
+    assert len(listed.items) == 2  # nothing recorded for the refusals
 
     reply = json.loads(await Requests(limited).intent(json.dumps(
         {"tool": "lookup", "arguments": {"q": 4}, "tenant": "tenant-a"}).encode()))

@@ -132,7 +132,7 @@ async def test_a_form_posted_after_the_session_ended_leads_to_sign_in_and_change
         "csrf": "x", "epoch": "1", "arguments_digest": op["arguments_digest"]})
     assert resp.status_code == 303
     assert resp.headers["location"] == "/console/login?next=%2Fconsole%2F"
-    assert (await svc.operation(op["id"]))["state"] == "awaiting_approval"
+    assert (await svc.operation(op["id"])).state == "awaiting_approval"
     fetch = await browser.get("/console/overview/cards", headers={"X-Console-Fetch": "1"})
     assert fetch.status_code == 401  # the page's script reloads into the sign-in page
 
@@ -191,8 +191,8 @@ async def test_open_mode_says_so_on_every_page_and_journals_the_given_name(
         resp = await c.post(f"/console/approvals/{op['id']}/approve", data={
             "csrf": token, "epoch": "1", "arguments_digest": op["arguments_digest"]})
         assert resp.status_code == 303, resp.text
-        journal = await svc.journal(op["id"])
-        assert journal[-1]["kind"] == "approved" and journal[-1]["actor"] == "operator:bob"
+        last = (await svc.journal(op["id"])).entries[-1]
+        assert last.kind == "approved" and last.actor == "operator:bob"
 
 
 # ---- CSRF ----------------------------------------------------------------------------------
@@ -207,7 +207,7 @@ async def test_a_form_post_without_the_csrf_token_is_refused_and_changes_nothing
         data = form if csrf is None else {**form, "csrf": csrf}
         resp = await browser.post(f"/console/approvals/{op['id']}/approve", data=data)
         assert resp.status_code == 403 and "security token" in resp.text
-    assert (await svc.operation(op["id"]))["state"] == "awaiting_approval"
+    assert (await svc.operation(op["id"])).state == "awaiting_approval"
     # The sign-in form has its own token too.
     resp = await browser.post("/console/login", data={"token": OPERATOR})
     assert resp.status_code == 403
@@ -240,13 +240,13 @@ async def test_approve_binds_to_the_page_and_a_stale_page_is_refused(
     wrong_args = await browser.post(url, data={"csrf": token, "epoch": "1",
                                                "arguments_digest": "sha256:other"})
     assert wrong_args.status_code == 409 and "arguments it showed" in wrong_args.text
-    assert (await svc.operation(op["id"]))["state"] == "awaiting_approval"
+    assert (await svc.operation(op["id"])).state == "awaiting_approval"
     ok = await browser.post(url, data={"csrf": token, "epoch": "1",
                                        "arguments_digest": op["arguments_digest"]})
     assert ok.status_code == 303
     after = await svc.operation(op["id"])
-    assert after["state"] == "pending"
-    assert (await svc.journal(op["id"]))[-1]["actor"] == "operator:alice"
+    assert after.state == "pending"
+    assert (await svc.journal(op["id"])).entries[-1].actor == "operator:alice"
     again = await browser.post(url, data={"csrf": token, "epoch": "1",
                                           "arguments_digest": op["arguments_digest"]})
     assert again.status_code == 409 and "now pending" in again.text
@@ -260,10 +260,10 @@ async def test_reject_needs_a_reason_and_cancels(
     url = f"/console/approvals/{op['id']}/reject"
     missing = await browser.post(url, data={"csrf": token, "epoch": "1", "reason": " "})
     assert missing.status_code == 422 and "reason" in missing.text
-    assert (await svc.operation(op["id"]))["state"] == "awaiting_approval"
+    assert (await svc.operation(op["id"])).state == "awaiting_approval"
     ok = await browser.post(url, data={"csrf": token, "epoch": "1", "reason": "wrong account"})
     assert ok.status_code == 303
-    assert (await svc.operation(op["id"]))["state"] == "cancelled"
+    assert (await svc.operation(op["id"])).state == "cancelled"
 
 
 # ---- agents --------------------------------------------------------------------------------
@@ -295,7 +295,7 @@ async def test_agent_session_is_read_only_and_sees_only_its_tenant(
     review = await browser.post(f"/console/reviews/{mine['id']}", data={
         "csrf": token, "epoch": "1", "conclusion": "completed", "evidence_ref": "x"})
     assert review.status_code == 403
-    assert (await svc.operation(mine["id"]))["state"] == "awaiting_approval"
+    assert (await svc.operation(mine["id"])).state == "awaiting_approval"
 
 
 # ---- reviews -------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ async def test_review_not_executed_with_the_plan_opens_the_next_epoch(
         api: httpx.AsyncClient, browser: httpx.AsyncClient, svc: LedgerService) -> None:
     op = await submit(api, AGENT_A, tool="email")
     await ambiguous(svc, op["id"], undecidable=True)
-    assert (await svc.operation(op["id"]))["state"] == "needs_review"
+    assert (await svc.operation(op["id"])).state == "needs_review"
     await sign_in(browser, token=OPERATOR)
     queue = await browser.get("/console/reviews")
     assert op["id"] in queue.text
@@ -321,14 +321,14 @@ async def test_review_not_executed_with_the_plan_opens_the_next_epoch(
     stale = await browser.post(url, data={"csrf": token, "epoch": "0", "evidence_ref": "T-1",
                                           "conclusion": "not_executed"})
     assert stale.status_code == 409 and "out of date" in stale.text
-    assert (await svc.operation(op["id"]))["state"] == "needs_review"
+    assert (await svc.operation(op["id"])).state == "needs_review"
     ok = await browser.post(url, data={"csrf": token, "epoch": "1", "evidence_ref": "T-1",
                                        "conclusion": Conclusion.NOT_EXECUTED.value,
                                        "retry": "yes"})
     assert ok.status_code == 303
     after = await svc.operation(op["id"])
-    assert after["state"] == "pending" and after["epoch"] == 2
-    kinds = [e["kind"] for e in await svc.journal(op["id"])]
+    assert after.state == "pending" and after.epoch == 2
+    kinds = [e.kind for e in (await svc.journal(op["id"])).entries]
     assert kinds[-3:] == ["review_recorded", "retry_planned", "retry_admitted"], kinds
     shown = await browser.get(f"/console/operations/{op['id']}")
     assert "Retry plan" in shown.text and "admitted" in shown.text

@@ -84,7 +84,7 @@ async def test_applied_verdict_succeeds_with_evidence_in_the_receipt(store: Stor
     assert await led.verdict(op_id, "applied") == Recorded("applied", to_state="succeeded")
     op = await led.op(op_id)
     assert op["state"] == "succeeded" and op["response_digest"] is None
-    receipt = await led.svc.receipt(op_id)
+    receipt = (await led.svc.receipt(op_id)).model_dump(mode="json")  # as the API answers it
     assert receipt["digests"]["response"] is None
     assert receipt["provider_request_ref"] == "tk_7"
     ev = receipt["evidence"]
@@ -151,7 +151,7 @@ async def test_undecidable_verdict_goes_to_review(store: Store) -> None:
     op_id = await led.submit()
     await led.ambiguous(op_id)
     assert (await led.verdict(op_id, "undecidable")).to_state == "needs_review"
-    receipt = await led.svc.receipt(op_id)
+    receipt = (await led.svc.receipt(op_id)).model_dump(mode="json")  # as the API answers it
     assert receipt["reconciliation_status"] == "needs_review"
     assert receipt["open_uncertainties"]
 
@@ -455,7 +455,7 @@ async def test_operation_view_shows_only_the_current_epochs_evidence(store: Stor
         consumer="ledger", message_id=ledger.mid())
     op = await ledger.op(op_id)
     assert (op["state"], op["epoch"], op["evidence"]) == ("succeeded", 2, None)
-    receipt = await ledger.svc.receipt(op_id)
+    receipt = (await ledger.svc.receipt(op_id)).model_dump(mode="json")  # as the API answers it
     assert receipt["evidence"] is None and receipt["open_uncertainties"] == []
     [entry] = await ledger.entries(op_id, "verdict_not_applied")
     assert entry["detail"]["verdict"] == "not_applied" and entry["epoch"] == 1
@@ -488,10 +488,10 @@ async def test_readback_with_two_matches_records_duplicate_detected(store: Store
     assert result.to_state == "needs_review"
     [entry] = await ledger.entries(op_id, "duplicate_detected")
     assert entry["detail"]["matches"] == 2 and entry["detail"]["provider_ref"] == "cus_1"
-    receipt = await ledger.svc.receipt(op_id)
+    receipt = (await ledger.svc.receipt(op_id)).model_dump(mode="json")  # as the API answers it
     assert any(u.startswith("duplicate_detected") for u in receipt["open_uncertainties"])
     [item] = await ledger.svc.review_queue()
-    assert "duplicate_detected" in [e["kind"] for e in item["evidence"]]
+    assert "duplicate_detected" in [e.kind for e in item.evidence]
     assert seen == [("charge", 2)]
 
 
@@ -544,10 +544,10 @@ async def test_retry_on_not_applied_schedules_an_audit_and_its_duplicate_is_reco
     assert op["state"] == "succeeded" and op["evidence"]["duplicate"]["matches"] == 2
     [entry] = await ledger.entries(op_id, "duplicate_detected")
     assert entry["epoch"] == 1
-    receipt = await ledger.svc.receipt(op_id)
+    receipt = (await ledger.svc.receipt(op_id)).model_dump(mode="json")  # as the API answers it
     assert receipt["open_uncertainties"] == [
         "duplicate_detected: the provider lists 2 effects for this operation key"]
-    assert [i["operation"]["id"] for i in await ledger.svc.review_queue()] == [op_id]
+    assert [i.operation.id for i in await ledger.svc.review_queue()] == [op_id]
 
     # An operator closes it with a "completed" review naming how the extra effect was handled;
     # any other conclusion is refused. The operation stays succeeded, the mark stays as evidence.
@@ -562,7 +562,7 @@ async def test_retry_on_not_applied_schedules_an_audit_and_its_duplicate_is_reco
     op = await ledger.op(op_id)
     assert op["state"] == "succeeded"
     assert op["evidence"]["duplicate"]["reviewed"]["evidence_ref"] == "refund re_1"
-    assert (await ledger.svc.receipt(op_id))["open_uncertainties"] == []
+    assert (await ledger.svc.receipt(op_id)).open_uncertainties == []
     assert await ledger.svc.review_queue() == []
 
 
@@ -706,7 +706,7 @@ async def test_a_second_signed_webhook_naming_another_object_is_a_duplicate(
     op = await ledger.op(op_id)
     assert op["state"] == "succeeded" and op["evidence"]["duplicate"]["matches"] == 2
     assert op["evidence"]["duplicate"]["provider_refs"] == ["ch_1", "ch_2"]
-    assert [i["operation"]["id"] for i in await ledger.svc.review_queue()] == [op_id]
+    assert [i.operation.id for i in await ledger.svc.review_queue()] == [op_id]
     [hook] = await ledger.rows(webhook_events, webhook_events.c.webhook_id == "wh2")
     assert hook["applied"] == "duplicate_detected"
 
@@ -735,5 +735,5 @@ async def test_two_objects_while_in_flight_are_a_duplicate_at_once_and_marked_wh
     assert (op["provider_ref"], op["evidence"]["duplicate"]["provider_refs"]) == (
         "ch_1", ["ch_1", "ch_2"])
     assert any(u.startswith("duplicate_detected")
-               for u in (await ledger.svc.receipt(op_id))["open_uncertainties"])
-    assert [i["operation"]["id"] for i in await ledger.svc.review_queue()] == [op_id]
+               for u in (await ledger.svc.receipt(op_id)).open_uncertainties)
+    assert [i.operation.id for i in await ledger.svc.review_queue()] == [op_id]

@@ -100,7 +100,7 @@ async def test_invalid_argument_fails_without_retry_and_the_receipt_guides(
     [entry] = await led.entries(op_id, "retry_declined")
     assert entry["detail"]["reason"] == "class_not_retryable:invalid_argument"
     assert entry["detail"]["policy_digest"] == policy_digest()
-    receipt = await led.svc.receipt(op_id)
+    receipt = (await led.svc.receipt(op_id)).model_dump(mode="json")  # as the API answers it
     expected = Failure(FC.INVALID_ARGUMENT, "bad_request", "x",
                        idempotency=Idempotency.YES).guidance()
     assert receipt["guidance"] == expected and "\n" not in expected
@@ -116,7 +116,7 @@ async def test_receipt_renders_guidance_when_the_outcome_carried_none(store: Sto
     op_id = await led.submit()
     await led.fail(op_id, 1, FC.PERMISSION_DENIED, code="forbidden", http_status=403,
                    guidance="")
-    receipt = await led.svc.receipt(op_id)
+    receipt = (await led.svc.receipt(op_id)).model_dump(mode="json")  # as the API answers it
     assert receipt["guidance"] == Failure(FC.PERMISSION_DENIED, "forbidden", "x",
                                           idempotency=Idempotency.YES).guidance()
     assert "An operator must fix this" in receipt["guidance"]

@@ -10,6 +10,7 @@ import pytest
 
 from effectledger_core.messages import VerdictReached, WebhookReceived
 from effectledger_core.recovery import Conclusion, RecoveryRefused, Review
+from effectledger_core.states import State
 from effectledger_ledger.db.recovery import ActionRejected
 from effectledger_ledger.db.schema import journal, outbox, reviews
 from effectledger_ledger.db.store import Store
@@ -59,13 +60,13 @@ async def test_queue_lists_operations_in_review_with_their_evidence(store: Store
         outcome="pending", body_digest="sha256:b", signed_at=NOW, received_at=NOW))
 
     [item] = await led.svc.review_queue()
-    assert item["operation"]["id"] == waiting and item["operation"]["state"] == "needs_review"
-    kinds = [e["kind"] for e in item["evidence"]]
+    assert item.operation.id == waiting and item.operation.state == "needs_review"
+    kinds = [e.kind for e in item.evidence]
     assert kinds[:2] == ["outcome_recorded", "verdict_undecidable"] and "webhook_kept" in kinds
-    outcome = item["evidence"][0]["detail"]
+    outcome = item.evidence[0].detail
     assert outcome["reason"] == "connection_lost" and outcome["message"] == "reset after send"
-    assert item["evidence"][1]["detail"]["evidence"]["reason"] == "no readback and no webhook"
-    assert [h["webhook_id"] for h in item["webhooks"]] == ["wh-p"]
+    assert item.evidence[1].detail["evidence"]["reason"] == "no readback and no webhook"
+    assert [h.webhook_id for h in item.webhooks] == ["wh-p"]
 
 
 async def test_completed_review_succeeds_on_operator_evidence(store: Store) -> None:
@@ -75,15 +76,15 @@ async def test_completed_review_succeeds_on_operator_evidence(store: Store) -> N
     op_id = await led.in_review()
     outbox_before = await led.rows(outbox, outbox.c.operation_id == op_id)
     led.now += timedelta(minutes=5)
-    op = await led.svc.review(op_id, review(Conclusion.COMPLETED))
-    assert op["state"] == "succeeded"
+    row = await led.svc.review(op_id, review(Conclusion.COMPLETED))
+    assert row.state is State.SUCCEEDED
     op = await led.op(op_id)
     assert (op["state"], op["epoch"]) == ("succeeded", 1)
     assert op["response_digest"] is None and op["provider_ref"] is None
     assert op["evidence"]["source"] == "operator" and op["evidence"]["operator"] == "alice"
     assert op["evidence"]["evidence_ref"] == "INC-42: provider console"
     assert await led.rows(outbox, outbox.c.operation_id == op_id) == outbox_before
-    receipt = await led.svc.receipt(op_id)
+    receipt = (await led.svc.receipt(op_id)).model_dump(mode="json")  # as the API answers it
     assert receipt["digests"]["response"] is None and receipt["evidence"]["source"] == "operator"
     assert receipt["open_uncertainties"] == []
     [entry] = await led.rows(journal, journal.c.kind == "review_recorded")
@@ -106,7 +107,7 @@ async def test_uncertain_review_stays_in_review(store: Store) -> None:
     assert (op["state"], op["epoch"]) == ("needs_review", 1)
     [row] = await led.rows(reviews)
     assert row["conclusion"] == "uncertain"
-    assert [i["operation"]["id"] for i in await led.svc.review_queue()] == [op_id]
+    assert [i.operation.id for i in await led.svc.review_queue()] == [op_id]
     with pytest.raises(RecoveryRefused) as info:
         await led.svc.retry(op_id, operator="alice")
     assert info.value.reason == "needs_review"

@@ -5,7 +5,7 @@ later, and a tool that names no provider is decided by no webhook (bound by defa
 from __future__ import annotations
 
 import itertools
-from typing import Any, Literal
+from typing import Literal
 
 import sqlalchemy as sa
 
@@ -17,6 +17,7 @@ from effectledger_core.messages import (
     WebhookReceived,
 )
 from effectledger_core.subjects import Subjects
+from effectledger_core.views import OperationView
 from effectledger_ledger.db.resolution import Recorded
 from effectledger_ledger.db.schema import journal, webhook_events
 from effectledger_ledger.db.store import Store
@@ -47,7 +48,7 @@ def service(store: Store) -> LedgerService:
                          clock=lambda: NOW, ids=lambda: f"id{next(ids):05d}")
 
 
-async def ambiguous_op(svc: LedgerService, tool: str) -> dict[str, Any]:
+async def ambiguous_op(svc: LedgerService, tool: str) -> OperationView:
     op = (await svc.submit(SubmitIntent(tool=tool, arguments={}))).operation
     await svc.claim(ClaimAttempt(operation_id=op["id"], epoch=1, attempt_id="a1",
                                  dispatcher_id="d"))
@@ -74,16 +75,16 @@ async def kinds(store: Store, op_id: str) -> list[str]:
 async def test_the_bound_provider_decides_its_tool(store: Store) -> None:
     svc = service(store)
     op = await ambiguous_op(svc, "pay")
-    assert (await hook(svc, "stripe", op["operation_key"])).to_state == "succeeded"
+    assert (await hook(svc, "stripe", op.operation_key)).to_state == "succeeded"
 
 
 async def test_another_provider_never_speaks_for_a_bound_tool(store: Store) -> None:
     svc = service(store)
     op = await ambiguous_op(svc, "pay")
-    result = await hook(svc, "sandbox", op["operation_key"])
+    result = await hook(svc, "sandbox", op.operation_key)
     assert (result.status, result.reason) == ("rejected", "provider_not_bound")
-    assert (await svc.operation(op["id"]))["state"] == "ambiguous"
-    assert "webhook_refused" in await kinds(store, op["id"])
+    assert (await svc.operation(op.id)).state == "ambiguous"
+    assert "webhook_refused" in await kinds(store, op.id)
     async with store.transaction() as conn:
         [row] = (await conn.execute(sa.select(webhook_events))).mappings().all()
     # Marked used: no later state change can pick it up as early evidence.
@@ -94,8 +95,8 @@ async def test_a_catalog_declared_provider_never_speaks_for_an_unbound_tool(
         store: Store) -> None:
     svc = service(store)
     op = await ambiguous_op(svc, "legacy")
-    assert (await hook(svc, "stripe", op["operation_key"])).reason == "provider_not_bound"
-    assert (await svc.operation(op["id"]))["state"] == "ambiguous"
+    assert (await hook(svc, "stripe", op.operation_key)).reason == "provider_not_bound"
+    assert (await svc.operation(op.id)).state == "ambiguous"
 
 
 async def test_no_configured_provider_speaks_for_a_tool_that_names_none(store: Store) -> None:
@@ -107,10 +108,10 @@ async def test_no_configured_provider_speaks_for_a_tool_that_names_none(store: S
     op = await ambiguous_op(svc, "legacy")
     before = metrics.child(metrics.WEBHOOKS_UNBOUND, "other")._value.get()
     for provider in ("acme", "sandbox"):
-        result = await hook(svc, provider, op["operation_key"])
+        result = await hook(svc, provider, op.operation_key)
         assert (result.status, result.reason) == ("rejected", "provider_not_bound"), result
-    assert (await svc.operation(op["id"]))["state"] == "ambiguous"
-    assert (await kinds(store, op["id"])).count("webhook_refused") == 2
+    assert (await svc.operation(op.id)).state == "ambiguous"
+    assert (await kinds(store, op.id)).count("webhook_refused") == 2
     assert metrics.child(metrics.WEBHOOKS_UNBOUND, "other")._value.get() == before + 2
     async with store.transaction() as conn:
         rows = (await conn.execute(sa.select(webhook_events.c.applied))).scalars().all()
@@ -137,7 +138,7 @@ async def test_an_early_webhook_from_another_provider_is_refused_when_its_operat
     await svc.record_outcome(OutcomeAmbiguous(
         operation_id=op_id, epoch=1, attempt_id="a1", dispatcher_id="d", at=NOW,
         reason="timeout"), consumer="ledger", message_id="m-early")
-    assert (await svc.operation(op_id))["state"] == "ambiguous"
+    assert (await svc.operation(op_id)).state == "ambiguous"
     assert "webhook_refused" in await kinds(store, op_id)
     async with store.transaction() as conn:
         [row] = (await conn.execute(sa.select(webhook_events))).mappings().all()

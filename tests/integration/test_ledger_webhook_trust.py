@@ -6,7 +6,6 @@ bound to the tool."""
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 from effectledger_core.catalog import Catalog
 from effectledger_core.messages import (
@@ -18,6 +17,7 @@ from effectledger_core.messages import (
     WebhookReceived,
 )
 from effectledger_core.subjects import Subjects
+from effectledger_core.views import OperationView
 from effectledger_ledger.db.rows import Recorded
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.service import LedgerService
@@ -37,7 +37,7 @@ def service(store: Store) -> LedgerService:
                          clock=lambda: NOW, ids=lambda: f"id{next(ids):05d}")
 
 
-async def accepted(svc: LedgerService, op_id: str, epoch: int, ref: str) -> dict[str, Any]:
+async def accepted(svc: LedgerService, op_id: str, epoch: int, ref: str) -> OperationView:
     attempt = f"a{epoch}"
     reply = await svc.claim(ClaimAttempt(operation_id=op_id, epoch=epoch, attempt_id=attempt,
                                          dispatcher_id="d"))
@@ -47,7 +47,7 @@ async def accepted(svc: LedgerService, op_id: str, epoch: int, ref: str) -> dict
         provider_ref=ref, response_digest="sha256:r"), consumer="ledger",
         message_id=f"m-{op_id}-{epoch}")
     op = await svc.operation(op_id)
-    assert op["state"] == "awaiting_confirmation", op
+    assert op.state == "awaiting_confirmation", op
     return op
 
 
@@ -72,7 +72,7 @@ async def test_a_tokenless_not_applied_counts_for_its_attempt_and_never_for_the_
     again = await not_applied(svc, "w1-resent", ref="ref-1", key=key)
     assert (again.status, again.reason) == ("kept", "unnamed_attempt"), again
     now = await svc.operation(op["id"])
-    assert (now["state"], now["epoch"]) == ("awaiting_confirmation", 2)
+    assert (now.state, now.epoch) == ("awaiting_confirmation", 2)
 
 
 async def test_a_tokenless_not_applied_naming_no_attempt_decides_nothing(store: Store) -> None:
@@ -81,7 +81,7 @@ async def test_a_tokenless_not_applied_naming_no_attempt_decides_nothing(store: 
     await accepted(svc, op["id"], 1, "ref-1")
     result = await not_applied(svc, "w1", ref=None, key=op["operation_key"])
     assert (result.status, result.reason) == ("kept", "unnamed_attempt")
-    assert (await svc.operation(op["id"]))["state"] == "awaiting_confirmation"
+    assert (await svc.operation(op["id"])).state == "awaiting_confirmation"
 
 
 async def test_an_early_webhook_from_an_unbound_provider_never_settles_the_operation(
@@ -102,10 +102,10 @@ async def test_an_early_webhook_from_an_unbound_provider_never_settles_the_opera
         operation_id=op["id"], epoch=1, attempt_id="a1", dispatcher_id="d", at=NOW,
         reason="timeout"), consumer="ledger", message_id="m1")
     done = await svc.operation(op["id"])
-    assert done["state"] == "succeeded"
+    assert done.state == "succeeded"
     journal = await svc.journal(op["id"])
-    [settled] = [e for e in journal if e["kind"] == "verdict_applied"]
-    assert settled["actor"] == "webhook:sandbox"
+    [settled] = [e for e in journal.entries if e.kind == "verdict_applied"]
+    assert settled.actor == "webhook:sandbox"
 
 
 async def test_an_early_webhook_from_an_unbound_provider_alone_leaves_it_ambiguous(
@@ -121,4 +121,4 @@ async def test_an_early_webhook_from_an_unbound_provider_alone_leaves_it_ambiguo
     await svc.record_outcome(OutcomeAmbiguous(
         operation_id=op["id"], epoch=1, attempt_id="a1", dispatcher_id="d", at=NOW,
         reason="timeout"), consumer="ledger", message_id="m1")
-    assert (await svc.operation(op["id"]))["state"] == "ambiguous"
+    assert (await svc.operation(op["id"])).state == "ambiguous"

@@ -125,7 +125,7 @@ async def test_invalid_wait_is_refused_before_anything_is_submitted(
                              json={"tool": "lookup", "arguments": {"q": 3}})
     assert resp.status_code == 422 and resp.json()["error"]["code"] == "invalid_request"
     assert "wait" in resp.json()["error"]["message"]
-    assert (await svc.list_operations(state=None, limit=10, cursor=None))["items"] == []
+    assert (await svc.list_operations(state=None, limit=10, cursor=None)).items == []
 
 
 async def test_waiting_on_another_tenants_operation_is_not_found(
@@ -168,7 +168,7 @@ async def test_waits_starting_together_share_their_state_reads(
     assert svc.waiters.state_queries - before <= 5
     await svc.claim(_claim(ops[0]["id"]))
     await svc.record_outcome(_success(ops[0]["id"]), consumer="ledger", message_id="m9")
-    assert (await asyncio.wait_for(waits[0], 10))["state"] == "succeeded"
+    assert (await asyncio.wait_for(waits[0], 10)).state == "succeeded"
     for w in waits[1:]:
         w.cancel()
     await asyncio.gather(*waits[1:], return_exceptions=True)

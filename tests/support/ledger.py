@@ -176,7 +176,8 @@ class LedgerDriver:
     # ---- reading back --------------------------------------------------------------------
 
     async def op(self, op_id: str) -> dict[str, Any]:
-        return await self.svc.operation(op_id)
+        """The operation as the HTTP API answers it (its JSON form), for assertions on it."""
+        return (await self.svc.operation(op_id)).model_dump(mode="json")
 
     async def key(self, op_id: str) -> str:
         return str((await self.op(op_id))["operation_key"])

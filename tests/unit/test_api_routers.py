@@ -13,38 +13,43 @@ import pytest
 from fastapi import FastAPI
 
 from effectledger_core.errors import NotFound
+from effectledger_core.views import Journal, JournalEntry, OperationView
 from effectledger_ledger.api import deps, errors, operations, operators
 from effectledger_ledger.auth import Principal
 from effectledger_ledger.console import operations as console_operations
 from effectledger_ledger.console import state as console_state
 from effectledger_ledger.console.sessions import Session
+from tests.support.views import AT, operation_view
 
 AGENT = Principal("agent", "agent:t1", "t1")
 OPERATOR = Principal("operator", "alice")
 
 
 class FakeService:
-    """The few LedgerService calls these routes make, over a dict; records every action."""
+    """The few LedgerService calls these routes make, over views it keeps; records every
+    action."""
 
-    def __init__(self, *ops: dict[str, Any]) -> None:
-        self.ops = {op["id"]: op for op in ops}
+    def __init__(self, *ops: OperationView) -> None:
+        self.ops = {op.id: op for op in ops}
         self.actions: list[tuple[str, str, dict[str, Any]]] = []
 
-    async def operation(self, operation_id: str) -> dict[str, Any]:
+    async def operation(self, operation_id: str) -> OperationView:
         if operation_id not in self.ops:
             raise NotFound(f"operation {operation_id!r} not found")
         return self.ops[operation_id]
 
-    async def journal(self, operation_id: str) -> list[dict[str, Any]]:
-        return [{"kind": "submitted", "operation_id": operation_id}]
+    async def journal(self, operation_id: str) -> Journal:
+        return Journal(operation_id=operation_id, entries=[JournalEntry(
+            id=1, operation_id=operation_id, at=AT, kind="submitted", actor="agent",
+            detail={})])
 
     async def approve(self, operation_id: str, **kw: Any) -> None:
         self.actions.append(("approve", operation_id, kw))
-        self.ops[operation_id] = {**self.ops[operation_id], "state": "pending"}
+        self.ops[operation_id] = self.ops[operation_id].model_copy(update={"state": "pending"})
 
 
-def _op(op_id: str, tenant: str, state: str = "awaiting_approval") -> dict[str, Any]:
-    return {"id": op_id, "tenant": tenant, "state": state, "epoch": 1}
+def _op(op_id: str, tenant: str, state: str = "awaiting_approval") -> OperationView:
+    return operation_view(id=op_id, tenant=tenant, state=state, operation_key=f"k-{op_id}")
 
 
 def api(fake: FakeService, who: Principal) -> FastAPI:
@@ -80,7 +85,9 @@ async def test_get_operation_alone_hides_another_tenants_operation(fake: FakeSer
                                           "message": "operation 'op-2' not found"}
         journal = await c.get("/v1/operations/op-1/journal")
         assert journal.json() == {"operation_id": "op-1", "entries": [
-            {"kind": "submitted", "operation_id": "op-1"}]}
+            {"id": 1, "operation_id": "op-1", "at": "2026-11-30T09:00:00+00:00",
+             "kind": "submitted", "epoch": None, "from_state": None, "to_state": None,
+             "actor": "agent", "detail": {}}]}
 
 
 async def test_approve_alone_refuses_an_agent_and_journals_the_tokens_operator(
@@ -99,7 +106,7 @@ async def test_approve_alone_refuses_an_agent_and_journals_the_tokens_operator(
 
 async def test_a_route_function_is_called_by_name(fake: FakeService) -> None:
     view = await operations.get_operation("op-1", AGENT, fake, 0.0)  # type: ignore[arg-type]
-    assert view["id"] == "op-1"
+    assert view.id == "op-1"
     with pytest.raises(NotFound):
         await operations.get_operation("op-2", AGENT, fake, 0.0)  # type: ignore[arg-type]
 

@@ -12,10 +12,12 @@ import pytest
 from effectledger_core.catalog import Catalog
 from effectledger_core.errors import InvalidRequest
 from effectledger_core.recovery import Assessment, Decision, Fact
+from effectledger_core.views import OperationView
 from effectledger_ledger.auth import Principal
 from effectledger_ledger.console import views
 from effectledger_ledger.console.sessions import SessionStore, same_secret
 from effectledger_ledger.console.signin import safe_next as _safe_next
+from tests.support.views import operation_view
 
 TOOL = Catalog.from_mapping(tomllib.loads("""
 [tools.pay]
@@ -34,9 +36,9 @@ fencing_header = ""
 """)).tools
 
 
-def op(state: str, epoch: int = 1, **extra: Any) -> dict[str, Any]:
-    return {"state": state, "epoch": epoch, "operation_key": "ck_1", "arguments": {"amount": 5},
-            **extra}
+def op(state: str, epoch: int = 1, **extra: Any) -> OperationView:
+    return operation_view(state=state, epoch=epoch, operation_key="ck_1",
+                          arguments={"amount": 5}, **extra)
 
 
 def assessment(decision: Decision) -> Assessment:

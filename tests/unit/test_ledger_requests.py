@@ -21,7 +21,9 @@ from effectledger_core.messages import (
     encode,
     parse_answer,
 )
+from effectledger_core.views import OperationView
 from effectledger_ledger.messaging import Requests
+from tests.support.views import operation_view
 
 OP = {"id": "op1", "state": "ambiguous", "epoch": 2, "operation_key": "ck", "tool": "t",
       "provider_ref": "eff_1", "arguments": {"secret": "not in replies"}}
@@ -43,10 +45,10 @@ class FakeService:
         return ClaimReply(status=ClaimStatus.GRANTED, operation_id=claim.operation_id,
                           epoch=claim.epoch, attempt_id=claim.attempt_id)
 
-    async def operation(self, operation_id: str) -> dict[str, Any]:
+    async def operation(self, operation_id: str) -> OperationView:
         if operation_id != OP["id"]:
             raise NotFound(f"operation {operation_id!r} not found")
-        return OP
+        return operation_view(**OP)
 
 
 @pytest.fixture

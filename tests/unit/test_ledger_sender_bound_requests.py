@@ -22,7 +22,9 @@ from effectledger_core.messages import (
     parse_answer,
 )
 from effectledger_core.subjects import Subjects
+from effectledger_core.views import OperationView
 from effectledger_ledger.messaging import Requests
+from tests.support.views import operation_view
 
 S = Subjects("fx", "FX")
 OP = {"id": "op1", "state": "pending", "epoch": 1, "operation_key": "k", "tool": "t",
@@ -50,10 +52,10 @@ class Service:
         return ClaimReply(status=ClaimStatus.GRANTED, operation_id=claim.operation_id,
                           epoch=claim.epoch, attempt_id=claim.attempt_id)
 
-    async def operation(self, operation_id: str) -> dict[str, Any]:
+    async def operation(self, operation_id: str) -> OperationView:
         if operation_id != OP["id"]:
             raise NotFound(f"operation {operation_id!r} not found")
-        return OP
+        return operation_view(**OP)
 
 
 def _body(**kw: Any) -> bytes:

@@ -22,13 +22,15 @@ from pydantic import BaseModel
 
 from effectledger_client import Client, LedgerError, OperationView, RateLimited, localtokens
 from effectledger_core.ids import new_id
+from effectledger_core.states import State
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 EXIT_FAILED, EXIT_UNKNOWN, EXIT_APPROVAL, EXIT_TIMEOUT = 3, 4, 5, 6
 EXIT_RESEND = 7  # not known to be recorded; the same command again is safe
-_BY_STATE = {"succeeded": EXIT_OK, "failed": EXIT_FAILED, "cancelled": EXIT_FAILED,
-             "needs_review": EXIT_UNKNOWN, "ambiguous": EXIT_UNKNOWN,
-             "awaiting_approval": EXIT_APPROVAL}
+_BY_STATE: dict[str, int] = {
+    State.SUCCEEDED: EXIT_OK, State.FAILED: EXIT_FAILED, State.CANCELLED: EXIT_FAILED,
+    State.NEEDS_REVIEW: EXIT_UNKNOWN, State.AMBIGUOUS: EXIT_UNKNOWN,
+    State.AWAITING_APPROVAL: EXIT_APPROVAL}
 
 
 def exit_code(op: OperationView) -> int:

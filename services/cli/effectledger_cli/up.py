@@ -27,6 +27,7 @@ import httpx
 from effectledger_bus.permissions import Role, user_name
 from effectledger_bus.topology import topology
 from effectledger_client import localtokens
+from effectledger_core.states import AT_REST, State
 from effectledger_core.unsafe import NATS_WITHOUT_PERMISSIONS, OPEN_API, check
 
 from . import api_tokens, child_env, children, files, nats_auth, supervisor, up_nats
@@ -35,7 +36,6 @@ from .children import Child, StartFailed
 from .stop_signals import Stopped, StopSignals
 from .up_plan import Refused, UpPlan, plan
 
-AT_REST = {"succeeded", "failed", "cancelled", "needs_review"}
 # Stop budget per stage, in order; together well under the 10 s a supervisor usually allows.
 STOP_STAGES = ((("dispatcher", "reconciler"), 4.0), (("ledger", "sandbox"), 3.0),
                (("nats",), 2.0))
@@ -324,7 +324,7 @@ def _demo(url: str, n: int, token: str | None) -> int:
         summary[s] = summary.get(s, 0) + 1
     print("demo: " + json.dumps(summary, sort_keys=True))
     sys.stdout.flush()
-    return 0 if summary == {"succeeded": n} else 1
+    return 0 if summary == {State.SUCCEEDED.value: n} else 1
 
 
 def _demo_arguments(tool: str, i: int) -> dict[str, Any]:

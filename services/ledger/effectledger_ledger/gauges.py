@@ -21,8 +21,9 @@ import sqlalchemy as sa
 from prometheus_client import Gauge
 
 from effectledger_core.ids import Clock, utcnow
+from effectledger_core.states import UNRESOLVED, State
 
-from .db.schema import ACTIVE_STATES, operations, outbox
+from .db.schema import ACTIVE_STATES, OUTBOX_PENDING, OUTBOX_PUBLISHING, operations, outbox
 from .db.store import Store
 
 log = logging.getLogger(__name__)
@@ -58,13 +59,11 @@ RECONCILE_DEADLINE = Gauge(
 DB_GAUGES_UP = Gauge(
     "effectledger_db_gauges_up", "1 when the last database read for these gauges succeeded.")
 
-UNRESOLVED = ("ambiguous", "awaiting_confirmation")
-
 _BY_STATE = (sa.select(operations.c.state, sa.func.count(), sa.func.min(operations.c.updated_at))
              .where(operations.c.state.in_(ACTIVE_STATES))
              .group_by(operations.c.state))
 _OUTBOX = (sa.select(sa.func.count(), sa.func.min(outbox.c.created_at))
-           .where(outbox.c.status.in_(("pending", "publishing"))))
+           .where(outbox.c.status.in_((OUTBOX_PENDING, OUTBOX_PUBLISHING))))
 
 
 def _age(now: datetime, since: datetime | None) -> float:
@@ -102,9 +101,9 @@ class DbGauges:
         AMBIGUOUS.set(sum(counts[s][0] for s in UNRESOLVED))
         olds: list[datetime] = [o for s in UNRESOLVED if (o := counts[s][1]) is not None]
         AMBIGUOUS_OLDEST_AGE.set(_age(now, min(olds)) if olds else 0.0)
-        REVIEW_QUEUE.set(counts["needs_review"][0])
-        REVIEW_OLDEST_AGE.set(_age(now, counts["needs_review"][1]))
-        AWAITING_APPROVAL.set(counts["awaiting_approval"][0])
+        REVIEW_QUEUE.set(counts[State.NEEDS_REVIEW][0])
+        REVIEW_OLDEST_AGE.set(_age(now, counts[State.NEEDS_REVIEW][1]))
+        AWAITING_APPROVAL.set(counts[State.AWAITING_APPROVAL][0])
         OUTBOX_UNPUBLISHED.set(int(unpublished))
         OUTBOX_OLDEST_AGE.set(_age(now, _as_utc(oldest_row)))
 

@@ -52,6 +52,7 @@ from effectledger_core.messages import (
     parse,
     parse_ledger_event,
 )
+from effectledger_core.views import OperationView
 
 from .service import LedgerService
 
@@ -65,12 +66,19 @@ def _error_reply(exc: EffectLedgerError) -> bytes:
     return encode(ErrorReply(error=ErrorDetail.model_validate(exc.to_dict())))
 
 
-def _summary(op: dict[str, Any], *, with_ref: bool) -> OperationSummary:
-    return OperationSummary(id=op["id"], state=op["state"], epoch=op["epoch"],
-                            operation_key=op["operation_key"], tool=op["tool"],
-                            provider_ref=op.get("provider_ref") if with_ref else None,
+def _summary(op: OperationView, *, with_ref: bool) -> OperationSummary:
+    return OperationSummary(id=op.id, state=op.state, epoch=op.epoch,
+                            operation_key=op.operation_key, tool=op.tool,
+                            provider_ref=op.provider_ref if with_ref else None,
                             # Of the arguments as stored, which is what every reconcile
                             # command is rendered from (jsonb may rewrite a large number).
+                            arguments_digest=arguments_digest(op.arguments))
+
+
+def _submitted(op: dict[str, Any]) -> OperationSummary:
+    """A new intent's operation, from the columns its transaction wrote (`Submitted`)."""
+    return OperationSummary(id=op["id"], state=op["state"], epoch=op["epoch"],
+                            operation_key=op["operation_key"], tool=op["tool"],
                             arguments_digest=arguments_digest(op["arguments"])
                             if "arguments" in op else op.get("arguments_digest"))
 
@@ -91,7 +99,7 @@ class Requests:
         except EffectLedgerError as exc:
             return _error_reply(exc)
         return encode(IntentReply(created=submitted.created,
-                                  operation=_summary(submitted.operation, with_ref=False)))
+                                  operation=_submitted(submitted.operation)))
 
     async def intent_for(self, subject: str, raw: bytes) -> bytes:
         """An agent's intent on its tenant's subject: the tenant is the subject's, whatever the
@@ -109,16 +117,16 @@ class Requests:
         except EffectLedgerError as exc:
             return _error_reply(exc)
         return encode(IntentReply(created=submitted.created,
-                                  operation=_summary(submitted.operation, with_ref=False)))
+                                  operation=_submitted(submitted.operation)))
 
-    async def _tenants_operation(self, subject: str, operation_id: str) -> dict[str, Any]:
+    async def _tenants_operation(self, subject: str, operation_id: str) -> OperationView:
         """The operation if it belongs to the subject's tenant; otherwise exactly as missing."""
         tenant = self.service.subjects.tenant_of(subject)
         try:
             op = await self.service.operation(operation_id)
         except NotFound:
             op = None
-        if op is None or tenant is None or op.get("tenant") != tenant:
+        if op is None or tenant is None or op.tenant != tenant:
             raise NotFound(f"operation {operation_id!r} not found")
         return op
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from effectledger_core.states import AT_REST
+from effectledger_core.states import AT_REST, State
 from effectledger_obs import metrics
 
 from .db import duplicates
@@ -92,7 +92,7 @@ class Observer:
                 max(0.0, (at - tracked.claimed_at).total_seconds()))
 
     def _time(self, row: JournalRow, op_id: str, from_state: str, to_state: str) -> None:
-        if to_state == "in_flight":
+        if to_state == State.IN_FLIGHT:
             tracked = self._ops.get(op_id)
             if tracked is not None:
                 tracked.claimed_at = row["at"]

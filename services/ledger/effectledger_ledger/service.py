@@ -8,7 +8,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from sqlalchemy.exc import IntegrityError
 
@@ -33,6 +33,14 @@ from effectledger_core.recovery import Assessment, Review, inspect_recovery, pre
 from effectledger_core.retry_policy import RetryBudget, RetryContext, RetryDecision, decide_retry
 from effectledger_core.states import ACTIVE, State
 from effectledger_core.subjects import Subjects
+from effectledger_core.views import (
+    Journal,
+    OperationPage,
+    OperationView,
+    Receipt,
+    ReviewItem,
+    Stats,
+)
 from effectledger_core.waiting import wait_over
 from effectledger_obs import metrics, tracing
 
@@ -251,7 +259,7 @@ class LedgerService:
         evidence = verdict.evidence
         if result.status == "applied" and evidence is not None and (evidence.matches or 0) > 1:
             op = await self.operation(verdict.operation_id)  # rare: one read for the label
-            duplicates.announce(op["tool"], evidence.matches or 0, verdict.operation_id)
+            duplicates.announce(op.tool, evidence.matches or 0, verdict.operation_id)
         return result
 
     async def record_webhook(self, hook: WebhookReceived) -> Recorded:
@@ -309,12 +317,12 @@ class LedgerService:
         log.warning("dead-lettered %s from %s: %s", letter.message_id, letter.consumer,
                     letter.error)
 
-    async def operation(self, operation_id: str) -> dict[str, Any]:
+    async def operation(self, operation_id: str) -> OperationView:
         async with self.store.transaction() as conn:
             return await reads.get_operation(conn, operation_id)
 
     async def wait_operation(self, operation_id: str, wait_s: float, *,
-                             changed_from: str | None = None) -> dict[str, Any]:
+                             changed_from: str | None = None) -> OperationView:
         """The operation once it is settled (or, with `changed_from`, once its state is no
         longer that one), else after `wait_s` as it is then. Woken by commits, not polling;
         while it waits only its state is read (batched with other waits, waiters.py)."""
@@ -335,34 +343,35 @@ class LedgerService:
         async with self.store.transaction() as conn:
             return await states_of(conn, operation_ids)
 
-    async def journal(self, operation_id: str) -> list[dict[str, Any]]:
+    async def journal(self, operation_id: str) -> Journal:
         async with self.store.transaction() as conn:
-            return await reads.get_journal(conn, operation_id)
+            return Journal(operation_id=operation_id,
+                           entries=await reads.get_journal(conn, operation_id))
 
-    async def receipt(self, operation_id: str) -> dict[str, Any]:
+    async def receipt(self, operation_id: str) -> Receipt:
         return reads.build_receipt(await self.operation(operation_id))
 
     async def list_operations(self, *, state: str | None, limit: int,
-                              cursor: str | None, tenant: str | None = None) -> dict[str, Any]:
+                              cursor: str | None, tenant: str | None = None) -> OperationPage:
         async with self.store.transaction() as conn:
             return await reads.list_operations(conn, state=state, limit=limit, cursor=cursor,
                                                tenant=tenant)
 
-    async def stats(self, tenant: str | None = None) -> dict[str, Any]:
+    async def stats(self, tenant: str | None = None) -> Stats:
         """Counts by state; for one tenant only its operations (the outbox is not per tenant,
-        so it is left out)."""
+        so it is left out: unset, not null, so the JSON has no `outbox` at all)."""
         from .db.outbox import backlog_txn
 
         async with self.store.transaction() as conn:
             if tenant is not None:
-                return {"operations": await reads.count_by_state(conn, tenant)}
-            return {"operations": await reads.count_by_state(conn),
-                    "outbox": await backlog_txn(conn)}
+                return Stats(operations=await reads.count_by_state(conn, tenant))
+            return Stats(operations=await reads.count_by_state(conn),
+                         outbox=await backlog_txn(conn))
 
     # ---- operator actions -------------------------------------------------------------
 
     async def approve(self, operation_id: str, *, epoch: int, arguments_digest: str,
-                      operator: str) -> dict[str, Any]:
+                      operator: str) -> OperationRow:
         op = await self.store.run(rec.approve_txn, operation_id, epoch=epoch,
                                   arguments_digest=arguments_digest, operator=operator,
                                   subjects=self.subjects, outbox_id=self.ids(), now=self.clock(),
@@ -372,14 +381,14 @@ class LedgerService:
         return op
 
     async def reject(self, operation_id: str, *, epoch: int, operator: str,
-                     reason: str) -> dict[str, Any]:
+                     reason: str) -> OperationRow:
         op = await self.store.run(rec.reject_txn, operation_id, epoch=epoch, operator=operator,
                                   reason=reason, subjects=self.subjects, now=self.clock(),
                                   traceparent=tracing.current_traceparent())
         self.waiters.changed(operation_id)
         return op
 
-    async def cancel(self, operation_id: str, *, operator: str, reason: str) -> dict[str, Any]:
+    async def cancel(self, operation_id: str, *, operator: str, reason: str) -> OperationRow:
         op = await self.store.run(rec.cancel_txn, operation_id, operator=operator,
                                   reason=reason, subjects=self.subjects, now=self.clock(),
                                   traceparent=tracing.current_traceparent())
@@ -412,13 +421,13 @@ class LedgerService:
                                          now=self.clock(),
                                          traceparent=tracing.current_traceparent())
         if admission.admitted:
-            self.waiters.changed((admission.operation or {}).get("id"))
+            self.waiters.changed(admission.operation.id if admission.operation else None)
             self.outbox_wake.set()
         return admission
 
     # ---- human review -----------------------------------------------------------------
 
-    async def review(self, operation_id: str, review: Review) -> dict[str, Any]:
+    async def review(self, operation_id: str, review: Review) -> OperationRow:
         from .db.reviews import record_review_txn
 
         op = await self.store.run(record_review_txn, operation_id, review=review,
@@ -427,7 +436,7 @@ class LedgerService:
         self.waiters.changed(operation_id)
         return op
 
-    async def review_queue(self, limit: int = 100) -> list[dict[str, Any]]:
+    async def review_queue(self, limit: int = 100) -> list[ReviewItem]:
         from .db.reviews import review_queue
 
         async with self.store.transaction() as conn:

@@ -20,6 +20,7 @@ from typing import Any
 
 from effectledger_core.failures import Failure, Idempotency
 from effectledger_core.messages import FailureClass
+from effectledger_core.states import TERMINAL, State
 from effectledger_core.views import OperationView
 
 META_KEY = "effectledger/idempotencyKey"
@@ -178,9 +179,9 @@ _DECIDERS = {"readback": "readback", "webhook": "webhook", "operator": "operator
 
 
 def decided_by(op: OperationView) -> str | None:
-    if op.state not in ("succeeded", "failed", "cancelled"):
+    if op.state not in TERMINAL:
         return None
-    if op.state == "cancelled":
+    if op.state == State.CANCELLED:
         return "operator"
     source = (op.evidence or {}).get("source")
     return _DECIDERS.get(str(source), "provider")
@@ -205,11 +206,12 @@ def guidance(op: OperationView) -> str | None:
 _UNKNOWN = ("The outcome is UNKNOWN: the provider may or may not have applied this effect. "
             "Do NOT retry it with other arguments or a new repeat label, and do not try to "
             "achieve the same effect another way.")
-_NEXT = {
-    "ambiguous": "effectledger is finding out from the provider (readback or webhook).",
-    "awaiting_confirmation": "The provider accepted the request and will confirm it later.",
-    "needs_review": "No machine can tell; an operator will review it. Tell the user the "
-                    "outcome is unknown and pending review.",
+_NEXT: dict[str, str] = {
+    State.AMBIGUOUS: "effectledger is finding out from the provider (readback or webhook).",
+    State.AWAITING_CONFIRMATION: "The provider accepted the request and will confirm it "
+                                 "later.",
+    State.NEEDS_REVIEW: "No machine can tell; an operator will review it. Tell the user the "
+                        "outcome is unknown and pending review.",
 }
 
 
@@ -234,12 +236,12 @@ def render(op: OperationView, *, replayed: bool | None, repeat: str | None = Non
     if kept is not None and (kept.truncated or kept.omitted):
         data["result_note"] = "truncated" if kept.truncated else f"omitted: {kept.omitted}"
     is_error = False
-    if state == "succeeded":
+    if state == State.SUCCEEDED:
         data.update(outcome="succeeded", message="Succeeded.")
-    elif state in ("failed", "cancelled"):
+    elif state in (State.FAILED, State.CANCELLED):
         is_error = True
         data.update(outcome=state, guidance=guidance(op), message=(
-            "Cancelled: nothing was applied." if state == "cancelled"
+            "Cancelled: nothing was applied." if state == State.CANCELLED
             else "Failed: the provider refused it and nothing was applied."),
             next="Once the cause is fixed, calling again with the same arguments runs it "
                  "anew (a failed or cancelled call is never joined).")
@@ -249,7 +251,7 @@ def render(op: OperationView, *, replayed: bool | None, repeat: str | None = Non
                         f"{_NEXT[state]} Learn the outcome with {STATUS_TOOL} (operation_id "
                         f"{op.id}); calling this tool again with the same arguments only waits "
                         "for the same operation."))
-    elif state == "awaiting_approval":
+    elif state == State.AWAITING_APPROVAL:
         data.update(outcome="awaiting_approval",
                     message="Awaiting an operator's approval: nothing has been done yet.",
                     next=f"Ask {STATUS_TOOL} (operation_id {op.id}) for the decision; the same "

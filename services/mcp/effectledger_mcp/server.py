@@ -37,6 +37,8 @@ from effectledger_client import (
     Unauthenticated,
 )
 from effectledger_core.argschema import errors_against
+from effectledger_core.states import TERMINAL
+from effectledger_core.waiting import SETTLED
 
 from .mapping import (
     DEFAULT_WAIT_S,
@@ -60,7 +62,8 @@ from .mapping import (
 )
 
 log = logging.getLogger(__name__)
-FINAL = frozenset({"succeeded", "failed", "cancelled"})
+# Settled but not final: waiting for a human (an approval or a review), which wakes no wait.
+WAITING_FOR_HUMAN = SETTLED - TERMINAL
 # A human's decision (approval, review) wakes no wait: a watched operation waiting for one is
 # looked at this often.
 HUMAN_POLL_S = 5.0
@@ -259,8 +262,8 @@ class Tools:
                 await ctx.session.send_resource_updated(uri)
 
         try:
-            while op.state not in FINAL:
-                if op.state in ("awaiting_approval", "needs_review"):
+            while op.state not in TERMINAL:
+                if op.state in WAITING_FOR_HUMAN:
                     await asyncio.sleep(HUMAN_POLL_S)
                     op = await client.get(op.id)
                 else:

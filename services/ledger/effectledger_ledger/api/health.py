@@ -27,8 +27,8 @@ async def prometheus_metrics(state: State) -> Response:
 
 
 @router.get("/healthz", responses={200: {"model": Health}})
-async def healthz() -> dict[str, bool]:
-    return {"ok": True}
+async def healthz() -> Health:
+    return Health(ok=True)
 
 
 async def readiness(state: ApiState, need: tuple[str, ...]) -> JSONResponse:

@@ -39,4 +39,6 @@ async def submit_intent(request: Request, p: Who, service: Service, cap: WaitCap
     op_id = submitted.operation["id"]
     view = (await service.wait_operation(op_id, wait_s) if wait_s > 0
             else await service.operation(op_id))
-    return JSONResponse(view, status_code=201 if submitted.created else 200)
+    # A JSONResponse, for the status only the submission knows: the view's JSON form.
+    return JSONResponse(view.model_dump(mode="json"),
+                        status_code=201 if submitted.created else 200)

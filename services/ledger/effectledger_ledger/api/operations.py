@@ -1,8 +1,6 @@
 """Reading operations: one (optionally waiting until it settles), its journal, its receipt,
 and pages of them. Agents see their own tenant's only; another tenant's reads as missing."""
 
-from typing import Any
-
 from fastapi import APIRouter, Query
 
 from effectledger_core.views import Journal, OperationPage, OperationView, Receipt
@@ -16,40 +14,40 @@ from .deps import ChangedFrom, Service, Wait, WaitCap, Who
 router = APIRouter()
 
 
-async def visible(service: LedgerService, p: Principal, operation_id: str) -> dict[str, Any]:
+async def visible(service: LedgerService, p: Principal, operation_id: str) -> OperationView:
     op = await service.operation(operation_id)
     # Another tenant's operation reads exactly like a missing one, message included.
-    check_tenant(p, op["tenant"], operation_id)
+    check_tenant(p, op.tenant, operation_id)
     return op
 
 
-async def waited(service: LedgerService, op: dict[str, Any], wait: str | None,
-                 changed_from: str | None, *, cap_s: float) -> dict[str, Any]:
+async def waited(service: LedgerService, op: OperationView, wait: str | None,
+                 changed_from: str | None, *, cap_s: float) -> OperationView:
     wait_s = parse_wait(wait, cap_s=cap_s)
-    if wait_s <= 0 or wait_over(op["state"], changed_from):
+    if wait_s <= 0 or wait_over(op.state, changed_from):
         return op  # nothing to wait for: no second read
-    return await service.wait_operation(op["id"], wait_s, changed_from=changed_from)
+    return await service.wait_operation(op.id, wait_s, changed_from=changed_from)
 
 
 @router.get("/v1/operations/{operation_id}", responses={
     200: {"model": OperationView}, **errors(401, 404, 422)},
     summary="An operation (optionally wait until it is settled)")
 async def get_operation(operation_id: str, p: Who, service: Service, cap: WaitCap,
-                        wait: Wait = None, changed_from: ChangedFrom = None) -> dict[str, Any]:
+                        wait: Wait = None, changed_from: ChangedFrom = None) -> OperationView:
     return await waited(service, await visible(service, p, operation_id), wait, changed_from,
                         cap_s=cap)
 
 
 @router.get("/v1/operations/{operation_id}/journal",
             responses={200: {"model": Journal}, **errors(401, 404)})
-async def get_journal(operation_id: str, p: Who, service: Service) -> dict[str, Any]:
+async def get_journal(operation_id: str, p: Who, service: Service) -> Journal:
     await visible(service, p, operation_id)
-    return {"operation_id": operation_id, "entries": await service.journal(operation_id)}
+    return await service.journal(operation_id)
 
 
 @router.get("/v1/operations/{operation_id}/receipt",
             responses={200: {"model": Receipt}, **errors(401, 404)})
-async def get_receipt(operation_id: str, p: Who, service: Service) -> dict[str, Any]:
+async def get_receipt(operation_id: str, p: Who, service: Service) -> Receipt:
     await visible(service, p, operation_id)
     return await service.receipt(operation_id)
 
@@ -57,6 +55,6 @@ async def get_receipt(operation_id: str, p: Who, service: Service) -> dict[str, 
 @router.get("/v1/operations", responses={200: {"model": OperationPage}, **errors(401, 422)})
 async def list_operations(p: Who, service: Service, state: str | None = None,
                           limit: int = Query(100, ge=1, le=1000),
-                          cursor: str | None = None) -> dict[str, Any]:
+                          cursor: str | None = None) -> OperationPage:
     return await service.list_operations(state=state, limit=limit, cursor=cursor,
                                          tenant=p.tenant)

@@ -3,15 +3,20 @@ retry it (with a review when one is needed) or use a prepared retry plan; the re
 reviews. Each action is journaled with the operator's name from the token (`operator_name`
 refuses an agent, and a body naming another operator)."""
 
-from typing import Any
-
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
 from effectledger_core.recovery import Review
-from effectledger_core.views import Admission, OperationView, RecoveryView, ReviewQueue
+from effectledger_core.views import (
+    Admission,
+    OperationRecord,
+    OperationView,
+    RecoveryView,
+    ReviewQueue,
+)
 
 from ..auth import operator_name
+from ..db import recovery as rec
 from ..openapi import errors
 from .bodies import ApproveBody, CancelBody, RejectBody, RetryBody, ReviewBody
 from .deps import Service, Who
@@ -24,7 +29,7 @@ router = APIRouter()
 @router.post("/v1/operations/{operation_id}/approve",
              responses={200: {"model": OperationView}, **errors(401, 403, 404, 409, 422)})
 async def approve(operation_id: str, body: ApproveBody, p: Who,
-                  service: Service) -> dict[str, Any]:
+                  service: Service) -> OperationView:
     await service.approve(operation_id, epoch=body.epoch,
                           arguments_digest=body.arguments_digest,
                           operator=operator_name(p, body.operator))
@@ -34,7 +39,7 @@ async def approve(operation_id: str, body: ApproveBody, p: Who,
 @router.post("/v1/operations/{operation_id}/reject",
              responses={200: {"model": OperationView}, **errors(401, 403, 404, 409, 422)})
 async def reject(operation_id: str, body: RejectBody, p: Who,
-                 service: Service) -> dict[str, Any]:
+                 service: Service) -> OperationView:
     await service.reject(operation_id, epoch=body.epoch,
                          operator=operator_name(p, body.operator), reason=body.reason)
     return await service.operation(operation_id)
@@ -43,7 +48,7 @@ async def reject(operation_id: str, body: RejectBody, p: Who,
 @router.post("/v1/operations/{operation_id}/cancel",
              responses={200: {"model": OperationView}, **errors(401, 403, 404, 409, 422)})
 async def cancel(operation_id: str, body: CancelBody, p: Who,
-                 service: Service) -> dict[str, Any]:
+                 service: Service) -> OperationView:
     await service.cancel(operation_id, operator=operator_name(p, body.operator),
                          reason=body.reason)
     return await service.operation(operation_id)
@@ -51,10 +56,10 @@ async def cancel(operation_id: str, body: CancelBody, p: Who,
 
 @router.get("/v1/operations/{operation_id}/recovery",
             responses={200: {"model": RecoveryView}, **errors(401, 404)})
-async def recovery(operation_id: str, p: Who, service: Service) -> dict[str, Any]:
+async def recovery(operation_id: str, p: Who, service: Service) -> RecoveryView:
     await visible(service, p, operation_id)
     a = await service.inspect(operation_id)
-    return {"fact": a.fact.value, "decision": a.decision.value, "reason": a.reason}
+    return RecoveryView(fact=a.fact.value, decision=a.decision.value, reason=a.reason)
 
 
 @router.post("/v1/operations/{operation_id}/retry",
@@ -64,7 +69,7 @@ async def retry(operation_id: str, body: RetryBody, p: Who, service: Service) ->
     review = None
     if body.review is not None:
         op = await service.operation(operation_id)
-        epoch = body.review.epoch or body.epoch or op["epoch"]
+        epoch = body.review.epoch or body.epoch or op.epoch
         review = Review(operator=operator_name(p, body.review.operator or who),
                         evidence_ref=body.review.evidence_ref,
                         conclusion=body.review.conclusion, epoch=epoch)
@@ -83,31 +88,29 @@ async def use_plan(plan_id: str, p: Who, service: Service) -> JSONResponse:
 
 @router.get("/v1/reviews", responses={200: {"model": ReviewQueue}, **errors(401, 403, 422)})
 async def review_queue(p: Who, service: Service,
-                       limit: int = Query(100, ge=1, le=1000)) -> dict[str, Any]:
+                       limit: int = Query(100, ge=1, le=1000)) -> ReviewQueue:
     operator_name(p, None if p.role == "operator" else "anonymous")
-    return {"items": await service.review_queue(limit)}
+    return ReviewQueue(items=await service.review_queue(limit))
 
 
 @router.post("/v1/operations/{operation_id}/reviews",
              responses={200: {"model": OperationView}, **errors(401, 403, 404, 409, 422)})
 async def review(operation_id: str, body: ReviewBody, p: Who,
-                 service: Service) -> dict[str, Any]:
+                 service: Service) -> OperationView:
     who = operator_name(p, body.operator)
     op = await service.operation(operation_id)
     await service.review(operation_id, Review(
         operator=who, evidence_ref=body.evidence_ref, conclusion=body.conclusion,
-        epoch=body.epoch if body.epoch is not None else op["epoch"]))
+        epoch=body.epoch if body.epoch is not None else op.epoch))
     return await service.operation(operation_id)
 
 
-def _json(v: Any) -> Any:
-    return v.isoformat() if hasattr(v, "isoformat") else v
-
-
-def _admission(plan_id: str, admission: Any) -> JSONResponse:
-    if not admission.admitted:
+def _admission(plan_id: str, admission: rec.Admission) -> JSONResponse:
+    if not admission.admitted or admission.operation is None:
         return error_response(409, "retry_refused", f"the retry plan was refused at admission: "
                               f"{admission.reason}",
                               {"reason": admission.reason, "plan_id": plan_id})
-    return JSONResponse({"plan_id": plan_id, "admitted": True,
-                         "operation": {k: _json(v) for k, v in admission.operation.items()}})
+    view = Admission(plan_id=plan_id, admitted=True,
+                     operation=OperationRecord.model_validate(admission.operation.as_dict()))
+    # A JSONResponse like the refusal's, so both answers are written the same way.
+    return JSONResponse(view.model_dump(mode="json"))

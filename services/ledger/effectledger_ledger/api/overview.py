@@ -1,7 +1,5 @@
 """What the ledger offers and holds: its catalog's tools and its operation counts."""
 
-from typing import Any
-
 from fastapi import APIRouter
 
 from effectledger_core.views import Stats, ToolList
@@ -13,13 +11,15 @@ router = APIRouter()
 
 
 @router.get("/v1/tools", responses={200: {"model": ToolList}, **errors(401)})
-async def list_tools(p: Who, service: Service) -> dict[str, Any]:
+async def list_tools(p: Who, service: Service) -> ToolList:
     tools = service.catalog.tools
-    return {"catalog_digest": service.catalog.digest(),
-            "tools": [tools[n].public_view() for n in sorted(tools)]}
+    return ToolList(catalog_digest=service.catalog.digest(),
+                    tools=[tools[n].public_view() for n in sorted(tools)])
 
 
-@router.get("/v1/stats", responses={200: {"model": Stats}, **errors(401)})
-async def stats(p: Who, service: Service) -> dict[str, Any]:
+# Exclude unset: a tenant's counts have no `outbox` at all (not null).
+@router.get("/v1/stats", responses={200: {"model": Stats}, **errors(401)},
+            response_model_exclude_unset=True)
+async def stats(p: Who, service: Service) -> Stats:
     # Agents see their own tenant's counts only, like every other read.
     return await service.stats(tenant=p.tenant if p.role == "agent" else None)

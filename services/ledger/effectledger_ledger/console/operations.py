@@ -1,7 +1,6 @@
 """The console's operations: the filtered list, one operation with its journal and receipt,
 and the operator's cancel and retry."""
 
-from typing import Any
 from urllib.parse import urlencode
 
 from fastapi import APIRouter, Request
@@ -9,6 +8,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from effectledger_core.errors import InvalidRequest
 from effectledger_core.states import AT_REST, State
+from effectledger_core.views import OperationView
 
 from ..auth import check_tenant
 from ..db import console_reads as cr
@@ -25,9 +25,9 @@ router = APIRouter()
 
 
 async def visible_op(service: LedgerService, session: Session,
-                     operation_id: str) -> dict[str, Any]:
+                     operation_id: str) -> OperationView:
     op = await service.operation(operation_id)
-    check_tenant(session.principal, op["tenant"])
+    check_tenant(session.principal, op.tenant)
     return op
 
 
@@ -70,22 +70,22 @@ async def operation(request: Request, operation_id: str, console: ConsoleDep,
     journal = await service.journal(operation_id)
     assessment = await service.inspect(operation_id)
     return console.render(
-        request, "operation.html", session, op=op, journal=journal,
+        request, "operation.html", session, op=op, journal=journal.entries,
         receipt=build_receipt(op), assessment=assessment,
-        actions=views.allowed_actions(op, assessment), at_rest=State(op["state"]) in AT_REST)
+        actions=views.allowed_actions(op, assessment), at_rest=State(op.state) in AT_REST)
 
 
 @router.get("/operations/{operation_id}/state.json")
 async def operation_state(operation_id: str, console: ConsoleDep,
                           session: SessionDep) -> JSONResponse:
     op = await visible_op(console.service, session, operation_id)
-    return JSONResponse({"state": op["state"], "epoch": op["epoch"]})
+    return JSONResponse({"state": op.state, "epoch": op.epoch})
 
 
 @router.get("/operations/{operation_id}/receipt.json")
 async def receipt(operation_id: str, console: ConsoleDep, session: SessionDep) -> JSONResponse:
     op = await visible_op(console.service, session, operation_id)
-    return JSONResponse(build_receipt(op), headers={
+    return JSONResponse(build_receipt(op).model_dump(mode="json"), headers={
         "Content-Disposition": f'attachment; filename="receipt-{operation_id}.json"'})
 
 

@@ -6,9 +6,11 @@ from fastapi.responses import HTMLResponse, Response
 
 from effectledger_core.errors import UnknownTool
 from effectledger_core.recovery import Conclusion, RecoveryRefused, Review
+from effectledger_core.states import State
 
 from ..db import console_reads as cr
 from ..db.recovery import ActionRejected
+from ..db.reviews import review_item
 from . import views
 from .forms import admission_text, bounded, see, text, whole_number
 from .sessions import Session
@@ -30,14 +32,14 @@ async def review_page(request: Request, console: Console, session: Session,
     service = console.service
     op = await service.operation(operation_id)
     async with service.store.transaction() as conn:
-        evidence = await cr.evidence(conn, op)
+        item = await review_item(conn, op, kinds=cr.REVIEW_PAGE_KINDS)
     preview = None
     try:
-        preview = views.retry_preview(op, service.catalog.get(op["tool"]))
+        preview = views.retry_preview(op, service.catalog.get(op.tool))
     except UnknownTool:
         pass
     return console.render(request, "review.html", session, status_code=status_code,
-                          op=op, evidence=evidence, preview=preview, error=error,
+                          op=op, item=item, preview=preview, error=error,
                           conclusions=[c.value for c in Conclusion])
 
 
@@ -66,11 +68,11 @@ async def record_review(request: Request, operation_id: str, console: ConsoleDep
                                  error="An evidence reference is required: the ticket, "
                                        "log or statement the conclusion rests on.")
     epoch = whole_number(form, "epoch")
-    if op["state"] != "needs_review" or epoch != op["epoch"]:
+    if op.state != State.NEEDS_REVIEW or epoch != op.epoch:
         return await review_page(
             request, console, session, operation_id, status_code=409,
             error=f"This page is out of date: it showed epoch {epoch}; the operation is "
-                  f"now {op['state']} at epoch {op['epoch']}. Nothing was recorded.")
+                  f"now {op.state} at epoch {op.epoch}. Nothing was recorded.")
     who = console.actor(p)
     try:
         await service.review(operation_id, Review(operator=who, evidence_ref=evidence_ref,

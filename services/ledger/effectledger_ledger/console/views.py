@@ -8,9 +8,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import BaseModel
+
 from effectledger_core.catalog import Tool
 from effectledger_core.errors import InvalidRequest
 from effectledger_core.recovery import Assessment, Decision
+from effectledger_core.states import Event, State, sources
+from effectledger_core.views import OperationView
 
 from ..auth import Principal
 
@@ -30,6 +34,8 @@ def age(seconds: float | None) -> str:
 
 
 def pretty(value: Any) -> str:
+    if isinstance(value, BaseModel):  # a view (the receipt): its JSON form, as the API's
+        value = value.model_dump(mode="json")
     return json.dumps(value, indent=2, sort_keys=True, ensure_ascii=False, default=str)
 
 
@@ -96,19 +102,25 @@ class Action:
     why: str
 
 
-def allowed_actions(op: dict[str, Any], assessment: Assessment) -> list[Action]:
+# The states the ledger accepts each action from (the transition table), so a button is shown
+# exactly when the action can succeed. A retry out of needs_review goes through the review page.
+_CANCELLABLE = sources(Event.CANCEL)
+_RETRYABLE = sources(Event.PLAN_ADMITTED) - {State.NEEDS_REVIEW}
+
+
+def allowed_actions(op: OperationView, assessment: Assessment) -> list[Action]:
     """What an operator may do with `op` now; the ledger re-checks each at submission."""
-    state = op["state"]
+    state = State(op.state)
     out: list[Action] = []
-    if state == "awaiting_approval":
+    if state is State.AWAITING_APPROVAL:
         out.append(Action("approve", "Review the arguments and approve or reject",
                           "the tool's commit policy requires an operator's approval"))
-    if state == "needs_review":
+    if state is State.NEEDS_REVIEW:
         out.append(Action("review", "Record a review",
                           "no machine can decide whether the effect happened"))
-    if state in ("pending", "awaiting_approval"):
+    if state in _CANCELLABLE:
         out.append(Action("cancel", "Cancel", "no attempt has been claimed for this epoch"))
-    if state in ("failed", "ambiguous") and assessment.decision is Decision.MAY_PREPARE:
+    if state in _RETRYABLE and assessment.decision is Decision.MAY_PREPARE:
         out.append(Action("retry", "Prepare and submit a retry plan", assessment.reason))
     return out
 
@@ -131,15 +143,15 @@ class RetryPreview:
     next_epoch: int
 
 
-def retry_preview(op: dict[str, Any], tool: Tool) -> RetryPreview:
+def retry_preview(op: OperationView, tool: Tool) -> RetryPreview:
     headers = {name: "(from the catalog; value withheld)" for name in sorted(tool.headers)}
     if tool.idempotency_header:
-        headers[tool.idempotency_header] = op["operation_key"]
+        headers[tool.idempotency_header] = op.operation_key
     if tool.fencing_header:
-        headers[tool.fencing_header] = str(op["epoch"] + 1)
+        headers[tool.fencing_header] = str(op.epoch + 1)
     templated = tool.body is not None
     return RetryPreview(method=tool.method, endpoint=tool.endpoint,
                         body_encoding=tool.body_encoding,
-                        body=tool.body if templated else op["arguments"],
+                        body=tool.body if templated else op.arguments,
                         body_is_template=templated, headers=headers,
-                        next_epoch=op["epoch"] + 1)
+                        next_epoch=op.epoch + 1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -18,22 +19,23 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.errors import InvalidRequest
 from effectledger_core.limits import MAX_IDENTIFIER_BYTES
-from effectledger_core.states import JournalKind, State
+from effectledger_core.states import (
+    EVIDENCE_KINDS,
+    UNRESOLVED,
+    JournalKind,
+    OutboxStatus,
+    State,
+)
 
 from .reads import _decode_cursor as decode_api_cursor
-from .reads import _row
-from .schema import dead_letters, journal, operations, outbox, webhook_events
+from .schema import dead_letters, journal, operations, outbox
 
 # The journal kind a readback or the duplicate audit records when one key shows more than one
 # effect at the provider.
-DUPLICATE_KIND = "duplicate_detected"
-UNRESOLVED = ("ambiguous", "awaiting_confirmation")
-# Journal kinds that are evidence for a reviewer (what the machines saw and concluded).
-# Every verdict kind: a verdict is journaled as what it says (applied / not applied / undecidable).
-EVIDENCE_KINDS = ("outcome_recorded", "outcome_rejected", JournalKind.VERDICT_APPLIED.value,
-                  JournalKind.VERDICT_NOT_APPLIED.value, JournalKind.VERDICT_UNDECIDABLE.value,
-                  "verdict_rejected", "webhook_kept", "review_recorded", "evidence_conflict",
-                  DUPLICATE_KIND)
+DUPLICATE_KIND = JournalKind.DUPLICATE_DETECTED.value
+# Journal kinds the review page shows a reviewer: the core's evidence kinds and the outcomes
+# the ledger refused (a late or stale report is worth a human's look, not the queue's).
+REVIEW_PAGE_KINDS = EVIDENCE_KINDS | {JournalKind.OUTCOME_REJECTED}
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,10 @@ def _tenant(stmt: Any, tenant: str | None) -> Any:
     return stmt if tenant is None else stmt.where(operations.c.tenant == tenant)
 
 
-async def _backlog(conn: AsyncConnection, states: tuple[str, ...],
+async def _backlog(conn: AsyncConnection, states: Collection[State],
                    tenant: str | None) -> Backlog:
     stmt = sa.select(sa.func.count(), sa.func.min(operations.c.updated_at)).where(
-        operations.c.state.in_(states))
+        operations.c.state.in_(sorted(s.value for s in states)))
     count, oldest = (await conn.execute(_tenant(stmt, tenant))).one()
     return Backlog(int(count), oldest)
 
@@ -87,7 +89,8 @@ async def overview(conn: AsyncConnection, *, tenant: str | None, now: datetime) 
         # (available_at in the future) is waiting on purpose, not lagging.
         count, oldest = (await conn.execute(
             sa.select(sa.func.count(), sa.func.min(outbox.c.available_at))
-            .where(outbox.c.status.in_(("pending", "publishing")),
+            .where(outbox.c.status.in_((OutboxStatus.PENDING.value,
+                                        OutboxStatus.PUBLISHING.value)),
                    outbox.c.available_at <= now))).one()
         unpublished = Backlog(int(count), oldest)
         by_status = {r[0]: int(r[1]) for r in await conn.execute(
@@ -98,8 +101,8 @@ async def overview(conn: AsyncConnection, *, tenant: str | None, now: datetime) 
     return Overview(
         by_state=by_state,
         unresolved=await _backlog(conn, UNRESOLVED, tenant),
-        review=await _backlog(conn, ("needs_review",), tenant),
-        approval=await _backlog(conn, ("awaiting_approval",), tenant),
+        review=await _backlog(conn, {State.NEEDS_REVIEW}, tenant),
+        approval=await _backlog(conn, {State.AWAITING_APPROVAL}, tenant),
         duplicates=duplicates, outbox_unpublished=unpublished, outbox_by_status=by_status,
         dead_letters=letters)
 
@@ -190,18 +193,6 @@ async def list_operations(conn: AsyncConnection, f: OperationFilter, *, limit: i
 async def tools_in_use(conn: AsyncConnection, *, tenant: str | None) -> list[str]:
     stmt = sa.select(operations.c.tool).distinct().order_by(operations.c.tool)
     return [r[0] for r in await conn.execute(_tenant(stmt, tenant))]
-
-
-async def evidence(conn: AsyncConnection, op: dict[str, Any]) -> dict[str, Any]:
-    """What a reviewer weighs: the machines' evidence entries and the provider's webhooks."""
-    entries = (await conn.execute(
-        sa.select(journal).where(journal.c.operation_id == op["id"],
-                                 journal.c.kind.in_(EVIDENCE_KINDS))
-        .order_by(journal.c.id))).mappings().all()
-    hooks = (await conn.execute(
-        sa.select(webhook_events).where(webhook_events.c.operation_key == op["operation_key"])
-        .order_by(webhook_events.c.received_at))).mappings().all()
-    return {"entries": [_row(e) for e in entries], "webhooks": [_row(h) for h in hooks]}
 
 
 async def recent_dead_letters(conn: AsyncConnection, *, limit: int = 50) -> list[dict[str, Any]]:

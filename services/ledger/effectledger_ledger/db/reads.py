@@ -1,4 +1,8 @@
-"""Read models: operation views, journals, receipts, paginated lists."""
+"""Read models: operation views, journals, receipts, paginated lists.
+
+Each read returns the typed view the API answers (`effectledger_core.views`), built from the
+rows as the database gives them (times stay `datetime` until the JSON is written).
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,15 @@ from effectledger_core.errors import InvalidRequest, NotFound
 from effectledger_core.failures import Failure, Idempotency, policy_digest
 from effectledger_core.messages import FailureClass
 from effectledger_core.states import UNDECIDED, UNRESOLVED, State
+from effectledger_core.views import (
+    JournalEntry,
+    OperationPage,
+    OperationSummary,
+    OperationView,
+    Receipt,
+    ReceiptDigests,
+    RecoveryView,
+)
 
 from .duplicates import duplicate_count, is_duplicate, open_duplicate
 from .schema import attempts, journal, operations
@@ -25,10 +38,11 @@ def _iso(v: Any) -> Any:
 
 
 def _row(r: Any) -> dict[str, Any]:
+    """A row with its times as text (the console's evidence and dead letters)."""
     return {k: _iso(v) for k, v in dict(r).items()}
 
 
-async def get_operation(conn: AsyncConnection, operation_id: str) -> dict[str, Any]:
+async def get_operation(conn: AsyncConnection, operation_id: str) -> OperationView:
     op = (await conn.execute(
         sa.select(operations).where(operations.c.id == operation_id))).mappings().first()
     if op is None:
@@ -36,22 +50,22 @@ async def get_operation(conn: AsyncConnection, operation_id: str) -> dict[str, A
     rows = (await conn.execute(
         sa.select(attempts).where(attempts.c.operation_id == operation_id)
         .order_by(attempts.c.epoch))).mappings().all()
-    view = _row(op)
-    view["attempts"] = [_row(a) for a in rows]
+    view = dict(op)
+    view["attempts"] = rows
     evidence = view.get("evidence")
     if isinstance(evidence, dict) and "epoch" in evidence and evidence["epoch"] != view["epoch"]:
         # The view speaks for the current epoch only: an earlier epoch's "not applied" must not
         # stand next to a later success. Earlier evidence stays in the journal.
         view["evidence"] = None
-    return view
+    return OperationView.model_validate(view)
 
 
-async def get_journal(conn: AsyncConnection, operation_id: str) -> list[dict[str, Any]]:
+async def get_journal(conn: AsyncConnection, operation_id: str) -> list[JournalEntry]:
     await _exists(conn, operation_id)
     rows = (await conn.execute(
         sa.select(journal).where(journal.c.operation_id == operation_id)
         .order_by(journal.c.id))).mappings().all()
-    return [_row(r) for r in rows]
+    return [JournalEntry.model_validate(r) for r in rows]
 
 
 async def count_in_states(conn: AsyncConnection, tenant: str, states: Collection[State], *,
@@ -121,7 +135,7 @@ def _decode_cursor(cursor: str) -> tuple[datetime, str]:
 
 
 async def list_operations(conn: AsyncConnection, *, state: str | None, limit: int,
-                          cursor: str | None, tenant: str | None = None) -> dict[str, Any]:
+                          cursor: str | None, tenant: str | None = None) -> OperationPage:
     if state is not None and state not in {s.value for s in State}:
         raise InvalidRequest(f"unknown state {state!r}", known=[s.value for s in State])
     if not 1 <= limit <= 1000:
@@ -138,12 +152,12 @@ async def list_operations(conn: AsyncConnection, *, state: str | None, limit: in
                            sa.and_(operations.c.created_at == created, operations.c.id > op_id)))
     rows = (await conn.execute(
         q.order_by(operations.c.created_at, operations.c.id).limit(limit + 1))).mappings().all()
-    items = [_row(r) for r in rows[:limit]]
+    items = [OperationSummary.model_validate(r) for r in rows[:limit]]
     next_cursor = None
     if len(rows) > limit:
         last = items[-1]
-        next_cursor = _encode_cursor(last["created_at"], last["id"])
-    return {"items": items, "next_cursor": next_cursor}
+        next_cursor = _encode_cursor(last.created_at.isoformat(), last.id)
+    return OperationPage(items=items, next_cursor=next_cursor)
 
 
 async def count_by_state(conn: AsyncConnection, tenant: str | None = None) -> dict[str, int]:
@@ -155,15 +169,14 @@ async def count_by_state(conn: AsyncConnection, tenant: str | None = None) -> di
     return {r[0]: int(r[1]) for r in rows}
 
 
-def _recovery(op: dict[str, Any]) -> dict[str, str]:
+def _recovery(op: OperationView) -> RecoveryView:
     from effectledger_core.recovery import inspect_recovery
 
     from .recovery import facts
     from .rows import OperationRow
 
-    # The view has timestamps as text already; facts() reads none of them.
-    a = inspect_recovery(facts(OperationRow.of(op)))
-    return {"fact": a.fact.value, "decision": a.decision.value, "reason": a.reason}
+    a = inspect_recovery(facts(OperationRow.of(dict(op))))
+    return RecoveryView(fact=a.fact.value, decision=a.decision.value, reason=a.reason)
 
 
 def _guidance(last: dict[str, Any]) -> str | None:
@@ -179,10 +192,10 @@ def _guidance(last: dict[str, Any]) -> str | None:
     return failure.guidance()
 
 
-def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
+def build_receipt(op: OperationView) -> Receipt:
     """The receipt: evidence, not success; it lists what is still open."""
-    last = op["attempts"][-1] if op["attempts"] else None
-    state = State(op["state"])
+    last = op.attempts[-1] if op.attempts else None
+    state = State(op.state)
     open_items = []
     if state in UNDECIDED:
         open_items.append(f"operation is {state.value}: no final outcome yet")
@@ -190,7 +203,7 @@ def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
         open_items.append("provider outcome unknown: awaiting reconciliation")
     if state is State.NEEDS_REVIEW:
         open_items.append("no machine can decide: awaiting operator review")
-    evidence = op.get("evidence") or None
+    evidence = op.evidence or None
     if is_duplicate(evidence) and (state is not State.SUCCEEDED or open_duplicate(evidence)):
         open_items.append(f"duplicate_detected: the provider lists {duplicate_count(evidence)} "
                           f"effects for this operation key")
@@ -202,33 +215,33 @@ def build_receipt(op: dict[str, Any]) -> dict[str, Any]:
         reconciliation = "resolved"
     else:
         reconciliation = "not_needed"
-    return {
-        "operation_id": op["id"],
-        "operation_key": op["operation_key"],
-        "run_id": op["task_id"],
-        "tenant": op["tenant"],
-        "attempt_ids": [a["id"] for a in op["attempts"]],
-        "tool": op["tool"],
-        "state": state.value,
-        "epoch": op["epoch"],
-        "effect_class": op["effect_class"],
-        "commit_policy": op["commit_policy"],
-        "contract_revision": op["contract_revision"],
-        "digests": {
-            "catalog_entry": op["tool_digest"],
-            "request": op["arguments_digest"],
-            "response": op["response_digest"],
-            "policy": policy_digest(),
-        },
-        "provider_request_ref": op["provider_ref"],
-        "dispatch_outcome": last["status"] if last else None,
-        "reconciliation_status": reconciliation,
+    return Receipt(
+        operation_id=op.id,
+        operation_key=op.operation_key,
+        run_id=op.task_id,
+        tenant=op.tenant,
+        attempt_ids=[a.id for a in op.attempts],
+        tool=op.tool,
+        state=state.value,
+        epoch=op.epoch,
+        effect_class=op.effect_class,
+        commit_policy=op.commit_policy,
+        contract_revision=op.contract_revision,
+        digests=ReceiptDigests(
+            catalog_entry=op.tool_digest,
+            request=op.arguments_digest,
+            response=op.response_digest,
+            policy=policy_digest(),
+        ),
+        provider_request_ref=op.provider_ref,
+        dispatch_outcome=last.status if last else None,
+        reconciliation_status=reconciliation,
         # How the outcome became known when no provider response said so (readback, webhook,
         # operator): the evidence itself, never a synthesized response digest.
-        "evidence": evidence,
-        "recovery_decision": _recovery(op),
-        "guidance": _guidance(op.get("last_outcome") or {}),
-        "open_uncertainties": open_items,
+        evidence=evidence,
+        recovery_decision=_recovery(op),
+        guidance=_guidance(op.last_outcome or {}),
+        open_uncertainties=open_items,
         # What the provider answered (response, or the readback that found the effect).
-        "result": op.get("result"),
-    }
+        result=op.result,
+    )

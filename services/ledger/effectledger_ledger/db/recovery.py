@@ -71,7 +71,7 @@ async def move(conn: AsyncConnection, op: OperationRow, event: Event, *, now: da
 async def approve_txn(conn: AsyncConnection, operation_id: str, *, epoch: int,
                       arguments_digest: str, operator: str, subjects: Subjects,
                       outbox_id: str, now: datetime,
-                      traceparent: str | None = None) -> dict[str, Any]:
+                      traceparent: str | None = None) -> OperationRow:
     op = await load_op(conn, operation_id)
     if op.state is not State.AWAITING_APPROVAL:
         raise ActionRejected(f"operation is {op.state.value}, not awaiting approval")
@@ -83,31 +83,28 @@ async def approve_txn(conn: AsyncConnection, operation_id: str, *, epoch: int,
                              reason="arguments_changed")
     return (await move(conn, op, Event.APPROVE, now=now, actor=f"operator:{operator}",
                        subjects=subjects, outbox_id=outbox_id, traceparent=traceparent,
-                       detail={"arguments_digest": arguments_digest, "operator": operator})
-            ).as_dict()
+                       detail={"arguments_digest": arguments_digest, "operator": operator}))
 
 
 async def reject_txn(conn: AsyncConnection, operation_id: str, *, epoch: int, operator: str,
                      reason: str, subjects: Subjects, now: datetime,
-                     traceparent: str | None = None) -> dict[str, Any]:
+                     traceparent: str | None = None) -> OperationRow:
     op = await load_op(conn, operation_id)
     if epoch != op.epoch:
         raise ActionRejected(f"rejection is for epoch {epoch}; the operation is at "
                              f"{op.epoch}", reason="stale_epoch")
     return (await move(conn, op, Event.REJECT, now=now, actor=f"operator:{operator}",
                        subjects=subjects, detail={"operator": operator, "reason": reason},
-                       traceparent=traceparent)
-            ).as_dict()
+                       traceparent=traceparent))
 
 
 async def cancel_txn(conn: AsyncConnection, operation_id: str, *, operator: str, reason: str,
                      subjects: Subjects, now: datetime,
-                     traceparent: str | None = None) -> dict[str, Any]:
+                     traceparent: str | None = None) -> OperationRow:
     op = await load_op(conn, operation_id)
     return (await move(conn, op, Event.CANCEL, now=now, actor=f"operator:{operator}",
                        subjects=subjects, detail={"operator": operator, "reason": reason},
-                       traceparent=traceparent)
-            ).as_dict()
+                       traceparent=traceparent))
 
 
 async def record_plan_txn(conn: AsyncConnection, plan: RetryPlan, *, plan_id: str,
@@ -131,7 +128,7 @@ async def record_plan_txn(conn: AsyncConnection, plan: RetryPlan, *, plan_id: st
 class Admission:
     admitted: bool
     reason: str
-    operation: dict[str, Any] | None = None
+    operation: OperationRow | None = None  # as admitted
 
 
 async def consume_plan_txn(conn: AsyncConnection, plan_id: str, *, catalog: Catalog,
@@ -172,7 +169,7 @@ async def consume_plan_txn(conn: AsyncConnection, plan_id: str, *, catalog: Cata
                          subjects=subjects, detail={}, traceparent=traceparent)
     await conn.execute(retry_plans.update().where(retry_plans.c.id == plan_id)
                        .values(admission="admitted"))
-    return Admission(True, "admitted", new.as_dict())
+    return Admission(True, "admitted", new)
 
 
 async def _admission_refusal(op: OperationRow, plan: dict[str, Any],

@@ -140,7 +140,8 @@ async def record_verdict_txn(conn: AsyncConnection, v: VerdictReached, *, consum
         # A duplicate audit's finding: recorded on the succeeded operation, state unchanged.
         if await record_audit_duplicate_txn(conn, op=op, epoch=v.epoch, evidence=evidence,
                                             actor=f"reconciler:{v.reconciler_id}", now=now):
-            return Recorded("applied", to_state="succeeded", reason="duplicate_detected")
+            return Recorded("applied", to_state=State.SUCCEEDED.value,
+                            reason="duplicate_detected")
     if verdict != "undecidable" and v.evidence is None:
         # Evidence before verdict: a bare "applied" or "not
         # applied" is a guess, and a guess goes to a human, never to success or a retry.

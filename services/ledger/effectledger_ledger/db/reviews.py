@@ -8,8 +8,8 @@ still apply: admission re-runs every check).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import datetime, timedelta
-from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -17,10 +17,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from effectledger_core.recovery import Conclusion, Review
 from effectledger_core.states import EVIDENCE_KINDS, Event, JournalKind, State
 from effectledger_core.subjects import Subjects
+from effectledger_core.views import JournalEntry, OperationRecord, ReviewItem, WebhookEventView
 
 from .common import append_journal
 from .duplicates import open_duplicate, review_duplicate_txn, unreviewed_duplicates
-from .reads import _row
 from .recovery import ActionRejected, load_op, move
 from .rows import OperationRow
 from .schema import inbox, journal, operations, reviews, webhook_events
@@ -28,7 +28,7 @@ from .schema import inbox, journal, operations, reviews, webhook_events
 
 async def record_review_txn(conn: AsyncConnection, operation_id: str, *, review: Review,
                             review_id: str, subjects: Subjects, now: datetime,
-                            traceparent: str | None = None) -> dict[str, Any]:
+                            traceparent: str | None = None) -> OperationRow:
     op = await load_op(conn, operation_id)
     if op.state is State.SUCCEEDED and open_duplicate(op.evidence):
         return await _review_duplicate(conn, op, review=review, review_id=review_id, now=now,
@@ -50,22 +50,21 @@ async def record_review_txn(conn: AsyncConnection, operation_id: str, *, review:
         evidence = {"source": "operator", "at": now.isoformat(), "epoch": op.epoch, **detail}
         return (await move(conn, op, Event.REVIEW_COMPLETED, now=now, actor=actor,
                            detail=detail, subjects=subjects, extra={"evidence": evidence},
-                           traceparent=traceparent)
-                ).as_dict()
+                           traceparent=traceparent))
     if review.conclusion is Conclusion.UNCERTAIN:
-        return (await move(conn, op, Event.REVIEW_UNCERTAIN, now=now, actor=actor,
-                           detail=detail, subjects=subjects, traceparent=traceparent)).as_dict()
+        return await move(conn, op, Event.REVIEW_UNCERTAIN, now=now, actor=actor,
+                          detail=detail, subjects=subjects, traceparent=traceparent)
     # not_executed changes no state: it is recorded so that a retry plan may build on it.
     await append_journal(conn, operation_id=operation_id, at=now,
                          kind=JournalKind.REVIEW_RECORDED, actor=actor, epoch=op.epoch,
                          from_state=op.state, to_state=op.state, detail=detail,
                          traceparent=traceparent)
-    return op.as_dict()
+    return op
 
 
 async def _review_duplicate(conn: AsyncConnection, op: OperationRow, *, review: Review,
                             review_id: str, now: datetime,
-                            traceparent: str | None) -> dict[str, Any]:
+                            traceparent: str | None) -> OperationRow:
     """A succeeded operation the provider applied twice: `completed` records that the extra
     effect was dealt with (the evidence reference says how); the state stays succeeded."""
     if review.conclusion is not Conclusion.COMPLETED:
@@ -83,7 +82,7 @@ async def _review_duplicate(conn: AsyncConnection, op: OperationRow, *, review: 
                          detail={"review_id": review_id, "operator": review.operator,
                                  "evidence_ref": review.evidence_ref, "duplicate": True,
                                  "conclusion": review.conclusion.value})
-    return (await load_op(conn, op.id)).as_dict()
+    return await load_op(conn, op.id)
 
 
 async def latest_review(conn: AsyncConnection, operation_id: str, epoch: int) -> Review | None:
@@ -97,7 +96,7 @@ async def latest_review(conn: AsyncConnection, operation_id: str, epoch: int) ->
                   conclusion=Conclusion(row["conclusion"]), epoch=row["epoch"])
 
 
-async def review_queue(conn: AsyncConnection, *, limit: int) -> list[dict[str, Any]]:
+async def review_queue(conn: AsyncConnection, *, limit: int) -> list[ReviewItem]:
     """Operations in needs_review, and succeeded ones with a duplicate_detected (the provider
     applied them more than once), each with the evidence gathered so far."""
     ops = (await conn.execute(
@@ -106,16 +105,24 @@ async def review_queue(conn: AsyncConnection, *, limit: int) -> list[dict[str, A
         .order_by(operations.c.updated_at).limit(limit))).mappings().all()
     out = []
     for op in ops:
-        entries = (await conn.execute(
-            sa.select(journal).where(journal.c.operation_id == op["id"],
-                                     journal.c.kind.in_([k.value for k in sorted(EVIDENCE_KINDS)]))
-            .order_by(journal.c.id))).mappings().all()
-        hooks = (await conn.execute(
-            sa.select(webhook_events).where(webhook_events.c.operation_key
-                                            == op["operation_key"]))).mappings().all()
-        out.append({"operation": _row(op), "evidence": [_row(e) for e in entries],
-                    "webhooks": [_row(h) for h in hooks]})
+        record = OperationRecord.model_validate(op)
+        out.append(await review_item(conn, record))
     return out
+
+
+async def review_item(conn: AsyncConnection, op: OperationRecord, *,
+                      kinds: Collection[JournalKind] = EVIDENCE_KINDS) -> ReviewItem:
+    """What a reviewer weighs: the machines' evidence entries (journal `kinds`) and the
+    provider's webhooks for the operation's key (the review queue and the console's page)."""
+    entries = (await conn.execute(
+        sa.select(journal).where(journal.c.operation_id == op.id,
+                                 journal.c.kind.in_(sorted(k.value for k in kinds)))
+        .order_by(journal.c.id))).mappings().all()
+    hooks = (await conn.execute(
+        sa.select(webhook_events).where(webhook_events.c.operation_key == op.operation_key)
+        .order_by(webhook_events.c.received_at, webhook_events.c.id))).mappings().all()
+    return ReviewItem(operation=op, evidence=[JournalEntry.model_validate(e) for e in entries],
+                      webhooks=[WebhookEventView.model_validate(h) for h in hooks])
 
 
 async def purge_expired_txn(conn: AsyncConnection, *, now: datetime, inbox_retention_s: float,
