@@ -72,3 +72,19 @@ def _routes() -> list[APIRoute]:
 @pytest.mark.parametrize("route", _routes(), ids=lambda r: f"{sorted(r.methods)[0]} {r.path}")
 def test_no_route_returns_a_dict(route: APIRoute) -> None:
     assert untyped(route.endpoint) == [], route.path
+
+
+def test_a_view_writes_the_json_the_api_always_wrote() -> None:
+    """Times as Python's isoformat ("+00:00", not pydantic's "Z"), every column in the
+    table's order with nulls kept, the undocumented `call_key` before `attempts`."""
+    from tests.support.views import AT, operation_view
+
+    view = operation_view(attempts=[{
+        "id": "a1", "operation_id": "op1", "epoch": 1, "dispatcher_id": "d1",
+        "status": "claimed", "claimed_at": AT}])
+    text = view.model_dump_json()
+    assert '"created_at":"2026-11-30T09:00:00+00:00"' in text and "Z" not in text
+    assert '"finished_at":null' in text and '"evidence":null' in text
+    keys = list(view.model_dump())
+    assert keys[-3:] == ["result", "call_key", "attempts"], keys
+    assert "call_key" not in type(view).model_json_schema()["properties"]
