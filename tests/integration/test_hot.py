@@ -99,7 +99,7 @@ async def test_direct_and_sqlalchemy_execution_write_identical_rows(
     direct = await _scenario(store)
     direct_rows = await _as_printed(store)
     await reset(store)
-    monkeypatch.setattr(hot, "_direct", lambda conn: False)
+    monkeypatch.setattr(hot, "_direct", lambda conn: None)
     through_sqlalchemy = await _scenario(store)
     assert through_sqlalchemy == direct
     assert await _as_printed(store) == direct_rows
