@@ -10,6 +10,7 @@ and its errors must be the ones SQLAlchemy raises (the service retries on Integr
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime
 from typing import Any
 
@@ -99,7 +100,7 @@ async def test_direct_and_sqlalchemy_execution_write_identical_rows(
     direct = await _scenario(store)
     direct_rows = await _as_printed(store)
     await reset(store)
-    monkeypatch.setattr(hot, "_direct", lambda conn: False)
+    monkeypatch.setattr(hot, "_direct", lambda conn: None)
     through_sqlalchemy = await _scenario(store)
     assert through_sqlalchemy == direct
     assert await _as_printed(store) == direct_rows
@@ -159,7 +160,37 @@ async def test_a_connection_lost_under_a_direct_statement_is_retried_on_a_new_on
         assert (await conn.execute(sa.select(sa.func.count()).select_from(journal))).scalar() == 3
 
 
-# ---- deferred writes (hot.defer_writes) -------------------------------------------------------
+async def test_a_transaction_cancelled_inside_a_statement_is_rolled_back_at_once(
+        store: Store) -> None:
+    """The ledger owns the transaction on the asyncpg connection (db/pgtx.py), so nothing else
+    would roll it back: a cancelled caller must leave no open transaction behind."""
+    _postgres_only(store)
+    row = journal_row(operation_id="op0", at=datetime.now(UTC), kind="note", actor="test")
+    inside = asyncio.Event()
+
+    async def cancelled() -> None:
+        async with store.transaction() as conn:
+            await hot.execute_rows(conn, journal.insert(), [row])
+            await hot.flush(conn)  # BEGIN and the INSERT are sent
+            inside.set()
+            await hot.fetch(conn, sa.select(sa.func.pg_sleep(60)), {})  # cancelled here
+
+    # Watching from a connection checked out before: a checkout after the cancel would not
+    # hand out a connection left inside a transaction (the pool guard), hiding one.
+    async with store.engine.connect() as watcher:
+        task = asyncio.create_task(cancelled())
+        await inside.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        open_ones = (await watcher.execute(sa.text(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND state <> 'idle' AND pid <> pg_backend_pid()"))).scalar()
+        rows = (await watcher.execute(sa.select(sa.func.count()).select_from(journal))).scalar()
+    assert (open_ones, rows) == (0, 0)
+
+
+# ---- deferred writes (hot.execute_rows) -------------------------------------------------------
 
 async def _statements(store: Store, calls: list[Any]) -> list[str]:
     """What one transaction running `calls` as a batch sends to PostgreSQL, statement by

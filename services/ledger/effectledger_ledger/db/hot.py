@@ -5,17 +5,18 @@ on PostgreSQL most of the ledger's time in them went to SQLAlchemy's execution l
 an execution context, processing parameters and results per call), not to asyncpg or the
 database. Here a statement built once with SQLAlchemy Core is compiled once per column shape
 (SQLAlchemy's own SQL, casts and bind processors, so values are stored exactly as before) and
-then sent straight to the asyncpg connection, inside the transaction SQLAlchemy holds: asyncpg
-prepares it once per connection and `executemany` sends a batch's rows in one round trip.
+then sent straight to the asyncpg connection, inside the transaction `pgtx.PgTransaction`
+holds on it: asyncpg prepares it once per connection and `executemany` sends a batch's rows in
+one round trip. Only SQLAlchemy's and asyncpg's public APIs are used (see `pgtx.py`).
 
-SQLite takes SQLAlchemy's ordinary path: `execute_rows` and `fetch` are one code path for the
+Outside such a transaction (SQLite, or a connection not from `Store.transaction`) the same
+calls take SQLAlchemy's ordinary path: `execute_rows` and `fetch` are one code path for the
 callers, with two implementations behind them. The statements themselves stay where they are
 built (the UPDATE of `operations` in `transitions.py`); this module only executes them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -23,12 +24,11 @@ from typing import Any, NamedTuple, cast
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.engine import Dialect
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.engine import AdaptedConnection, Dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.compiler import SQLCompiler
-from sqlalchemy.util import await_
 
+from .pgtx import TX_KEY, PgTransaction
 from .rows import JournalRow
 
 Rows = Sequence[dict[str, Any]] | Sequence[JournalRow]
@@ -48,6 +48,7 @@ class _Compiled(NamedTuple):
     names: tuple[str, ...]  # the parameters, in positional order
     processors: tuple[Callable[[Any], Any] | None, ...]
     fixed: dict[str, Any]  # values the statement carries itself (literals bound as parameters)
+    target: tuple[str, bool] | None  # see `_written`
     stmt: sa.Executable  # kept alive, so its id is not reused by another statement
 
 
@@ -63,10 +64,15 @@ def _compiled(stmt: sa.Executable, dialect: Dialect, keys: tuple[str, ...]) -> _
     compiled = cast(SQLCompiler, cast(sa.ClauseElement, stmt).compile(
         dialect=dialect, column_keys=list(keys)))
     names = tuple(compiled.positiontup or ())
-    bind: dict[str, Any] = dict(compiled._bind_processors)  # SQLAlchemy's own, per type
-    fixed = {n: compiled.binds[n].effective_value for n in names
-             if n not in keys and not compiled.binds[n].required}
-    found = _Compiled(compiled.string, names, tuple(bind.get(n) for n in names), fixed, stmt)
+    binds = compiled.binds
+    # Each parameter's bind processor as SQLAlchemy's execute applies it: the dialect's
+    # implementation of its type (asyncpg's JSON, ARRAY, ...), not the generic type's.
+    processors = tuple(binds[n].type.dialect_impl(dialect).bind_processor(dialect)
+                       for n in names)
+    fixed = {n: binds[n].effective_value for n in names
+             if n not in keys and not binds[n].required}
+    found = _Compiled(compiled.string, names, processors, fixed,
+                      _written(stmt, compiled.string), stmt)
     _COMPILED[(id(stmt), keys)] = found
     return found
 
@@ -80,59 +86,11 @@ def _args(c: _Compiled, row: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def _direct(conn: AsyncConnection) -> bool:
-    """Whether statements go straight to asyncpg (PostgreSQL) or through SQLAlchemy."""
-    return conn.dialect.name == "postgresql"
-
-
-async def _driver(conn: AsyncConnection, *, begin: bool = True) -> tuple[Any, Any]:
-    """The asyncpg connection, inside the transaction SQLAlchemy has begun on it.
-
-    SQLAlchemy's asyncpg adapter sends BEGIN lazily, with its first statement; a statement
-    sent here first must start that same transaction, or it would run (and commit) on its own
-    and the adapter's COMMIT would find nothing to commit. With `begin=False` a first statement
-    does run on its own, on purpose (see `finish` and `fetch`).
-    """
-    raw = await conn.get_raw_connection()
-    adapter = raw.dbapi_connection
-    if adapter is None:  # pragma: no cover - a checked-out connection always has one
-        raise RuntimeError("no DBAPI connection")
-    if begin and getattr(adapter, "_transaction", None) is None:
-        try:
-            await adapter._start_transaction()  # private: see the docstring
-        except Exception as exc:  # BEGIN is the first thing to find a connection gone
-            raise await _translated(conn, adapter, exc, "BEGIN") from exc
-    return adapter, raw.driver_connection
-
-
-async def _translated(conn: AsyncConnection, adapter: Any, exc: Exception, sql: str
-                      ) -> Exception:
-    """An asyncpg error as SQLAlchemy would raise it (IntegrityError, retryable sqlstates).
-
-    A lost connection is also handled as SQLAlchemy's own execute does: the connection is
-    invalidated (never handed out again by the pool) and the error says so, which is what makes
-    `Store.run` retry it. Without that, a connection a database restart had closed went back to
-    the pool and every transaction that drew it answered 500 ("connection is closed"): 118
-    refused intents in one proving-ground seed.
-    """
-    try:
-        if isinstance(exc, adapter.dbapi.Error):
-            raise exc  # the adapter has translated it already (its BEGIN does)
-        adapter._handle_exception(exc)  # raises the DBAPI-level error
-    except Exception as dbapi_exc:
-        lost = conn.dialect.is_disconnect(cast(Any, dbapi_exc), adapter, None)
-        if lost:
-            with contextlib.suppress(Exception):
-                # What SQLAlchemy's own execute does on a disconnect: the whole pool, not just
-                # this connection (a database restart or a reset link closed all of them; one
-                # by one, each transaction drew the next dead one: 1.9 s without intake after
-                # a reset of eight connections). Private: `Pool._invalidate`.
-                raw = await conn.get_raw_connection()
-                conn.sync_engine.pool._invalidate(raw, dbapi_exc)
-                await conn.invalidate(dbapi_exc)
-        return DBAPIError.instance(sql, None, dbapi_exc, adapter.dbapi.Error,
-                                   connection_invalidated=lost)
-    return exc  # pragma: no cover - _handle_exception always raises
+def _direct(conn: AsyncConnection) -> PgTransaction | None:
+    """The transaction statements go straight to asyncpg in (PostgreSQL's `Store.transaction`,
+    see `pgtx.py`); None: they go through SQLAlchemy's execute."""
+    tx: PgTransaction | None = conn.info.get(TX_KEY)
+    return tx
 
 
 async def execute_rows(conn: AsyncConnection, stmt: sa.Executable, rows: Rows) -> None:
@@ -141,34 +99,29 @@ async def execute_rows(conn: AsyncConnection, stmt: sa.Executable, rows: Rows) -
     Every row has the same keys. One row on SQLite goes through a plain execute, not the
     driver's executemany, which costs more for a single row. Inside `Store.transaction` on
     PostgreSQL a write may instead wait to be sent with the transaction's next statement
-    (see `defer_writes`).
+    (see the deferred writes below).
     """
     if not rows:
         return
-    if not _direct(conn):
+    tx = _direct(conn)
+    if not tx:
         params: Any = rows[0] if len(rows) == 1 else list(rows)
         await conn.execute(stmt, params)
         return
     c = _compiled(stmt, conn.dialect, tuple(rows[0]))
-    target = _written(stmt)
-    pending: list[_Write] | None = conn.info.get(_PENDING)
-    if pending is not None and target is not None and (
-            len(rows) == 1 or (target[1] and len(rows) <= FUSE_ROWS)):
+    target = c.target
+    if target is not None and (len(rows) == 1 or (target[1] and len(rows) <= FUSE_ROWS)):
         table, insert = target
-        if any(w.table == table and not (insert and w.insert) for w in pending):
-            await flush(conn)  # see `_Write`: only INSERTs share a statement with its writes
+        if any(w.table == table and not (insert and w.insert) for w in tx.pending):
+            await _flush(tx)  # see `_Write`: only INSERTs share a statement with its writes
         args = tuple(a for r in rows for a in _args(c, r))
-        pending.append(_Write(_rows_sql(c.sql, len(c.names), len(rows)), args, table, insert))
+        tx.pending.append(_Write(_rows_sql(c.sql, len(c.names), len(rows)), args, table, insert))
         return
-    await flush(conn)
+    await _flush(tx)
     if len(rows) == 1:
-        await _send(conn, (c.sql, _args(c, rows[0])))
+        await tx.execute(c.sql, _args(c, rows[0]))
         return
-    adapter, driver = await _driver(conn)
-    try:
-        await driver.executemany(c.sql, [_args(c, r) for r in rows])
-    except Exception as exc:
-        raise await _translated(conn, adapter, exc, c.sql) from exc
+    await tx.executemany(c.sql, [_args(c, r) for r in rows])
 
 
 # ---- deferred writes ---------------------------------------------------------------------
@@ -183,7 +136,6 @@ async def execute_rows(conn: AsyncConnection, stmt: sa.Executable, rows: Rows) -
 # such writes (an intent without a caller key) sends no BEGIN and no COMMIT at all: its one
 # statement is its own transaction, committed (and flushed to the WAL) when it returns.
 
-_PENDING = "effectledger_pending_writes"  # conn.info: the writes not sent yet (list)
 # A multi-row INSERT up to this many rows is written as one VALUES list and may be fused;
 # larger ones (saturation: round trips are shared by many calls already) use executemany.
 FUSE_ROWS = 8
@@ -200,13 +152,15 @@ class _Write(NamedTuple):
     insert: bool
 
 
-def _written(stmt: sa.Executable) -> tuple[str, bool] | None:
+def _written(stmt: sa.Executable, sql: str) -> tuple[str, bool] | None:
     """The table `stmt` writes and whether it only inserts; None for any other statement
-    (a read, or a write with RETURNING or ON CONFLICT, whose result someone reads)."""
+    (a read, or a write with RETURNING or ON CONFLICT, whose result someone reads).
+    `exported_columns` are a DML statement's own RETURNING columns (not the one the compiler
+    adds for a server-made key, see `_rows_sql`); ON CONFLICT is read from the compiled SQL."""
     if isinstance(stmt, sa.Insert):
-        if stmt._returning or stmt._post_values_clause is not None:
+        if stmt.exported_columns or " ON CONFLICT " in sql:
             return None
-    elif not isinstance(stmt, (sa.Update, sa.Delete)) or stmt._returning:
+    elif not isinstance(stmt, (sa.Update, sa.Delete)) or stmt.exported_columns:
         return None
     name = getattr(stmt.table, "name", None)
     return (name, isinstance(stmt, sa.Insert)) if isinstance(name, str) else None
@@ -246,30 +200,10 @@ def _fused(parts: tuple[tuple[str, int], ...]) -> str:
     return "WITH " + ", ".join(f"w{i} AS ({s})" for i, s in enumerate(out[:-1])) + " " + out[-1]
 
 
-def defer_writes(conn: AsyncConnection) -> None:
-    """Let this transaction's writes wait for its next statement (PostgreSQL; see above)."""
-    if _direct(conn):
-        conn.info[_PENDING] = []
-
-
-def discard_writes(conn: AsyncConnection) -> None:
-    """Forget what waits (the transaction is rolled back) and stop deferring."""
-    with contextlib.suppress(Exception):  # an invalidated connection refuses even `info`
-        conn.info.pop(_PENDING, None)
-
-
-def forget_on_checkout(_dbapi_conn: Any, record: Any, _proxy: Any) -> None:
-    """The pool's `checkout` event: a connection starts every checkout deferring nothing, even
-    when the transaction that last used it could not clean up (its connection was lost)."""
-    record.info.pop(_PENDING, None)
-
-
-def _take(conn: AsyncConnection | sa.Connection, tail: tuple[str, tuple[Any, ...]] | None = None
+def _take(tx: PgTransaction, tail: tuple[str, tuple[Any, ...]] | None = None
           ) -> tuple[str, tuple[Any, ...]] | None:
-    pending: list[_Write] | None = conn.info.get(_PENDING)
-    writes = [(w.sql, w.args) for w in pending or ()]
-    if pending:
-        pending.clear()
+    writes = [(w.sql, w.args) for w in tx.pending]
+    tx.pending.clear()
     if tail is not None:
         writes.append(tail)
     if not writes:
@@ -278,33 +212,28 @@ def _take(conn: AsyncConnection | sa.Connection, tail: tuple[str, tuple[Any, ...
     return sql, tuple(a for _s, args in writes for a in args)
 
 
+async def _flush(tx: PgTransaction) -> None:
+    taken = _take(tx)
+    if taken is not None:
+        await tx.execute(*taken)
+
+
 async def flush(conn: AsyncConnection) -> None:
     """Send the writes that wait, as one statement, inside the transaction."""
-    taken = _take(conn)
-    if taken is not None:
-        await _send(conn, taken)
-
-
-async def _send(conn: AsyncConnection, taken: tuple[str, tuple[Any, ...]], *,
-                begin: bool = True) -> None:
-    """Run one statement; with `begin=False` and no transaction begun yet, as its own."""
-    sql, args = taken
-    adapter, driver = await _driver(conn, begin=begin)
-    try:
-        await driver.execute(sql, *args)
-    except Exception as exc:
-        raise await _translated(conn, adapter, exc, sql) from exc
+    tx = _direct(conn)
+    if tx:
+        await _flush(tx)
 
 
 async def finish(conn: AsyncConnection, tail: sa.Executable | None = None) -> None:
     """Before the commit: send what waits, with `tail` (a statement run for its side effect,
-    the NOTIFY) as the last part of the same statement (`Store.transaction` then stops
-    deferring, with `discard_writes`, whether or not this raised).
+    the NOTIFY) as the last part of the same statement.
 
     When nothing else has been sent in this transaction, no BEGIN is sent either: the one
-    statement is a transaction of its own, and SQLAlchemy's COMMIT finds nothing to commit.
+    statement is a transaction of its own, and there is nothing left to commit.
     """
-    if not _direct(conn):
+    tx = _direct(conn)
+    if not tx:
         if tail is not None:
             await conn.execute(tail)
         return
@@ -312,30 +241,27 @@ async def finish(conn: AsyncConnection, tail: sa.Executable | None = None) -> No
     if tail is not None:
         c = _compiled(tail, conn.dialect, ())
         end = (c.sql, _args(c, {}))
-    taken = _take(conn, end)
+    taken = _take(tx, end)
     if taken is not None:
-        await _send(conn, taken, begin=False)
+        await tx.execute(*taken, begin=False)
 
 
-def flush_before_sqlalchemy(conn: sa.Connection, *_event: Any) -> None:
+def before_sqlalchemy(conn: sa.Connection, *_event: Any) -> None:
     """SQLAlchemy's `before_cursor_execute`: a statement sent through SQLAlchemy's own execute
-    (a read, a write whose row count is checked) first sends the writes that wait, so it sees
-    them and runs after them, as written. It runs in SQLAlchemy's greenlet, hence `await_`;
-    an error is raised as the driver's, which SQLAlchemy's execute translates as its own."""
-    taken = _take(conn)
-    if taken is not None:
-        await_(_send_raw(conn.connection.dbapi_connection, taken))
+    (a read, a write whose row count is checked) runs inside the transaction, begun first if it
+    comes first, and after the writes that wait, so it sees them, as written. The event runs
+    in SQLAlchemy's greenlet: `AdaptedConnection.run_async` awaits from there. An error is
+    raised as SQLAlchemy's exception (`pgtx.translated`), which its execute passes on."""
+    tx: PgTransaction | None = conn.info.get(TX_KEY)
+    if tx is None or (tx.began and not tx.pending):
+        return
+    adapted = cast(AdaptedConnection, conn.connection.dbapi_connection)
+    adapted.run_async(lambda _driver: _ready(tx))
 
 
-async def _send_raw(adapter: Any, taken: tuple[str, tuple[Any, ...]]) -> None:
-    try:
-        if getattr(adapter, "_transaction", None) is None:
-            await adapter._start_transaction()  # private: see `_driver`
-        await adapter._connection.execute(taken[0], *taken[1])
-    except Exception as exc:
-        if not isinstance(exc, adapter.dbapi.Error):
-            adapter._handle_exception(exc)  # raises the DBAPI-level error
-        raise
+async def _ready(tx: PgTransaction) -> None:
+    await tx.begin()
+    await _flush(tx)
 
 
 async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, Any], *,
@@ -352,12 +278,11 @@ async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, An
     as a statement of its own: at READ COMMITTED every statement takes its own snapshot, so it
     reads exactly what it would have read inside, and the round trip of the BEGIN is saved.
     """
-    if not _direct(conn):
+    tx = _direct(conn)
+    if not tx:
         return (await conn.execute(stmt, params)).mappings().all()
-    await flush(conn)  # a read sees the writes before it
+    await _flush(tx)  # a read sees the writes before it
     c = _compiled(stmt, conn.dialect, tuple(params))
-    adapter, driver = await _driver(conn, begin=not lockless)
-    try:
-        return await driver.fetch(c.sql, *_args(c, params))  # type: ignore[no-any-return]
-    except Exception as exc:
-        raise await _translated(conn, adapter, exc, c.sql) from exc
+    rows: Sequence[Mapping[Any, Any]] = await tx.fetch(c.sql, _args(c, params),
+                                                        begin=not lockless)
+    return rows

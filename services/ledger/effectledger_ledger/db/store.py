@@ -27,7 +27,7 @@ from tenacity import (
 
 from effectledger_core.errors import StoreUnavailable
 
-from . import hot
+from . import hot, pgtx
 from .common import NOTIFY_FLAG, TRANSITIONS_KEY
 from .rows import JournalRow
 
@@ -95,11 +95,15 @@ class Store:
                 parsed, echo=echo, pool_size=pool_size, max_overflow=pool_size,
                 pool_recycle=1800,
                 connect_args={"server_settings": {"plan_cache_mode": "force_custom_plan"}})
-            # Writes the hot path defers (hot.defer_writes) go out before any statement
-            # sent through SQLAlchemy's own execute in the same transaction.
+            # `transaction` on PostgreSQL: the ledger's own transaction on the asyncpg
+            # connection (pgtx.py), on connections of this same pool in AUTOCOMMIT mode, so
+            # SQLAlchemy's adapter never begins one of its own.
+            self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
+            self._guard = pgtx.PoolGuard(self.engine)
+            # A statement through SQLAlchemy's execute joins that transaction, after the
+            # writes the hot path deferred (hot.before_sqlalchemy).
             event.listen(self.engine.sync_engine, "before_cursor_execute",
-                         hot.flush_before_sqlalchemy)
-            event.listen(self.engine.sync_engine.pool, "checkout", hot.forget_on_checkout)
+                         hot.before_sqlalchemy)
         else:
             raise ValueError(f"unsupported database {self.dialect!r}: use postgresql or sqlite")
         self.on_commit: OnCommit | None = None  # set by the ledger (observe.Observer)
@@ -112,16 +116,14 @@ class Store:
     async def transaction(self) -> AsyncIterator[AsyncConnection]:
         changed: list[JournalRow] | None = None
         try:
-            async with self.engine.begin() as conn:
+            begin = (pgtx.transaction(self._autocommit, self._guard) if self.is_postgres
+                     else self.engine.begin())
+            async with begin as conn:
                 conn.info.pop(NOTIFY_FLAG, None)  # info outlives a checkout: start clean
                 conn.info.pop(TRANSITIONS_KEY, None)
-                hot.defer_writes(conn)
-                try:
-                    yield conn
-                    notify = conn.info.pop(NOTIFY_FLAG, False)
-                    await hot.finish(conn, _NOTIFY if notify else None)
-                finally:
-                    hot.discard_writes(conn)  # after an error: they are rolled back unsent
+                yield conn
+                notify = conn.info.pop(NOTIFY_FLAG, False)
+                await hot.finish(conn, _NOTIFY if notify else None)
                 changed = conn.info.pop(TRANSITIONS_KEY, None)
             if changed and self.on_commit is not None:
                 try:

@@ -62,26 +62,30 @@ async def warm(store: Store, catalog: Catalog, subjects: Subjects, *, connection
     return warmed
 
 
+class _Rehearsed(Exception):
+    """Ends the warm-up's transaction: raised inside it, it is rolled back."""
+
+
 async def _dry_run(store: Store, catalog: Catalog, subjects: Subjects, tool: str) -> bool:
     now = utcnow()
     intent = SubmitIntent(tool=tool, idempotency_key=new_id(), tenant=WARMUP_TENANT)
-    async with store.engine.connect() as conn:
-        tx = await conn.begin()
-        hot.defer_writes(conn)  # as `Store.transaction` does, so the fused writes are prepared
-        # The shapes the service sends: an intent with a caller key and a lease (the direct
-        # path), its claim, and a success outcome (which also writes the inbox row).
-        submitted = await SubmitCall(catalog, intent, subjects, new_id(), new_id(), now,
-                                     lease_until=now).one(conn)
-        op = submitted.operation
-        attempt = new_id()
-        await ClaimCall(ClaimAttempt(
-            operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
-            tool=op["tool"], arguments_digest=op["arguments_digest"]), now).one(conn)
-        await OutcomeCall(AttemptSucceeded(
-            operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
-            at=now, response_digest="warmup"), consumer="warmup", message_id=new_id(),
-            subjects=subjects, now=now, ambiguous_outbox_id=new_id()).one(conn)
-        await hot.flush(conn)
-        hot.discard_writes(conn)
-        await tx.rollback()  # nothing of it persists; an error above rolls back on close
+    try:
+        async with store.transaction() as conn:
+            # The shapes the service sends: an intent with a caller key and a lease (the
+            # direct path), its claim, and a success outcome (which also writes the inbox row).
+            submitted = await SubmitCall(catalog, intent, subjects, new_id(), new_id(), now,
+                                         lease_until=now).one(conn)
+            op = submitted.operation
+            attempt = new_id()
+            await ClaimCall(ClaimAttempt(
+                operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
+                tool=op["tool"], arguments_digest=op["arguments_digest"]), now).one(conn)
+            await OutcomeCall(AttemptSucceeded(
+                operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
+                at=now, response_digest="warmup"), consumer="warmup", message_id=new_id(),
+                subjects=subjects, now=now, ambiguous_outbox_id=new_id()).one(conn)
+            await hot.flush(conn)  # so the fused writes are prepared too
+            raise _Rehearsed  # nothing of it persists
+    except _Rehearsed:
+        pass
     return True

@@ -1,0 +1,180 @@
+"""The ledger's own transaction on PostgreSQL, on the asyncpg connection, through public APIs.
+
+The hot path (`hot.py`) needs three things SQLAlchemy's asyncpg adapter does only privately: a
+statement sent straight to asyncpg must join the transaction (the adapter sends BEGIN lazily,
+with its own first statement); a transaction of one statement, or one starting with a lockless
+read, must send no BEGIN at all; and an asyncpg error must come out as the error SQLAlchemy
+would raise, the connection taken out of service when it is lost. So on PostgreSQL
+`Store.transaction` checks its connection out in AUTOCOMMIT mode, where the adapter never
+begins a transaction, and `PgTransaction` begins, commits and rolls back on the asyncpg
+connection itself. A statement through SQLAlchemy's execute runs on that same asyncpg
+connection, hence inside this transaction (`hot.before_sqlalchemy` begins it first when such a
+statement comes first). Everything used is public: `execution_options(isolation_level=...)`,
+`AsyncConnection.get_raw_connection().driver_connection`, `AsyncConnection.invalidate()`,
+pool events and `InvalidatePoolError`, and asyncpg's `Connection`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from contextlib import asynccontextmanager, suppress
+from typing import Any, TypeVar
+
+import asyncpg
+from sqlalchemy import event, exc
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+T = TypeVar("T")
+TX_KEY = "effectledger_pg_transaction"  # conn.info: the open PgTransaction (hot.py reads it)
+
+# asyncpg's errors as SQLAlchemy's, the same classes its asyncpg dialect maps them to (most
+# specific first): IntegrityError is what makes the service retry a lost race, and the
+# original error (`orig`) keeps its `sqlstate`, which `store.is_retryable` reads.
+_ERRORS: tuple[tuple[type[BaseException], type[exc.DBAPIError]], ...] = (
+    (asyncpg.exceptions.IntegrityConstraintViolationError, exc.IntegrityError),
+    (asyncpg.exceptions.SyntaxOrAccessError, exc.ProgrammingError),
+    (asyncpg.exceptions.InvalidCachedStatementError, exc.NotSupportedError),
+    (asyncpg.exceptions.InternalServerError, exc.InternalError),
+    (asyncpg.exceptions.InternalClientError, exc.InternalError),
+    (asyncpg.exceptions.InterfaceError, exc.InterfaceError),
+    (asyncpg.exceptions.PostgresError, exc.DBAPIError),
+)
+
+
+def translated(error: Exception, sql: str, *, lost: bool) -> Exception:
+    """`error` as SQLAlchemy's exception for it; an error not asyncpg's is left as it is (a
+    socket's OSError: `Store.transaction` makes it StoreUnavailable)."""
+    for pg_class, sa_class in _ERRORS:
+        if isinstance(error, pg_class):
+            return sa_class(sql, None, error, connection_invalidated=lost)
+    return error
+
+
+class PgTransaction:
+    """One transaction, begun only when a statement needs it (see `execute`)."""
+
+    __slots__ = ("_on_lost", "began", "driver", "lost", "pending")
+
+    def __init__(self, driver: Any, on_lost: Callable[[], None]) -> None:
+        self.driver = driver  # the asyncpg Connection
+        self.began = False
+        self.lost = False
+        self.pending: list[Any] = []  # hot.py's writes waiting to be sent (hot._Write)
+        self._on_lost = on_lost
+
+    async def begin(self) -> None:
+        if not self.began:
+            self.began = True  # first: a BEGIN cut short is still rolled back (or invalidated)
+            await self._guarded("BEGIN;", self.driver.execute("BEGIN;"))
+
+    async def execute(self, sql: str, args: Sequence[Any], *, begin: bool = True) -> None:
+        """Run one statement; with `begin=False` before anything else, as its own
+        transaction (committed when it returns), with no BEGIN."""
+        if begin:
+            await self.begin()
+        await self._guarded(sql, self.driver.execute(sql, *args))
+
+    async def fetch(self, sql: str, args: Sequence[Any], *, begin: bool = True) -> Any:
+        if begin:
+            await self.begin()
+        return await self._guarded(sql, self.driver.fetch(sql, *args))
+
+    async def executemany(self, sql: str, rows: list[tuple[Any, ...]]) -> None:
+        await self.begin()
+        await self._guarded(sql, self.driver.executemany(sql, rows))
+
+    async def commit(self) -> None:
+        if self.began:
+            self.began = False  # whatever COMMIT answers, the transaction is over
+            await self._guarded("COMMIT;", self.driver.execute("COMMIT;"))
+
+    async def _guarded(self, sql: str, op: Awaitable[T]) -> T:
+        try:
+            return await op
+        except Exception as error:
+            # asyncpg closes its connection when the link or the server went away: what
+            # SQLAlchemy's asyncpg dialect calls a disconnect, too.
+            self.lost = self.driver.is_closed()
+            if self.lost:
+                self._on_lost()
+            raise translated(error, sql, lost=self.lost) from error
+
+    async def end_after_error(self, conn: AsyncConnection) -> None:
+        """Roll back; a connection lost, or one that cannot be rolled back, is invalidated
+        (closed and never handed out again), as SQLAlchemy's own execute does."""
+        if not self.lost and not self.driver.is_closed():
+            if not (self.began or self.driver.is_in_transaction()):
+                return
+            with suppress(Exception):
+                await _to_completion(self.driver.execute("ROLLBACK;"))
+                self.began = False
+                return
+        with suppress(Exception):  # already invalidated by SQLAlchemy's own execute, maybe
+            await conn.invalidate()
+
+
+async def _to_completion(coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` to its end even if the caller is cancelled meanwhile (then re-raised): a
+    rollback abandoned halfway would leave the connection inside a transaction."""
+    task = asyncio.ensure_future(coro)
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError as err:
+            if task.done():
+                raise
+            cancelled = err
+    if cancelled is not None:
+        raise cancelled
+    return result
+
+
+@asynccontextmanager
+async def transaction(engine: AsyncEngine, guard: PoolGuard) -> AsyncIterator[AsyncConnection]:
+    """A connection of `engine` (an AUTOCOMMIT view of the store's engine) with a
+    `PgTransaction` in `conn.info`, committed when the block finishes, rolled back on any
+    exception (cancellation included)."""
+    async with engine.connect() as conn:
+        driver = (await conn.get_raw_connection()).driver_connection
+        tx = PgTransaction(driver, guard.lost)
+        # Kept, not looked up again: an invalidated connection's `info` would reconnect.
+        info = conn.info
+        info[TX_KEY] = tx
+        try:
+            yield conn
+            await tx.commit()
+        except BaseException:
+            await tx.end_after_error(conn)
+            raise
+        finally:
+            info.pop(TX_KEY, None)
+
+
+class PoolGuard:
+    """After a lost connection, the whole pool is replaced, as SQLAlchemy's own execute does on
+    a disconnect: a database restart or a reset link closed all of them, and one by one each
+    transaction drew the next dead one (1.9 s without intake after a reset of eight).
+
+    `lost` only marks it; the pool's next checkout raises `InvalidatePoolError` from the
+    `checkout` event, SQLAlchemy's public way to have a pool drop every connection older than
+    now. The same event refuses a connection still inside a transaction (one whose rollback
+    could not run) and clears what a transaction that could not clean up left in its `info`.
+    """
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._stale = False
+        event.listen(engine.sync_engine, "checkout", self._checkout)
+
+    def lost(self) -> None:
+        self._stale = True
+
+    def _checkout(self, dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        record.info.pop(TX_KEY, None)
+        if self._stale:
+            self._stale = False
+            raise exc.InvalidatePoolError("a connection was lost: replacing the pool's")
+        if dbapi_conn.driver_connection.is_in_transaction():
+            raise exc.DisconnectionError("connection left inside a transaction")
