@@ -102,6 +102,8 @@ class Store:
             event.listen(self.engine.sync_engine.pool, "checkout", hot.forget_on_checkout)
         else:
             raise ValueError(f"unsupported database {self.dialect!r}: use postgresql or sqlite")
+        # Reads without BEGIN and COMMIT (`read`): the same pool, autocommit connections.
+        self._reader = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         self.on_commit: OnCommit | None = None  # set by the ledger (observe.Observer)
 
     @property
@@ -135,6 +137,30 @@ class Store:
         except OSError as exc:
             # asyncpg raises the socket's own error when it cannot connect (refused, reset):
             # the database is unavailable, a retryable condition (503), not an internal error.
+            raise StoreUnavailable(f"database unavailable: {type(exc).__name__}") from exc
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[AsyncConnection]:
+        """A connection for reads only; writes through it would commit one by one.
+
+        On PostgreSQL it runs in autocommit: a read in `transaction()` paid two round trips
+        (BEGIN, COMMIT) besides its statements, and submit-and-wait reads twice on an
+        operation's critical path. Nothing is lost by it: at READ COMMITTED (the ledger's
+        level) every statement takes its own snapshot inside a transaction too, so a read of
+        several statements sees what it saw before. SQLite keeps its transaction (one
+        connection, and its BEGIN costs no round trip)."""
+        if not self.is_postgres:
+            async with self.transaction() as conn:
+                yield conn
+            return
+        try:
+            async with self._reader.connect() as conn:
+                yield conn
+        except DBAPIError as exc:
+            if is_retryable(exc):
+                raise StoreUnavailable(f"database unavailable: {type(exc.orig).__name__}") from exc
+            raise
+        except OSError as exc:
             raise StoreUnavailable(f"database unavailable: {type(exc).__name__}") from exc
 
     async def run(self, fn: Callable[..., Awaitable[T]], *args: Any, attempts: int = RETRY_ATTEMPTS,
