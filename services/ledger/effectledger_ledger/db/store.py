@@ -56,6 +56,18 @@ def is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectionError, OSError, TimeoutError))
 
 
+def _unavailable(exc: DBAPIError | OSError) -> StoreUnavailable | None:
+    """`StoreUnavailable` (retryable, 503) for a database error of a unit of work when the
+    database is unreachable or asks for a retry; None: the error stands as it is. asyncpg
+    raises the socket's own error when it cannot connect (refused, reset): unavailable too,
+    not an internal error."""
+    if isinstance(exc, OSError):
+        return StoreUnavailable(f"database unavailable: {type(exc).__name__}")
+    if is_retryable(exc):
+        return StoreUnavailable(f"database unavailable: {type(exc.orig).__name__}")
+    return None
+
+
 def _sqlite_file(url: sa.URL) -> Path | None:
     db = url.database
     if not db or db == ":memory:" or db.startswith("file:"):
@@ -130,14 +142,11 @@ class Store:
                     self.on_commit(changed)
                 except Exception:  # observing must never fail a committed transaction
                     log.exception("commit observer failed")
-        except DBAPIError as exc:
-            if is_retryable(exc):
-                raise StoreUnavailable(f"database unavailable: {type(exc.orig).__name__}") from exc
-            raise
-        except OSError as exc:
-            # asyncpg raises the socket's own error when it cannot connect (refused, reset):
-            # the database is unavailable, a retryable condition (503), not an internal error.
-            raise StoreUnavailable(f"database unavailable: {type(exc).__name__}") from exc
+        except (DBAPIError, OSError) as exc:
+            unavailable = _unavailable(exc)
+            if unavailable is None:
+                raise
+            raise unavailable from exc
 
     @asynccontextmanager
     async def read(self) -> AsyncIterator[AsyncConnection]:
@@ -156,12 +165,11 @@ class Store:
         try:
             async with self._reader.connect() as conn:
                 yield conn
-        except DBAPIError as exc:
-            if is_retryable(exc):
-                raise StoreUnavailable(f"database unavailable: {type(exc.orig).__name__}") from exc
-            raise
-        except OSError as exc:
-            raise StoreUnavailable(f"database unavailable: {type(exc).__name__}") from exc
+        except (DBAPIError, OSError) as exc:
+            unavailable = _unavailable(exc)
+            if unavailable is None:
+                raise
+            raise unavailable from exc
 
     async def run(self, fn: Callable[..., Awaitable[T]], *args: Any, attempts: int = RETRY_ATTEMPTS,
                   **kwargs: Any) -> T:
