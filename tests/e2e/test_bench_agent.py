@@ -31,8 +31,19 @@ def test_bench_agent_measures_and_answers_every_waiter(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     for figure in ("bare_provider_ms", "submit_and_wait_ms", "overhead_ms"):
         assert isinstance(result[figure]["p50"], float), result
-    assert set(result["stage_p50_ms"]) == {"submit_to_intent_commit", "intent_to_claim",
-                                           "claim_to_outcome", "outcome_to_answer"}
+    # The latency budget: every hop of both paths measured, beside floors measured in the run.
+    budget = result["latency_budget"]
+    floors = budget["floors_ms"]
+    assert set(floors) == {"pg_commit", "nats_request_reply", "js_publish_ack",
+                           "http_round_trip", "provider_call"}
+    assert all(isinstance(f["p50"], float) for f in floors.values()), floors
+    hops = {"submit_to_intent", "intent_to_claim", "claim_to_call", "provider_call",
+            "call_to_outcome", "outcome_to_answer"}
+    for path in ("client", "mcp"):
+        assert budget[path]["n"] == 20
+        assert set(budget[path]["hops"]) == hops
+        assert all(isinstance(h["p50_ms"], float) for h in budget[path]["hops"].values())
+    assert "| outcome_to_answer |" in out.with_suffix(".md").read_text()
     waiters = result["waiters"]
     assert waiters["answered_states"] == {"succeeded": 200}, waiters
     assert waiters["still_waiting_after_window"] == 200  # nothing answered before its commit

@@ -173,3 +173,37 @@ async def test_waits_starting_together_share_their_state_reads(
         w.cancel()
     await asyncio.gather(*waits[1:], return_exceptions=True)
     assert len(svc.waiters) == 0
+
+
+async def test_submit_and_wait_sleeps_on_its_own_commit_and_wakes_only_to_answer(
+        svc: LedgerService, client: httpx.AsyncClient) -> None:
+    """POST /v1/intents?wait= reads no state before it sleeps (its own commit told it
+    `pending`), and the claim's `in_flight`, which cannot end the wait, wakes no one; the
+    outcome's commit does, and the answer is the settled operation."""
+    before_reads, before_wakes = svc.waiters.state_queries, svc.waiters.wakeups
+    post = asyncio.create_task(client.post("/v1/intents", headers=auth(AGENT_A), params={
+        "wait": LONG}, json={"tool": "lookup", "arguments": {"q": 2}}))
+    await _waiting(svc)
+    [op_id] = list(svc.waiters._by_op)
+    await svc.claim(_claim(op_id))
+    assert svc.waiters.wakeups == before_wakes  # in_flight: noted, nobody woken
+    assert not post.done()
+    await svc.record_outcome(_success(op_id), consumer="ledger", message_id="m10")
+    resp = await asyncio.wait_for(post, 10)
+    assert resp.status_code == 201 and resp.json()["state"] == "succeeded"
+    assert svc.waiters.wakeups == before_wakes + 1
+    assert svc.waiters.state_queries == before_reads
+
+
+async def test_a_wait_on_an_existing_operation_still_reads_its_state(
+        svc: LedgerService, client: httpx.AsyncClient) -> None:
+    """Only the commit that created the operation may stand for the first read: a keyed
+    resubmission of a settled operation answers at once from the database."""
+    body = {"tool": "lookup", "arguments": {"q": 3}, "idempotency_key": "k-settled"}
+    first = await client.post("/v1/intents", headers=auth(AGENT_A), json=body)
+    op_id = first.json()["id"]
+    await svc.claim(_claim(op_id))
+    await svc.record_outcome(_success(op_id), consumer="ledger", message_id="m11")
+    again = await asyncio.wait_for(client.post("/v1/intents", headers=auth(AGENT_A),
+                                               params={"wait": LONG}, json=body), 10)
+    assert again.status_code == 200 and again.json()["state"] == "succeeded"

@@ -17,6 +17,7 @@ from effectledger_bus.streams import ensure_streams
 from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
 from effectledger_core.heap import freeze_long_lived
+from effectledger_obs import loopwatch
 from effectledger_obs.http import HealthServer
 from effectledger_obs.logs import announce
 from effectledger_providers.adapters import load_adapter
@@ -70,6 +71,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     freeze_long_lived(collect=False)  # what start-up made lives as long as the process
+    loopwatch.start()  # GC pauses and loop lag as metrics: the tail's evidence
     announce(f"dispatcher ready: {settings.dispatcher_id}")
     if started is not None:
         started.set()

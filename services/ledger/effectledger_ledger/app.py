@@ -20,6 +20,7 @@ from effectledger_core.catalog import Catalog
 from effectledger_core.config import Settings
 from effectledger_core.heap import freeze_long_lived
 from effectledger_core.quotas import QuotaLimits
+from effectledger_obs import loopwatch
 from effectledger_obs.logs import announce
 
 from .api import create_app
@@ -189,6 +190,7 @@ async def _announce(server: uvicorn.Server, settings: Settings, plane: asyncio.T
     announce(f"ledger listening: {url}")
     await plane
     freeze_long_lived(collect=False)  # what start-up made lives as long as the process
+    loopwatch.start()  # GC pauses and loop lag as metrics: the tail's evidence
     announce(f"ledger ready: {url}")
     if started is not None:
         started.set()

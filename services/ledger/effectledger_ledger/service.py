@@ -318,17 +318,27 @@ class LedgerService:
                     letter.error)
 
     async def operation(self, operation_id: str) -> OperationView:
-        async with self.store.transaction() as conn:
+        async with self.store.read() as conn:
             return await reads.get_operation(conn, operation_id)
 
     async def wait_operation(self, operation_id: str, wait_s: float, *,
-                             changed_from: str | None = None) -> OperationView:
+                             changed_from: str | None = None,
+                             created_as: str | None = None) -> OperationView:
         """The operation once it is settled (or, with `changed_from`, once its state is no
         longer that one), else after `wait_s` as it is then. Woken by commits, not polling;
-        while it waits only its state is read (batched with other waits, waiters.py)."""
+        while it waits only its state is read (batched with other waits, waiters.py).
+
+        `created_as`: the state the caller's own commit just created the operation in, with
+        nothing awaited since; it stands for the first read (a round trip on every submit-and-
+        wait). Nothing can have changed the operation meanwhile: only its creator knows it
+        exists until its command is published, and the publish runs in another task (the direct
+        publisher, the relay), which this loop runs only once this call has registered its
+        watch and awaits; another replica's change is caught by the re-check as ever."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         with self.waiters.watch(operation_id) as watch:  # before the read: no missed change
+            watch.told = created_as
+            watch.ends_on = lambda state: wait_over(state, changed_from)
             while True:
                 state = watch.take_told() or await self.waiters.state(operation_id)
                 if state is None:
@@ -340,7 +350,7 @@ class LedgerService:
                 await watch.sleep(remaining)
 
     async def _states_of(self, operation_ids: list[str]) -> dict[str, str]:
-        async with self.store.transaction() as conn:
+        async with self.store.read() as conn:
             return await states_of(conn, operation_ids)
 
     async def journal(self, operation_id: str) -> Journal:

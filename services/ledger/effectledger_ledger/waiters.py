@@ -40,6 +40,10 @@ class Watch:
     # The state the waking commit produced, when the signaller knew it: saves a read.
     told: str | None = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
+    # Which states end this wait (None: any change wakes it). A change to another state
+    # (a claim's `in_flight` for a wait on the outcome) is noted in `seen` and wakes no one:
+    # the wake-up would only go back to sleep, and it ran before the claim's reply was sent.
+    ends_on: Callable[[str], bool] | None = None
 
     def take_told(self) -> str | None:
         told, self.told = self.told, None
@@ -127,6 +131,9 @@ class Waiters:
         if operation_id is None:
             return
         for w in self._by_op.get(operation_id, ()):
+            if state is not None and w.ends_on is not None and not w.ends_on(state):
+                w.seen = state  # what the re-check compares with
+                continue
             self.wakeups += 1
             w.told = state
             w.event.set()

@@ -12,6 +12,9 @@
    its own pending operation while no dispatcher runs: the ledger's memory and CPU while they
    wait, its responsiveness meanwhile (GET /healthz and an operation read, p50/p99), and how
    long all waits take to be answered once a dispatcher is started.
+3. The latency budget (budget.py): the interleaved client and MCP calls broken into hops,
+   each beside its floor measured in the same run; in the JSON document under
+   `latency_budget`, as markdown tables on stderr and, with --out, in FILE.md.
 
     effectledger bench-agent [--n 300] [--waiters 10000] [--out FILE.json]
     (or python -m effectledger_bench.agentwait)
@@ -67,9 +70,8 @@ async def bare_calls(stack: Stack, n: int) -> list[float]:
 
 
 async def submit_and_wait(stack: Stack, n: int, tag: str,
-                          stages: list[dict[str, float]] | None = None) -> list[float]:
-    """Latencies (ms); with `stages`, also where each operation's time went, from the
-    ledger's journal timestamps (same machine, same clock)."""
+                          hops: list[dict[str, float]] | None = None) -> list[float]:
+    """Latencies (ms); with `hops`, also where each operation's time went (budget.py)."""
     from effectledger_client import AsyncClient
 
     from .stack import TOOL
@@ -77,34 +79,36 @@ async def submit_and_wait(stack: Stack, n: int, tag: str,
     lat = []
     async with AsyncClient(stack.ledger_url, token="") as client:
         for i in range(n):
-            t, wall = time.perf_counter(), time.time()
+            t, sent = time.perf_counter(), time.time()
             done = await client.submit(TOOL, {"title": f"{tag} {i}"},
                                        idempotency_key=f"{tag}-{i}", wait_s=10)
-            end_wall = time.time()
+            answered = time.time()
             if done.operation.state != "succeeded":
                 raise RuntimeError(f"operation ended {done.operation.state}")
             lat.append((time.perf_counter() - t) * 1000)
-            if stages is not None:
-                journal = await client.journal(done.operation.id)
-                at = {e.kind: e.at.timestamp() for e in journal.entries}
-                if {"intent_accepted", "attempt_claimed", "outcome_recorded"} <= set(at):
-                    stages.append({
-                        "submit_to_intent_commit": at["intent_accepted"] - wall,
-                        "intent_to_claim": at["attempt_claimed"] - at["intent_accepted"],
-                        "claim_to_outcome": at["outcome_recorded"] - at["attempt_claimed"],
-                        "outcome_to_answer": end_wall - at["outcome_recorded"]})
+            if hops is not None:
+                hops.append(await _hops_of(client, done.operation.id, sent, answered))
     return lat
+
+
+async def _hops_of(client: Any, operation_id: str, sent: float, answered: float
+                   ) -> dict[str, float]:
+    from . import budget
+
+    journal = await client.journal(operation_id)
+    return budget.hops(sent, answered, [(e.kind, e.at, e.detail) for e in journal.entries])
 
 
 def _devnull() -> TextIO:
     return open(os.devnull, "w")
 
 
-async def client_vs_mcp(stack: Stack, n: int
+async def client_vs_mcp(stack: Stack, n: int, hops: dict[str, list[dict[str, float]]]
                         ) -> tuple[list[float], list[float], list[float]]:
     """Latencies (ms) of the client's submit-and-wait (keyed), the same without a key joining
     identical calls (what the MCP server asks the ledger for), and an MCP tools/call of the
-    same tool, one of each per round so that all see the same machine load."""
+    same tool, one of each per round so that all see the same machine load. `hops` gets each
+    counted keyed call's hops under "client" and each MCP call's under "mcp" (budget.py)."""
     from mcp import ClientSession, StdioServerParameters, stdio_client
 
     from effectledger_client import AsyncClient
@@ -125,10 +129,11 @@ async def client_vs_mcp(stack: Stack, n: int
                 ClientSession(read, write) as mcp:
             await mcp.initialize()
             for i in range(-20, n):  # 20 warm-up rounds, not counted
-                t = time.perf_counter()
+                t, sent = time.perf_counter(), time.time()
                 done = await client.submit(TOOL, {"title": f"{tag} c{i}"},
                                            idempotency_key=f"{tag}-c{i}", wait_s=10)
-                took = (time.perf_counter() - t) * 1000
+                took, answered = (time.perf_counter() - t) * 1000, time.time()
+                keyed = (done.operation.id, sent, answered)
                 if done.operation.state != "succeeded":
                     raise RuntimeError(f"operation ended {done.operation.state}")
                 t = time.perf_counter()
@@ -137,9 +142,9 @@ async def client_vs_mcp(stack: Stack, n: int
                 took_join = (time.perf_counter() - t) * 1000
                 if done.operation.state != "succeeded":
                     raise RuntimeError(f"operation ended {done.operation.state}")
-                t = time.perf_counter()
+                t, sent = time.perf_counter(), time.time()
                 result = await mcp.call_tool(TOOL, {"title": f"{tag} m{i}"})
-                took_mcp = (time.perf_counter() - t) * 1000
+                took_mcp, answered = (time.perf_counter() - t) * 1000, time.time()
                 data = result.structured_content or {}
                 if data.get("outcome") != "succeeded":
                     raise RuntimeError(f"MCP call ended {data.get('state')}")
@@ -147,15 +152,11 @@ async def client_vs_mcp(stack: Stack, n: int
                     direct.append(took)
                     joining.append(took_join)
                     over_mcp.append(took_mcp)
+                    # Journals read after the round's timed calls, so they cost none of them.
+                    hops["client"].append(await _hops_of(client, *keyed))
+                    hops["mcp"].append(await _hops_of(client, str(data["operation_id"]),
+                                                      sent, answered))
     return direct, joining, over_mcp
-
-
-def _stage_medians(stages: list[dict[str, float]]) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-    for name in (stages[0] if stages else {}):
-        p50 = percentile([s[name] * 1000 for s in stages], 50)
-        out[name] = round(p50, 2) if p50 is not None else None
-    return out
 
 
 def dbos_figures(stack: Stack, n: int) -> dict[str, Any] | None:
@@ -258,19 +259,18 @@ async def _cpu_percent(pid: int, window_s: float) -> float:
 
 
 async def measure(stack: Stack, n: int, count: int) -> dict[str, Any]:
+    from . import budget
+
     await submit_and_wait(stack, 30, "warm")
     await bare_calls(stack, 30)
     bare = await bare_calls(stack, n)
     sw = await submit_and_wait(stack, n, "run")
-    stages: list[dict[str, float]] = []
-    await submit_and_wait(stack, min(n, 100), "stages", stages)
     b, s = _ms(bare), _ms(sw)
     result: dict[str, Any] = {
         "n": n, "bare_provider_ms": b, "submit_and_wait_ms": s,
-        "overhead_ms": {k: round((s[k] or 0) - (b[k] or 0), 2) for k in b},
-        # Journal times are taken when each transaction is built, just before its commit.
-        "stage_p50_ms": _stage_medians(stages)}
-    direct, joining, over_mcp = await client_vs_mcp(stack, n)
+        "overhead_ms": {k: round((s[k] or 0) - (b[k] or 0), 2) for k in b}}
+    hops: dict[str, list[dict[str, float]]] = {"client": [], "mcp": []}
+    direct, joining, over_mcp = await client_vs_mcp(stack, n, hops)
     c, j, m = _ms(direct), _ms(joining), _ms(over_mcp)
     result["mcp"] = {
         "interleaved_submit_and_wait_ms": c, "submit_and_wait_joining_ms": j,
@@ -280,6 +280,11 @@ async def measure(stack: Stack, n: int, count: int) -> dict[str, Any]:
         # identical calls apart.
         "mcp_over_joining_client_ms": {k: round((m[k] or 0) - (j[k] or 0), 2) for k in c},
         "target": "tools_call p50 <= submit_and_wait p50 + 2 ms"}
+    # The floors right after the operations they explain, on the same stack (budget.py).
+    floors = await budget.floors(stack, min(n, 200), await bare_calls(stack, min(n, 200)))
+    budgets = {path: budget.table(samples, floors) for path, samples in hops.items()}
+    result["latency_budget"] = {"floors_ms": floors, **budgets,
+                                "markdown": budget.markdown(budgets, floors)}
     peer = dbos_figures(stack, n)
     if peer is not None and "latency_ms" in peer:
         lat = peer["latency_ms"]
@@ -318,8 +323,12 @@ def run(args: argparse.Namespace) -> int:
             stack.close()
     text = json.dumps(result, indent=2)
     print(text)
+    # The budget as tables for a reader (stdout stays one JSON document).
+    table = result["latency_budget"]["markdown"]
+    print(table, file=sys.stderr)
     if args.out:
         args.out.write_text(text + "\n")
+        args.out.with_suffix(".md").write_text("# Latency budget\n\n" + table)
     return 0
 
 

@@ -50,18 +50,45 @@ STAGES = (("accepted_to_claimed", "accepted", "claimed"),
           ("outcome_to_recorded", "outcome", "recorded"))
 
 
-async def stage_latencies(dsn: str, tags: Sequence[str]) -> dict[str, dict[str, float | None]]:
-    """p50/p99 (ms) of each stage of the operations of `tags` that succeeded in epoch 1."""
+async def stage_latencies(dsn: str, tags: Sequence[str]) -> dict[str, Any]:
+    """p50/p99 (ms) of each stage of the operations of `tags` that succeeded in epoch 1, and
+    where the slowest 1 % of them spent their time (`slowest_1pct`, see `slowest`)."""
     conn = await asyncpg.connect(dsn)
     try:
         rows = await conn.fetch(STAGES_SQL, list(tags))
     finally:
         await conn.close()
-    out: dict[str, dict[str, float | None]] = {}
+    out: dict[str, Any] = {}
     for name, start, end in STAGES:
         values = [(r[end] - r[start]).total_seconds() * 1000 for r in rows
                   if r[start] is not None and r[end] is not None]
         out[name] = {"p50": _round(percentile(values, 50)), "p99": _round(percentile(values, 99))}
+    out["slowest_1pct"] = slowest([dict(r) for r in rows])
+    return out
+
+
+def slowest(rows: list[dict[str, datetime | None]], share: float = 0.01) -> dict[str, Any]:
+    """The tail's evidence: of the slowest `share` of operations (accepted to recorded), the
+    median of each stage (which stage the tail lives in) and when each was accepted, in
+    seconds since the first operation (a periodic cause, a timer or a sweep, shows as a
+    regular spacing)."""
+    def ms(r: dict[str, datetime | None], start: str, end: str) -> float | None:
+        a, b = r[start], r[end]
+        return (b - a).total_seconds() * 1000 if a is not None and b is not None else None
+
+    full = [r for r in rows if ms(r, "accepted", "recorded") is not None]
+    if not full:
+        return {"n": 0}
+    full.sort(key=lambda r: ms(r, "accepted", "recorded") or 0.0, reverse=True)
+    tail = full[:max(1, math.ceil(len(full) * share))]
+    first = min(r["accepted"] for r in full if r["accepted"] is not None)
+    out: dict[str, Any] = {"n": len(tail), "total_ms_min": _round(ms(tail[-1], "accepted",
+                                                                      "recorded"))}
+    for name, start, end in STAGES:
+        values = [v for v in (ms(r, start, end) for r in tail) if v is not None]
+        out[f"{name}_p50"] = _round(percentile(values, 50))
+    out["accepted_at_s"] = sorted(round((r["accepted"] - first).total_seconds(), 2)
+                                  for r in tail if r["accepted"] is not None)
     return out
 
 

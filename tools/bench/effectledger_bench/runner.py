@@ -19,7 +19,7 @@ from typing import Any
 import asyncpg
 import httpx
 
-from . import peer_direct, peers, wakeprobe
+from . import pauses, peer_direct, peers, wakeprobe
 from . import profile as prof
 from .load import LoadGenerator, LoadResult, Progress
 from .measure import (
@@ -188,6 +188,7 @@ class Runner:
         c0, me0, t0 = self.counters(), self_cpu(), time.monotonic()
         w0 = self_wakeups()
         s0, r0 = self.stack.samples_by_pid(), len(self.stack.retired)
+        stalls0 = await pauses.scrape(self.stack.ledger_url)
         loads: list[LoadResult] = await body()
         moving = await self.wait_rest(tags, settle_s)
         t1 = time.monotonic()
@@ -199,6 +200,7 @@ class Runner:
         rows = await fetch_ops(self.dsn, tags)
         stats = latency_stats(rows)
         stages = await stage_latencies(self.dsn, tags)
+        stalls = pauses.delta(stalls0, await pauses.scrape(self.stack.ledger_url))
         n = max(1, stats["operations"])
         cpu: dict[str, float] = {}
         kernel: dict[str, float] = {}
@@ -226,6 +228,7 @@ class Runner:
         result = {
             "scenario": scenario, "params": params, "rep": rep, "tags": tags,
             "wall_s": round(t1 - t0, 2), "still_moving": moving, **stats, "stages_ms": stages,
+            "ledger_stalls": stalls,
             "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
             "cpu_ms_per_op": {k: round(1000 * v / n, 3) for k, v in sorted(cpu.items())},
             "system_cpu_ms_per_op": round(1000 * system / n, 3),

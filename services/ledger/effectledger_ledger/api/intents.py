@@ -37,7 +37,8 @@ async def submit_intent(request: Request, p: Who, service: Service, cap: WaitCap
         intent = intent.model_copy(update={"tenant": p.tenant})
     submitted = await service.submit(intent, actor=p.name)
     op_id = submitted.operation["id"]
-    view = (await service.wait_operation(op_id, wait_s) if wait_s > 0
+    created_as = submitted.operation["state"] if submitted.created else None
+    view = (await service.wait_operation(op_id, wait_s, created_as=created_as) if wait_s > 0
             else await service.operation(op_id))
     # A JSONResponse, for the status only the submission knows: the view's JSON form.
     return JSONResponse(view.model_dump(mode="json"),

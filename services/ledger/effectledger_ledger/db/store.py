@@ -56,6 +56,18 @@ def is_retryable(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectionError, OSError, TimeoutError))
 
 
+def _unavailable(exc: DBAPIError | OSError) -> StoreUnavailable | None:
+    """`StoreUnavailable` (retryable, 503) for a database error of a unit of work when the
+    database is unreachable or asks for a retry; None: the error stands as it is. asyncpg
+    raises the socket's own error when it cannot connect (refused, reset): unavailable too,
+    not an internal error."""
+    if isinstance(exc, OSError):
+        return StoreUnavailable(f"database unavailable: {type(exc).__name__}")
+    if is_retryable(exc):
+        return StoreUnavailable(f"database unavailable: {type(exc.orig).__name__}")
+    return None
+
+
 def _sqlite_file(url: sa.URL) -> Path | None:
     db = url.database
     if not db or db == ":memory:" or db.startswith("file:"):
@@ -97,7 +109,8 @@ class Store:
                 connect_args={"server_settings": {"plan_cache_mode": "force_custom_plan"}})
             # `transaction` on PostgreSQL: the ledger's own transaction on the asyncpg
             # connection (pgtx.py), on connections of this same pool in AUTOCOMMIT mode, so
-            # SQLAlchemy's adapter never begins one of its own.
+            # SQLAlchemy's adapter never begins one of its own; `read` uses them with no
+            # transaction at all (no BEGIN, no COMMIT).
             self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
             self._guard = pgtx.PoolGuard(self.engine)
             # A statement through SQLAlchemy's execute joins that transaction, after the
@@ -130,14 +143,34 @@ class Store:
                     self.on_commit(changed)
                 except Exception:  # observing must never fail a committed transaction
                     log.exception("commit observer failed")
-        except DBAPIError as exc:
-            if is_retryable(exc):
-                raise StoreUnavailable(f"database unavailable: {type(exc.orig).__name__}") from exc
-            raise
-        except OSError as exc:
-            # asyncpg raises the socket's own error when it cannot connect (refused, reset):
-            # the database is unavailable, a retryable condition (503), not an internal error.
-            raise StoreUnavailable(f"database unavailable: {type(exc).__name__}") from exc
+        except (DBAPIError, OSError) as exc:
+            unavailable = _unavailable(exc)
+            if unavailable is None:
+                raise
+            raise unavailable from exc
+
+    @asynccontextmanager
+    async def read(self) -> AsyncIterator[AsyncConnection]:
+        """A connection for reads only; writes through it would commit one by one.
+
+        On PostgreSQL it runs in autocommit: a read in `transaction()` paid two round trips
+        (BEGIN, COMMIT) besides its statements, and submit-and-wait reads twice on an
+        operation's critical path. Nothing is lost by it: at READ COMMITTED (the ledger's
+        level) every statement takes its own snapshot inside a transaction too, so a read of
+        several statements sees what it saw before. SQLite keeps its transaction (one
+        connection, and its BEGIN costs no round trip)."""
+        if not self.is_postgres:
+            async with self.transaction() as conn:
+                yield conn
+            return
+        try:
+            async with self._autocommit.connect() as conn:
+                yield conn
+        except (DBAPIError, OSError) as exc:
+            unavailable = _unavailable(exc)
+            if unavailable is None:
+                raise
+            raise unavailable from exc
 
     async def run(self, fn: Callable[..., Awaitable[T]], *args: Any, attempts: int = RETRY_ATTEMPTS,
                   **kwargs: Any) -> T:

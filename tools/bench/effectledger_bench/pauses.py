@@ -1,0 +1,85 @@
+"""The ledger's loop stalls during a phase: its garbage-collection pauses and event-loop lag
+(`effectledger_obs.loopwatch`), from its /metrics before and after the phase.
+
+A phase whose p99 is far above its p95 has a few operations that waited for something rare;
+a stall of the loop that serves all of them is one such thing, and these counts say whether it
+happened, how often and how long (the histograms' bucket bounds: "at most")."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+Scrape = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+GC, LAG = "effectledger_gc_pause_seconds", "effectledger_event_loop_lag_seconds"
+
+
+async def scrape(base_url: str) -> Scrape | None:
+    """The two histograms' samples, or None when the service does not answer."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with httpx.AsyncClient(timeout=5) as http:
+            text = (await http.get(f"{base_url}/metrics")).raise_for_status().text
+    except Exception as exc:  # a figure missing from a report, never a failed phase
+        log.debug("no metrics from %s: %s", base_url, exc)
+        return None
+    out: Scrape = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in (GC, LAG):
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def _buckets(d: Scrape, name: str, **match: str) -> list[tuple[float, float]]:
+    """(upper bound, count in the phase) of a histogram's cumulative buckets, summed over the
+    label sets that match."""
+    sums: dict[float, float] = {}
+    for (sample, labels), v in d.items():
+        lab = dict(labels)
+        if sample == f"{name}_bucket" and all(lab.get(k) == x for k, x in match.items()):
+            le = float(lab["le"])
+            sums[le] = sums.get(le, 0.0) + v
+    return sorted(sums.items())
+
+
+def _over(buckets: list[tuple[float, float]], bound: float) -> int:
+    total = buckets[-1][1] if buckets else 0.0
+    at_most = max((c for le, c in buckets if le <= bound), default=0.0)
+    return round(total - at_most)
+
+
+def _pct_bound(buckets: list[tuple[float, float]], p: float) -> float | None:
+    """The upper bound (ms) of the bucket holding the p-th percentile."""
+    total = buckets[-1][1] if buckets else 0.0
+    if total <= 0:
+        return None
+    for le, c in buckets:
+        if c >= total * p / 100:
+            return round(le * 1000, 2) if le != float("inf") else None
+    return None
+
+
+def delta(before: Scrape | None, after: Scrape | None) -> dict[str, Any] | None:
+    if before is None or after is None:
+        return None
+    d = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    out: dict[str, Any] = {}
+    gens = sorted({dict(labels).get("generation", "?") for (s, labels) in d
+                   if s == f"{GC}_count"})
+    for gen in gens:
+        b = _buckets(d, GC, generation=gen)
+        total_s = sum(v for (s, labels), v in d.items()
+                      if s == f"{GC}_sum" and dict(labels).get("generation") == gen)
+        out[f"gc_gen{gen}"] = {"count": round(b[-1][1]) if b else 0,
+                               "total_ms": round(total_s * 1000, 1),
+                               "over_10ms": _over(b, 0.01)}
+    lag = _buckets(d, LAG)
+    out["loop_lag"] = {"samples": round(lag[-1][1]) if lag else 0,
+                       "p99_at_most_ms": _pct_bound(lag, 99),
+                       "over_10ms": _over(lag, 0.01), "over_25ms": _over(lag, 0.025)}
+    return out
