@@ -89,6 +89,7 @@ HEAVY_MODULES = frozenset({
 })
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: no error when xdist is not loaded
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
     """`--dist loadgroup` (pyproject.toml) with the heavy modules as one group."""
     if config.getoption("dist") != "loadgroup":
