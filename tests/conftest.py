@@ -74,6 +74,41 @@ async def store(db_url: str) -> AsyncIterator[object]:
     await st.close()
 
 
+# The modules whose tests run one after another on one worker under `pytest -n 2` (why: below,
+# and docs/testing.md). Each also says so with `xdist_group("heavy")`, which xdist on pytest 9.2
+# ignores (tests/support/scheduling.py); the collection fails when the two disagree.
+HEAVY = "heavy"
+HEAVY_MODULES = frozenset({
+    "tests/e2e/test_availability.py",
+    "tests/e2e/test_bench_agent.py",
+    "tests/e2e/test_bench_quick.py",
+    "tests/e2e/test_chaos_can_fail.py",
+    "tests/e2e/test_chaos_ci.py",
+    "tests/e2e/test_chaos_cluster_ci.py",
+    "tests/e2e/test_up.py",
+})
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: no error when xdist is not loaded
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`--dist loadgroup` (pyproject.toml) with the heavy modules as one group."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from tests.support.scheduling import ModuleGroups
+
+    return ModuleGroups(config, log, HEAVY_MODULES, HEAVY)
+
+
+def _check_heavy_marks(items: list[pytest.Item]) -> None:
+    wrong = sorted({i.nodeid.split("::", 1)[0] for i in items
+                    if any(m.args[:1] == (HEAVY,) for m in i.iter_markers("xdist_group"))
+                    != (i.nodeid.split("::", 1)[0] in HEAVY_MODULES)})
+    if wrong:
+        raise pytest.UsageError(
+            f"xdist_group({HEAVY!r}) marks and tests/conftest.py's HEAVY_MODULES disagree on "
+            f"{', '.join(wrong)}: every test of a listed module carries the mark, no other")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # Nothing here may depend on wall-clock sleeps; this only orders the tests.
     #
@@ -83,12 +118,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # worker finishing an 80 s end-to-end test while the other waits. Every worker collects
     # and sorts the same way, as xdist requires.
     #
-    # Every test runs on whichever worker is free, except those marked
-    # `xdist_group("heavy")`: the chaos runs and the benchmarks (each starts a private
+    # Every test runs on whichever worker is free, except those of HEAVY_MODULES (marked
+    # `xdist_group("heavy")`): the chaos runs and the benchmarks (each starts a private
     # PostgreSQL, nats-server and a dozen service processes) and the tests that time the
     # services' answers. They run one after another on one worker, first (xdist hands out the
     # largest group first), so no two of them ever compete for the cores. Each worker is its
     # own process with its own session fixtures: its own PostgreSQL database (`pg_url`) and,
     # per test, its own NATS prefix.
+    _check_heavy_marks(items)
     slow_first = "PYTEST_XDIST_WORKER" in os.environ
     items.sort(key=lambda i: bool(i.get_closest_marker("slow")) != slow_first)

@@ -9,8 +9,9 @@ import pytest
 
 from effectledger_bench.measure import OpRow, check_effects, latency_stats, percentile, summary
 from effectledger_bench.pg import parse_lsn
-from effectledger_bench.report import mmm, render, targets
+from effectledger_bench.report import render, targets
 from effectledger_bench.sqlcapture import extract, pgbench_script
+from effectledger_bench.tables import mmm
 
 OP = "13e691d5c68d456dbe7eccdc7db39d87"
 OUTBOX = "554618b400db4fad8d8bc44fc40113f9"

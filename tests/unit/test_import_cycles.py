@@ -1,5 +1,7 @@
-"""No import cycles in the reconciler and the ledger's `db` package, lazy imports included: a
-cycle hidden by an import inside a function is still a cycle (read from the source)."""
+"""No import cycles inside any package of the house (the product's and the tools'), lazy
+imports included: a cycle hidden by an import inside a function is still a cycle (read from
+the source). Each package is checked on its own modules; its subpackages are packages of their
+own here."""
 
 from __future__ import annotations
 
@@ -8,11 +10,24 @@ from pathlib import Path
 
 import pytest
 
-import effectledger_ledger.db
-import effectledger_reconciler
+ROOT = Path(__file__).resolve().parents[2]
+# The source folders on the path (pyproject.toml's packages): shared/<pkg>, services/*/<pkg>,
+# tools/*/<pkg>.
+TOP = [*ROOT.glob("shared/effectledger_*"), *ROOT.glob("services/*/effectledger_*"),
+       *ROOT.glob("tools/*/effectledger_*")]
 
-PACKAGES = {"effectledger_reconciler": Path(effectledger_reconciler.__file__).parent,
-            "effectledger_ledger.db": Path(effectledger_ledger.db.__file__).parent}
+
+def packages() -> dict[str, Path]:
+    """Every package and subpackage under the source folders, by dotted name."""
+    out: dict[str, Path] = {}
+    for top in TOP:
+        for init in sorted(top.rglob("__init__.py")):
+            parts = init.parent.relative_to(top.parent).parts
+            out[".".join(parts)] = init.parent
+    return out
+
+
+PACKAGES = packages()
 
 
 def imports(package: str, root: Path) -> dict[str, set[str]]:
@@ -61,6 +76,12 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_cycle_finder_finds_a_lazy_cycle() -> None:
     assert cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_every_package_is_checked() -> None:
+    """The folders were found: the product's packages and the tools' (bench, chaos) among them."""
+    assert {"effectledger_core", "effectledger_ledger.db", "effectledger_reconciler",
+            "effectledger_bench", "effectledger_chaos"} <= set(PACKAGES)
 
 
 def test_the_reader_sees_the_deciders() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .report import Phase, fmt, med, table
+from .tables import Phase, fmt, med, table
 
 SCENARIO = "observability"
 TARGET = 0.03  # the budget: metrics ≤ 3 %, tracing at 0.01 ≤ 3 %

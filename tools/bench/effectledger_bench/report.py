@@ -7,31 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from .measure import summary
-
-Phase = dict[str, Any]
-
-
-def fmt(v: float | None, digits: int = 1) -> str:
-    if v is None:
-        return "n/a"
-    if abs(v) >= 1000:
-        return f"{v:,.0f}"
-    return f"{v:.{digits}f}"
-
-
-def mmm(values: Iterable[float | None], digits: int = 1) -> str:
-    """'median (min-max)'; a single value is shown alone."""
-    vals = [v for v in values if v is not None]
-    s = summary(vals)
-    if not vals:
-        return "n/a"
-    if len(vals) == 1:
-        return fmt(s["median"], digits)
-    return f"{fmt(s['median'], digits)} ({fmt(s['min'], digits)}-{fmt(s['max'], digits)})"
-
-
-def med(values: Iterable[float | None]) -> float | None:
-    return summary(values)["median"]
+from .obscost import section as observability_section
+from .tables import Phase, fmt, med, mmm, table
 
 
 def _get(p: Phase, path: str) -> Any:
@@ -86,12 +63,6 @@ COST: list[tuple[str, str, int]] = [
     ("WAL bytes/op", "pg.wal_bytes_per_op", 0),
 ]
 WAKEUPS = per_process("wakeups_per_op", 1)
-
-
-def table(rows: list[list[str]], header: list[str]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def scenario_table(phases: list[Phase], scenario: str, key: str | None, label: str,
@@ -385,8 +356,6 @@ def render(results: dict[str, Any], out_dir: Path) -> str:
               "pg_stat_database (flushed lazily, indicative).", ""]
     parts += [multi_table(phases, ("max", "half", "failure_mix"), COST), ""]
     parts += wakeup_section(phases, results.get("wakeup_cost"))
-    from .obscost import section as observability_section
-
     parts += observability_section(phases)
     curves = [
         ("backlog", "backlog", "operations queued first",

@@ -11,12 +11,12 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import nats
 import sqlalchemy as sa
 from nats.js.errors import NotFoundError
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
+from .natsconn import connect_quiet
 from .stack import STREAM_PREFIX, Stack
 
 AT_REST = frozenset({"succeeded", "failed", "cancelled", "needs_review"})
@@ -89,16 +89,6 @@ async def dump_text(url: str, tables: list[str]) -> dict[str, str]:
         rows = await db_rows(url, f"SELECT * FROM {t}", parse=False)  # our own table names
         out[t] = json.dumps(rows, default=str)
     return out
-
-
-async def _quiet(*_: Any) -> None:
-    return None  # broker outages are expected in a chaos run; nats-py would print tracebacks
-
-
-async def connect_quiet(url: str | list[str], **options: Any) -> Any:
-    """A nats-py connection that does not print tracebacks for expected broker outages."""
-    return await nats.connect(url, error_cb=_quiet, disconnected_cb=_quiet,
-                              reconnected_cb=_quiet, closed_cb=_quiet, **options)
 
 
 async def read_jetstream(url: str | list[str]) -> dict[str, Any]:

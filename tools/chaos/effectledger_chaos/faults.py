@@ -22,8 +22,8 @@ from nats.js.errors import NotFoundError
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
-from .collect import connect_quiet
 from .config import SYNTHETIC_AFTER_SEND
+from .natsconn import connect_quiet
 from .procs import Service, process_stopped
 from .schedule import Schedule, TimedFault
 from .stack import Stack

@@ -45,6 +45,7 @@ from effectledger_testkit.postgres import PrivatePostgres
 
 from . import catalog
 from .config import TOOL_TYPES, ChaosConfig
+from .natsconn import connect_quiet
 from .procs import NatsServer, Service, private_postgres, python_service, wait_port
 from .proxy import ProxyClient
 from .schedule import ledger_names, nats_names
@@ -507,8 +508,6 @@ class Stack:
     async def wait_jetstream(self, timeout_s: float) -> None:
         """Until JetStream answers (a cluster has elected its meta leader): the services set
         up their streams at start and a dispatcher exits if it cannot."""
-        from .collect import connect_quiet
-
         deadline = time.monotonic() + timeout_s
         last = ""
         while time.monotonic() < deadline:
