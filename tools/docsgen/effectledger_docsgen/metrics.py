@@ -32,6 +32,7 @@ def _row(metric: MetricWrapperBase) -> tuple[str, str, str, str]:
 def render() -> str:
     import effectledger_ledger.gauges as gauges
     import effectledger_obs.http as http
+    import effectledger_obs.loopwatch as loopwatch
     import effectledger_obs.metrics as shared
 
     out = ["# Metrics reference\n", banner("effectledger_docsgen.metrics"),
@@ -40,10 +41,11 @@ def render() -> str:
            "). Labels are bounded: no operation or tenant ids. What to watch and why, the "
            "dashboard and the alerts: [observability](../observability.md).\n",
            "## Every service\n",
-           "Defined in `effectledger_obs.metrics` and, for HTTP requests, `effectledger_obs.http`;"
-           " each process reports those of its role.\n",
+           "Defined in `effectledger_obs.metrics`, for HTTP requests `effectledger_obs.http`, "
+           "and for the process's own stalls (GC pauses, event-loop lag; the ledger and the "
+           "dispatcher) `effectledger_obs.loopwatch`; each process reports those of its role.\n",
            table(["metric", "type", "labels", "meaning"],
-                 [_row(m) for m in metrics(shared) + metrics(http)]),
+                 [_row(m) for m in metrics(shared) + metrics(http) + metrics(loopwatch)]),
            "## The ledger's database gauges\n",
            "Defined in `effectledger_ledger.gauges`: read from the database when `/metrics` is "
            "scraped, so every ledger replica reports the same value (use `max()` across "
