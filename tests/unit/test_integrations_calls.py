@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from typing import Any
 
 import httpx
@@ -61,10 +62,13 @@ def test_success_carries_the_key_the_result_and_whether_it_was_a_replay() -> Non
 class FakeLedger:
     """`POST /v1/intents` answered by a script of HTTP statuses; every body is kept."""
 
-    def __init__(self, *statuses: int) -> None:
+    def __init__(self, *statuses: int, submit_takes_s: float = 0.0) -> None:
         self.statuses = list(statuses)
         self.bodies: list[dict[str, Any]] = []
         self.waits: list[str] = []
+        # How long a submission holds the caller (blocking, as a slow ledger's answer would):
+        # the monotonic clock then moves at least this much during the submission.
+        self.submit_takes_s = submit_takes_s
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if request.method == "GET":  # a wait on the operation: it settles meanwhile
@@ -72,6 +76,7 @@ class FakeLedger:
             return httpx.Response(200, json=_op("succeeded"))
         assert request.url.path == "/v1/intents"
         self.bodies.append(json.loads(request.content))
+        time.sleep(self.submit_takes_s)  # a handler of MockTransport is synchronous
         status = self.statuses.pop(0)
         if status == 201:
             return httpx.Response(201, json=_op("succeeded"))
@@ -96,11 +101,13 @@ async def test_an_unanswered_submission_is_sent_again_under_the_same_key() -> No
 
 
 async def test_a_call_waits_wait_s_in_all_not_once_more_after_the_submission() -> None:
-    ledger = FakeLedger(202)
+    # The submission takes 50 ms: an instant one left "2.000s" (the wait is sent in ms), which
+    # cannot tell "what was left" from "wait_s once more".
+    ledger = FakeLedger(202, submit_takes_s=0.05)
     answer = await LedgerCalls(ledger.client(), wait_s=2).call("send_email", {}, key="k-1")
     assert answer.outcome == "succeeded"
     assert len(ledger.bodies) == 1 and len(ledger.waits) == 1
-    assert float(ledger.waits[0].removesuffix("s")) < 2  # only what was left of wait_s
+    assert float(ledger.waits[0].removesuffix("s")) <= 1.95  # only what was left of wait_s
 
 
 async def test_a_ledger_that_never_answers_is_an_unknown_outcome_not_an_error() -> None:
