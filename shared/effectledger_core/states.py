@@ -29,6 +29,17 @@ class State(StrEnum):
 
 
 TERMINAL: frozenset[State] = frozenset({State.SUCCEEDED, State.FAILED, State.CANCELLED})
+
+
+# What an agent is told happens next while an operation's outcome is not known yet: one text
+# for every agent-facing surface (the MCP server, the framework integrations).
+UNKNOWN_NEXT_STEP: dict[str, str] = {  # keyed by State, looked up by state names
+    State.AMBIGUOUS: "effectledger is finding out from the provider (readback or webhook).",
+    State.AWAITING_CONFIRMATION: "The provider accepted the request and will confirm it "
+                                 "later.",
+    State.NEEDS_REVIEW: "No machine can tell; an operator will review it. Tell the user the "
+                        "outcome is unknown and pending review.",
+}
 # "At rest": nothing will happen without a new input (an operator, or nothing at all).
 AT_REST: frozenset[State] = TERMINAL | {State.NEEDS_REVIEW}
 # Not terminal: what relays, sweepers and dashboards look at (a partial index covers them).

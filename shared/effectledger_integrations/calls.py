@@ -23,7 +23,7 @@ from typing import Any
 from effectledger_client import AsyncClient, LedgerError, OperationView
 from effectledger_client.errors import IdempotencyConflict, NotFound, Unavailable
 from effectledger_core.digest import sha256_hex
-from effectledger_core.states import State
+from effectledger_core.states import UNKNOWN_NEXT_STEP, State
 
 DEFAULT_WAIT_S = 20.0
 # A submission the ledger did not answer is sent again with the same key for this long: the
@@ -43,13 +43,6 @@ STATUS_DESCRIPTION = (
 
 _UNKNOWN = ("The outcome is UNKNOWN: the provider may or may not have applied this effect. Do "
             "NOT retry this call and do not try to achieve the same effect another way.")
-_NEXT: dict[str, str] = {
-    State.AMBIGUOUS: "effectledger is finding out from the provider (readback or webhook).",
-    State.AWAITING_CONFIRMATION: "The provider accepted the request and will confirm it "
-                                 "later.",
-    State.NEEDS_REVIEW: "No machine can tell; an operator will review it. Tell the user the "
-                        "outcome is unknown and pending review.",
-}
 
 
 def call_key(framework: str, call_id: str, *scope: str | None) -> str:
@@ -120,9 +113,9 @@ def render(op: OperationView, *, key: str | None, replayed: bool | None = None) 
         what = ("Cancelled before any attempt: nothing was applied." if state == State.CANCELLED
                 else "Failed: the provider refused it and nothing was applied.")
         data.update(outcome=state, message=what + ref, last_outcome=op.last_outcome)
-    elif state in _NEXT:
+    elif state in UNKNOWN_NEXT_STEP:
         data.update(outcome="unknown", do_not_retry=True,
-                    message=f"{_UNKNOWN} {_NEXT[state]} {_status_hint(op.id)}{ref}")
+                    message=f"{_UNKNOWN} {UNKNOWN_NEXT_STEP[state]} {_status_hint(op.id)}{ref}")
     elif state == State.AWAITING_APPROVAL:
         data.update(outcome="awaiting_approval", do_not_retry=True, message=(
             "Awaiting an operator's approval: nothing has been done yet. Do not call this tool "

@@ -20,7 +20,7 @@ from typing import Any
 
 from effectledger_core.failures import Failure, Idempotency
 from effectledger_core.messages import FailureClass
-from effectledger_core.states import TERMINAL, State
+from effectledger_core.states import TERMINAL, UNKNOWN_NEXT_STEP, State
 from effectledger_core.views import OperationView
 
 META_KEY = "effectledger/idempotencyKey"
@@ -206,13 +206,6 @@ def guidance(op: OperationView) -> str | None:
 _UNKNOWN = ("The outcome is UNKNOWN: the provider may or may not have applied this effect. "
             "Do NOT retry it with other arguments or a new repeat label, and do not try to "
             "achieve the same effect another way.")
-_NEXT: dict[str, str] = {
-    State.AMBIGUOUS: "effectledger is finding out from the provider (readback or webhook).",
-    State.AWAITING_CONFIRMATION: "The provider accepted the request and will confirm it "
-                                 "later.",
-    State.NEEDS_REVIEW: "No machine can tell; an operator will review it. Tell the user the "
-                        "outcome is unknown and pending review.",
-}
 
 
 def render(op: OperationView, *, replayed: bool | None, repeat: str | None = None,
@@ -245,10 +238,11 @@ def render(op: OperationView, *, replayed: bool | None, repeat: str | None = Non
             else "Failed: the provider refused it and nothing was applied."),
             next="Once the cause is fixed, calling again with the same arguments runs it "
                  "anew (a failed or cancelled call is never joined).")
-    elif state in _NEXT:
+    elif state in UNKNOWN_NEXT_STEP:
         data.update(outcome="unknown", do_not_retry=True, warning=_UNKNOWN,
                     message="Outcome unknown.", next=(
-                        f"{_NEXT[state]} Learn the outcome with {STATUS_TOOL} (operation_id "
+                        f"{UNKNOWN_NEXT_STEP[state]} Learn the outcome with {STATUS_TOOL} "
+                        f"(operation_id "
                         f"{op.id}); calling this tool again with the same arguments only waits "
                         "for the same operation."))
     elif state == State.AWAITING_APPROVAL:
