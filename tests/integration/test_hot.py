@@ -24,8 +24,10 @@ from effectledger_ledger.db import hot
 from effectledger_ledger.db.common import journal_row
 from effectledger_ledger.db.intents import SubmitCall
 from effectledger_ledger.db.outcomes import OutcomeCall
+from effectledger_ledger.db.reads import get_operation
 from effectledger_ledger.db.schema import journal, metadata
 from effectledger_ledger.db.store import Store
+from effectledger_ledger.db.watch import states_of
 from tests.integration.test_set_based import (
     CATALOG,
     LATER,
@@ -318,3 +320,59 @@ async def test_an_outcome_for_an_unknown_operation_is_rejected_not_dropped(store
     assert (result.status, result.reason) == ("rejected", "unknown_operation")
     [again] = await store.run(OutcomeCall.many, [call])
     assert again.status == "duplicate"
+
+
+async def test_reads_direct_and_through_sqlalchemy_give_identical_views(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operation's view (read after every submit-and-wait) and the waiters' state reads go
+    straight to asyncpg on a `Store.read()` connection (`hot.read_rows`); they must give what
+    SQLAlchemy's execute gives, for every kind of operation the scenario leaves behind
+    (attempts, evidence, JSON arguments with nulls, results)."""
+    _postgres_only(store)
+    await _scenario(store)
+    ids = [f"op{n}" for n in (*range(6), 9)]
+
+    async def views() -> tuple[list[dict[str, Any]], dict[str, str]]:
+        async with store.read() as conn:
+            out = [(await get_operation(conn, op_id)).model_dump(mode="json") for op_id in ids]
+            return out, await states_of(conn, ids)
+
+    direct = await views()
+    sent: list[str] = []
+    monkeypatch.setattr(hot.PgTransaction, "fetch", _spy(hot.PgTransaction.fetch, sent))
+    assert await views() == direct and len(sent) == 2 * len(ids) + 1
+    monkeypatch.setattr(hot, "READ_KEY", "not-there")  # every read through SQLAlchemy
+    sent.clear()
+    assert await views() == direct and sent == []
+    assert {v["state"] for v in direct[0]} >= {"succeeded", "failed", "ambiguous"}
+    assert any(v["attempts"] for v in direct[0]) and direct[1]["op0"] == "succeeded"
+
+
+def _spy(fetch: Any, sent: list[str]) -> Any:
+    async def spied(self: Any, sql: str, args: Any, *, begin: bool = True) -> Any:
+        sent.append(sql)
+        assert not begin  # a read on a read connection never opens a transaction
+        return await fetch(self, sql, args, begin=begin)
+    return spied
+
+
+async def test_a_read_leaves_no_transaction_behind_and_a_lost_one_is_retryable(
+        store: Store) -> None:
+    """A direct read is a statement of its own (the connection is AUTOCOMMIT): nothing stays
+    open on the connection; and one that finds its connection gone fails as StoreUnavailable
+    and replaces the pool, as a direct statement in a transaction does."""
+    _postgres_only(store)
+    await store.run(submit_call(SubmitIntent(tool="create_ticket"), 1).one)
+    async with store.engine.connect() as killer:  # checked out first: not the victim
+        async with store.read() as conn:
+            await get_operation(conn, "op1")
+            driver: Any = (await conn.get_raw_connection()).driver_connection
+            assert not driver.is_in_transaction()
+            pid = (await conn.execute(sa.text("SELECT pg_backend_pid()"))).scalar()
+        await killer.execute(sa.text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+    with pytest.raises(StoreUnavailable):
+        for _ in range(store.engine.pool.size() + 1):  # until the dead one is drawn
+            async with store.read() as conn:
+                await get_operation(conn, "op1")
+    async with store.read() as conn:  # the pool was replaced: the next read succeeds
+        assert (await get_operation(conn, "op1")).id == "op1"

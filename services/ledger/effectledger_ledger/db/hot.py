@@ -28,7 +28,7 @@ from sqlalchemy.engine import AdaptedConnection, Dialect
 from sqlalchemy.ext.asyncio import AsyncConnection
 from sqlalchemy.sql.compiler import SQLCompiler
 
-from .pgtx import TX_KEY, PgTransaction
+from .pgtx import READ_KEY, TX_KEY, PgTransaction
 from .rows import JournalRow
 
 Rows = Sequence[dict[str, Any]] | Sequence[JournalRow]
@@ -285,4 +285,24 @@ async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, An
     c = _compiled(stmt, conn.dialect, tuple(params))
     rows: Sequence[Mapping[Any, Any]] = await tx.fetch(c.sql, _args(c, params),
                                                         begin=not lockless)
+    return rows
+
+
+async def read_rows(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, Any]
+                    ) -> Sequence[Mapping[Any, Any]]:
+    """The rows of a read, as `fetch` gives them, on any connection of the store.
+
+    On a `Store.read()` connection on PostgreSQL the statement goes straight to asyncpg, as a
+    statement of its own (no transaction, as the connection's AUTOCOMMIT says): SQLAlchemy's
+    execution layer cost a submit-and-wait's answer more than the database did (the two reads
+    of an operation's view: 1.6 ms through it against 0.4 ms direct, one at a time on an idle
+    2-core VM). Inside `Store.transaction` it is `fetch`; elsewhere SQLAlchemy's execute.
+    """
+    if _direct(conn):
+        return await fetch(conn, stmt, params)
+    reader: PgTransaction | None = conn.info.get(READ_KEY)
+    if reader is None:
+        return (await conn.execute(stmt, params)).mappings().all()
+    c = _compiled(stmt, conn.dialect, tuple(params))
+    rows: Sequence[Mapping[Any, Any]] = await reader.fetch(c.sql, _args(c, params), begin=False)
     return rows

@@ -27,6 +27,9 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 T = TypeVar("T")
 TX_KEY = "effectledger_pg_transaction"  # conn.info: the open PgTransaction (hot.py reads it)
+# conn.info on a `Store.read()` connection: a PgTransaction that never begins (`hot.read_rows`
+# sends each read as a statement of its own, as the AUTOCOMMIT connection would).
+READ_KEY = "effectledger_pg_read"
 
 # asyncpg's errors as SQLAlchemy's, the same classes its asyncpg dialect maps them to (most
 # specific first): IntegrityError is what makes the service retry a lost race, and the
@@ -153,6 +156,22 @@ async def transaction(engine: AsyncEngine, guard: PoolGuard) -> AsyncIterator[As
             info.pop(TX_KEY, None)
 
 
+@asynccontextmanager
+async def reads(engine: AsyncEngine, guard: PoolGuard) -> AsyncIterator[AsyncConnection]:
+    """A connection of `engine` (the AUTOCOMMIT view) for reads, with no transaction: each
+    statement is its own. `hot.read_rows` sends its reads straight to asyncpg through a
+    `PgTransaction` that is never begun, so an error comes out translated, and a lost
+    connection replaces the pool, exactly as in `transaction`."""
+    async with engine.connect() as conn:
+        driver = (await conn.get_raw_connection()).driver_connection
+        info = conn.info
+        info[READ_KEY] = PgTransaction(driver, guard.lost)
+        try:
+            yield conn
+        finally:
+            info.pop(READ_KEY, None)
+
+
 class PoolGuard:
     """After a lost connection, the whole pool is replaced, as SQLAlchemy's own execute does on
     a disconnect: a database restart or a reset link closed all of them, and one by one each
@@ -173,6 +192,7 @@ class PoolGuard:
 
     def _checkout(self, dbapi_conn: Any, record: Any, _proxy: Any) -> None:
         record.info.pop(TX_KEY, None)
+        record.info.pop(READ_KEY, None)
         if self._stale:
             self._stale = False
             raise exc.InvalidatePoolError("a connection was lost: replacing the pool's")

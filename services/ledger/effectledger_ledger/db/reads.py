@@ -29,6 +29,7 @@ from effectledger_core.views import (
     RecoveryView,
 )
 
+from . import hot
 from .duplicates import duplicate_count, is_duplicate, open_duplicate
 from .schema import attempts, journal, operations
 
@@ -42,16 +43,21 @@ def _row(r: Any) -> dict[str, Any]:
     return {k: _iso(v) for k, v in dict(r).items()}
 
 
+# Built once: `hot.read_rows` compiles a statement once and sends it straight to asyncpg.
+_OPERATION = sa.select(operations).where(operations.c.id == sa.bindparam("id"))
+_ATTEMPTS = (sa.select(attempts).where(attempts.c.operation_id == sa.bindparam("id"))
+             .order_by(attempts.c.epoch))
+
+
 async def get_operation(conn: AsyncConnection, operation_id: str) -> OperationView:
-    op = (await conn.execute(
-        sa.select(operations).where(operations.c.id == operation_id))).mappings().first()
-    if op is None:
+    """The operation's view: read after every submit-and-wait and by every GET, so it takes
+    the direct path (`hot.read_rows`)."""
+    found = await hot.read_rows(conn, _OPERATION, {"id": operation_id})
+    if not found:
         raise NotFound(f"operation {operation_id!r} not found")
-    rows = (await conn.execute(
-        sa.select(attempts).where(attempts.c.operation_id == operation_id)
-        .order_by(attempts.c.epoch))).mappings().all()
-    view = dict(op)
-    view["attempts"] = rows
+    view = dict(found[0])
+    view["attempts"] = [dict(r) for r in await hot.read_rows(conn, _ATTEMPTS,
+                                                             {"id": operation_id})]
     evidence = view.get("evidence")
     if isinstance(evidence, dict) and "epoch" in evidence and evidence["epoch"] != view["epoch"]:
         # The view speaks for the current epoch only: an earlier epoch's "not applied" must not

@@ -164,7 +164,7 @@ class Store:
                 yield conn
             return
         try:
-            async with self._autocommit.connect() as conn:
+            async with pgtx.reads(self._autocommit, self._guard) as conn:
                 yield conn
         except (DBAPIError, OSError) as exc:
             unavailable = _unavailable(exc)
