@@ -43,21 +43,27 @@ def _row(r: Any) -> dict[str, Any]:
     return {k: _iso(v) for k, v in dict(r).items()}
 
 
-# Built once: `hot.read_rows` compiles a statement once and sends it straight to asyncpg.
-_OPERATION = sa.select(operations).where(operations.c.id == sa.bindparam("id"))
-_ATTEMPTS = (sa.select(attempts).where(attempts.c.operation_id == sa.bindparam("id"))
-             .order_by(attempts.c.epoch))
+# The operation with its attempts, in one statement (one round trip): built once, since
+# `hot.read_rows` compiles a statement once and sends it straight to asyncpg.
+_A = "attempt__"
+_OPERATION = (
+    sa.select(operations, *(c.label(_A + c.name) for c in attempts.c))
+    .select_from(operations.outerjoin(attempts, attempts.c.operation_id == operations.c.id))
+    .where(operations.c.id == sa.bindparam("id"))
+    .order_by(attempts.c.epoch))
+_OPERATION_COLUMNS = tuple(c.name for c in operations.c)
+_ATTEMPT_COLUMNS = tuple(c.name for c in attempts.c)
 
 
 async def get_operation(conn: AsyncConnection, operation_id: str) -> OperationView:
-    """The operation's view: read after every submit-and-wait and by every GET, so it takes
-    the direct path (`hot.read_rows`)."""
+    """The operation's view: read after every submit-and-wait and by every GET, so it is one
+    statement on the direct path (`hot.read_rows`): a row per attempt, or one with none."""
     found = await hot.read_rows(conn, _OPERATION, {"id": operation_id})
     if not found:
         raise NotFound(f"operation {operation_id!r} not found")
-    view = dict(found[0])
-    view["attempts"] = [dict(r) for r in await hot.read_rows(conn, _ATTEMPTS,
-                                                             {"id": operation_id})]
+    view: dict[str, Any] = {k: found[0][k] for k in _OPERATION_COLUMNS}
+    view["attempts"] = [{k: r[_A + k] for k in _ATTEMPT_COLUMNS} for r in found
+                        if r[_A + "id"] is not None]
     evidence = view.get("evidence")
     if isinstance(evidence, dict) and "epoch" in evidence and evidence["epoch"] != view["epoch"]:
         # The view speaks for the current epoch only: an earlier epoch's "not applied" must not
