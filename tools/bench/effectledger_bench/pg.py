@@ -45,19 +45,24 @@ def parse_lsn(text: str) -> int:
 class PgCounters:
     xact_commit: int
     lsn: int
+    checkpoints: int = 0  # timed and requested (pg_stat_bgwriter), begun so far
 
     def delta(self, later: PgCounters) -> dict[str, int]:
         return {"xact_commit": later.xact_commit - self.xact_commit,
-                "wal_bytes": later.lsn - self.lsn}
+                "wal_bytes": later.lsn - self.lsn,
+                "checkpoints": later.checkpoints - self.checkpoints}
 
 
 def read_counters(dsn_postgres: str, db: str, psql: str) -> PgCounters:
-    """xact_commit of `db` (pg_stat_database) and the current WAL position."""
-    sql = (f"SELECT xact_commit, pg_current_wal_lsn() FROM pg_stat_database "
-           f"WHERE datname = '{db}'")
+    """xact_commit of `db` (pg_stat_database), the current WAL position and the checkpoints
+    begun (a checkpoint in a phase is a suspect for its tail: it writes the dirty pages and
+    the WAL records after it carry full pages)."""
+    sql = (f"SELECT xact_commit, pg_current_wal_lsn(), "
+           f"(SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter) "
+           f"FROM pg_stat_database WHERE datname = '{db}'")
     out = subprocess.run([psql, "-X", "-A", "-t", "-F", " ", "-d", dsn_postgres, "-c", sql],
                          capture_output=True, text=True, check=True).stdout.split()
-    return PgCounters(int(out[0]), parse_lsn(out[1]))
+    return PgCounters(int(out[0]), parse_lsn(out[1]), int(out[2]))
 
 
 _COMMIT_RE = re.compile(r"^Transaction/COMMIT\s+(\d+)", re.M)

@@ -138,3 +138,31 @@ def machine() -> dict[str, object]:
     return {"nproc": os.cpu_count(), "cpu_model": model, "ram_gib": round(ram / 2**30, 1),
             "kernel": platform.release(), "python": platform.python_version(),
             "load_avg_at_start": [round(x, 2) for x in os.getloadavg()]}
+
+
+# /proc/stat's first line: the machine's CPU time by kind, in ticks since boot.
+_STAT_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def machine_ticks() -> dict[str, int] | None:
+    """The machine's CPU ticks by kind (None where /proc/stat is missing)."""
+    try:
+        with open("/proc/stat") as f:
+            first = f.readline().split()
+    except OSError:
+        return None
+    return {k: int(v) for k, v in zip(_STAT_FIELDS, first[1:], strict=False)}
+
+
+def machine_shares(before: dict[str, int] | None, after: dict[str, int] | None
+                   ) -> dict[str, float] | None:
+    """Each kind's share of the machine's CPU time between two readings. `steal` is time the
+    hypervisor ran someone else on our virtual CPUs: a phase's tail that coincides with it
+    is the host's, not the code's; `iowait`, time idle while waiting for the disk (fsync)."""
+    if before is None or after is None:
+        return None
+    d = {k: after[k] - before.get(k, 0) for k in after}
+    total = sum(d.values())
+    if total <= 0:
+        return None
+    return {k: round(d[k] / total, 3) for k in ("idle", "iowait", "steal") if k in d}

@@ -9,6 +9,7 @@ from typing import Any
 from .measure import summary
 from .obscost import section as observability_section
 from .tables import Phase, fmt, med, mmm, table
+from .tail import section as tail_section
 
 
 def _get(p: Phase, path: str) -> Any:
@@ -356,6 +357,7 @@ def render(results: dict[str, Any], out_dir: Path) -> str:
               "pg_stat_database (flushed lazily, indicative).", ""]
     parts += [multi_table(phases, ("max", "half", "failure_mix"), COST), ""]
     parts += wakeup_section(phases, results.get("wakeup_cost"))
+    parts += tail_section(phases)
     parts += observability_section(phases)
     curves = [
         ("backlog", "backlog", "operations queued first",

@@ -31,7 +31,7 @@ from .measure import (
     stage_latencies,
 )
 from .pg import PgCounters, read_counters, wal_commit_records
-from .procs import CpuSample, self_cpu, self_wakeups
+from .procs import CpuSample, machine_shares, machine_ticks, self_cpu, self_wakeups
 from .sqlcapture import extract, pgbench_script
 from .stack import TOOL, Stack
 
@@ -186,14 +186,14 @@ class Runner:
                     *, rep: int, settle_s: float = 300.0) -> dict[str, Any]:
         log(f"{scenario} {params} (rep {rep + 1})")
         c0, me0, t0 = self.counters(), self_cpu(), time.monotonic()
-        w0 = self_wakeups()
+        w0, m0 = self_wakeups(), machine_ticks()
         s0, r0 = self.stack.samples_by_pid(), len(self.stack.retired)
         stalls0 = await pauses.scrape(self.stack.ledger_url)
         loads: list[LoadResult] = await body()
         moving = await self.wait_rest(tags, settle_s)
         t1 = time.monotonic()
         s1, me1, c1 = self.stack.samples_by_pid(), self_cpu(), self.counters()
-        w1 = self_wakeups()
+        w1, m1 = self_wakeups(), machine_ticks()
         self.remember_peaks({name: smp for (name, _pid), (_k, smp) in s1.items()})
         for ld in loads:
             self.submitted_ids.extend(ld.op_ids)
@@ -224,11 +224,12 @@ class Runner:
             pg = {"xact_commit_per_op": round(d["xact_commit"] / n, 2),
                   "wal_commits_per_op": (round(wal_commits / n, 2)
                                          if wal_commits is not None else None),
-                  "wal_bytes_per_op": round(d["wal_bytes"] / n)}
+                  "wal_bytes_per_op": round(d["wal_bytes"] / n),
+                  "checkpoints": d["checkpoints"]}
         result = {
             "scenario": scenario, "params": params, "rep": rep, "tags": tags,
             "wall_s": round(t1 - t0, 2), "still_moving": moving, **stats, "stages_ms": stages,
-            "ledger_stalls": stalls,
+            "ledger_stalls": stalls, "machine_cpu_share": machine_shares(m0, m1),
             "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
             "cpu_ms_per_op": {k: round(1000 * v / n, 3) for k, v in sorted(cpu.items())},
             "system_cpu_ms_per_op": round(1000 * system / n, 3),

@@ -1,0 +1,37 @@
+"""The report's tail section (tools/bench/effectledger_bench/tail.py) reads a phase's slowest
+1 % and the stall evidence recorded beside it; a figure missing from a phase shows as a dash,
+never as a crash of the report."""
+
+from __future__ import annotations
+
+from effectledger_bench.tail import clusters, section
+
+
+def test_acceptance_times_group_into_stalls() -> None:
+    assert clusters([2.72] * 3 + [2.73]) == [(2.72, 4)]
+    assert clusters([4.06, 2.01, 2.06, 2.11, 4.07]) == [(2.01, 3), (4.06, 2)]
+    assert clusters([]) == []
+
+
+def test_a_phase_row_carries_every_piece_of_evidence() -> None:
+    phase = {"scenario": "half", "rep": 0, "latency_ms": {"p95": 37.0, "p99": 119.8},
+             "stages_ms": {"slowest_1pct": {
+                 "n": 3, "accepted_at_s": [1.36, 1.39, 3.0], "accepted_to_claimed_p50": 265.0,
+                 "claimed_to_outcome_p50": 4.0, "outcome_to_recorded_p50": 1.5}},
+             "ledger_stalls": {"loop_lag": {"samples": 54, "over_25ms": 2},
+                               "gc_gen0": {"over_10ms": 1}, "gc_gen2": {"over_10ms": 0}},
+             "pg": {"checkpoints": 1},
+             "machine_cpu_share": {"idle": 0.5, "iowait": 0.012, "steal": 0.031}}
+    row = next(line for line in "\n".join(section([phase])).splitlines()
+               if line.startswith("| half"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells == ["half", "1", "37.0", "119.8", "3", "2 at 1.36, 1 at 3.00",
+                     "265.0 / 4.0 / 1.5", "2 of 54", "1", "1", "3.1 / 1.2"]
+
+
+def test_a_phase_without_the_records_shows_dashes() -> None:
+    old = {"scenario": "max", "rep": 1, "stages_ms": {"slowest_1pct": {"n": 1}}}
+    row = next(line for line in "\n".join(section([old])).splitlines()
+               if line.startswith("| max"))
+    assert "-" in row
+    assert section([{"scenario": "max"}]) == []
