@@ -159,6 +159,7 @@ class FakeLedger(Generic[V]):
         self.reports_unanswered = 0
         self.reports_lost = False
         self.report_error: ErrorReply | None = None
+        self.report_timeouts: list[float] = []  # each report's timeout, in order
 
     def hold(self, operation_id: str, epoch: int, attempt_id: str, *, age_s: float = 0.0,
              outcome_recorded: bool = False) -> None:
@@ -189,6 +190,7 @@ class FakeLedger(Generic[V]):
                           claim_age_s=(self.now - held.claimed_at).total_seconds())
 
     async def report(self, outcome: Outcome, *, timeout_s: float) -> OutcomeAnswer:
+        self.report_timeouts.append(timeout_s)
         if self.down is not None:
             raise self.down
         if self.report_error is not None:

@@ -129,6 +129,14 @@ async def test_with_the_request_switched_off_every_outcome_goes_by_the_stream() 
     assert msg_id == MSG_ID and d.acked
 
 
+async def test_the_wait_for_the_answer_is_short_and_never_outlasts_the_ack_wait(
+        world: World) -> None:
+    await world.dispatcher.handle(FakeDelivery(command()))
+    world.dispatcher.ack_wait_s = 0.3  # no heartbeat runs while the dispatcher waits
+    await world.dispatcher.handle(FakeDelivery(command(epoch=2)))
+    assert world.ledger.report_timeouts == [2.0, pytest.approx(0.1)]
+
+
 async def test_no_answer_and_no_stream_leaves_the_command_unacked(world: World) -> None:
     world.ledger.reports_unanswered = 1
     world.publisher.down = True

@@ -271,8 +271,11 @@ class Dispatcher:
         if self.outcome_request_s <= 0:
             return False
         op = outcome.operation_id
+        # No heartbeat runs now: a wait past ack_wait would hand the command to another
+        # dispatcher (safe, but needless), so a short ack_wait shortens the wait too.
+        timeout_s = min(self.outcome_request_s, self.ack_wait_s / 3)
         try:
-            answer = await self.ledger.report(outcome, timeout_s=self.outcome_request_s)
+            answer = await self.ledger.report(outcome, timeout_s=timeout_s)
         except NoReply as exc:
             log.info("outcome of %s by request: %s; publishing it on the stream", op,
                      exc.message)
