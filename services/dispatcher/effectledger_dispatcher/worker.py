@@ -175,14 +175,17 @@ class Dispatcher:
                 dispatcher_id=self.dispatcher_id, at=self.clock(),
                 reason="dispatcher_lost_mid_attempt",
                 message="the attempt was claimed but its dispatcher never reported an outcome")
-        if await self._report(outcome):
+        why = await self._report(outcome)
+        if why is None:
             # Committed by the ledger: the stream copy would only be a duplicate.
             self.stats["outcome_by_request"] += 1
+            metrics.inc(metrics.DISPATCH_OUTCOMES, "request", "answered")
             crash_point("dispatcher.after_outcome_request")
         else:
             if not await self._publish_outcome(d, outcome):
                 return  # not acked: redelivery will find the claim and go the ambiguous path
             self.stats["outcome_by_stream"] += 1
+            metrics.inc(metrics.DISPATCH_OUTCOMES, "stream", why)
             crash_point("dispatcher.after_outcome_publish")
         await d.ack()
 
@@ -264,12 +267,12 @@ class Dispatcher:
             return answer
         return None
 
-    async def _report(self, outcome: Outcome) -> bool:
-        """Whether the ledger answered that it committed `outcome` (sent by request). False
-        for anything else, which leaves the outcome to its JetStream copy: it may or may not be
-        committed, and the copy's message id makes either case come out once."""
+    async def _report(self, outcome: Outcome) -> str | None:
+        """None when the ledger answered that it committed `outcome` (sent by request); else
+        why not (a metric label), which leaves the outcome to its JetStream copy: it may or may
+        not be committed, and the copy's message id makes either case come out once."""
         if self.outcome_request_s <= 0:
-            return False
+            return "off"
         op = outcome.operation_id
         # No heartbeat runs now: a wait past ack_wait would hand the command to another
         # dispatcher (safe, but needless), so a short ack_wait shortens the wait too.
@@ -279,28 +282,28 @@ class Dispatcher:
         except NoReply as exc:
             log.info("outcome of %s by request: %s; publishing it on the stream", op,
                      exc.message)
-            return False
+            return "no_reply"
         except Exception as exc:  # malformed reply, closed connection, a bug: the stream
             log.warning("outcome of %s by request failed (%s: %s); publishing it on the "
                         "stream", op, type(exc).__name__, str(exc)[:300])
-            return False
+            return "failed"
         if isinstance(answer, ErrorReply):
             if answer.error.retryable:
                 log.info("outcome of %s by request: %s; publishing it on the stream", op,
                          answer.error.code)
-            else:
-                # Never swallowed: the ledger refused it, which our own outcome should never
-                # be. The stream copy goes where the inbox's checks apply and keep evidence.
-                log.error("the ledger refused the outcome of %s sent by request: %s: %s; "
-                          "publishing it on the stream", op, answer.error.code,
-                          answer.error.message[:300])
-            return False
+                return "retryable"
+            # Never swallowed: the ledger refused it, which our own outcome should never be.
+            # The stream copy goes where the inbox's checks apply and keep evidence.
+            log.error("the ledger refused the outcome of %s sent by request: %s: %s; "
+                      "publishing it on the stream", op, answer.error.code,
+                      answer.error.message[:300])
+            return "refused"
         if (answer.message_id, answer.attempt_id) != (catalogue.message_id(outcome),
                                                       outcome.attempt_id):
             log.error("the ledger's answer for outcome %s names %r: publishing it on the "
                       "stream", catalogue.message_id(outcome), answer.message_id[:200])
-            return False
-        return True
+            return "mismatch"
+        return None
 
     async def _publish_outcome(self, d: Delivery, outcome: Outcome) -> bool:
         try:
