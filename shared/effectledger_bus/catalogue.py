@@ -45,6 +45,7 @@ from effectledger_core.messages import (
     OperationWait,
     Outcome,
     OutcomeAmbiguous,
+    OutcomeRecorded,
     ReconcileOperation,
     SubmitIntent,
     VerdictReached,
@@ -138,6 +139,14 @@ _CLAIM_DISPATCHER = Channel(
     "claim_dispatcher", "rpc.v1.claim.{dispatcher_id}", Role.LEDGER,
     "Request-reply: a dispatcher's own claim subject; a claim naming another dispatcher is "
     "refused (ErrorReply invalid_request), so the claim's recorded holder is the sender.")
+_OUTCOME_DISPATCHER = Channel(
+    "outcome_dispatcher", "rpc.v1.outcome.{dispatcher_id}", Role.LEDGER,
+    "Request-reply: a dispatcher reports an outcome on its own subject, before (and usually "
+    "instead of) its JetStream copy; the ledger commits it to its inbox under the id the copy "
+    "carries (<type>:<attempt_id>) and only then answers OutcomeRecorded, so a later copy is a "
+    "duplicate. An outcome naming another dispatcher is refused (ErrorReply invalid_request) "
+    "and dead-lettered. Without an answer the dispatcher publishes the JetStream copy: the "
+    "stream remains the guarantee.")
 _DISPATCH = Channel(
     "dispatch", "dispatch.v1.>", Role.DISPATCHER,
     "JetStream (stream <P>_DISPATCH, work queue): commands relayed from the ledger outbox; "
@@ -181,8 +190,9 @@ _OPERATION_WAIT = Channel(
 # In this order in the AsyncAPI document; a stream's subjects are its consumers' filters in
 # this order.
 CHANNELS: tuple[Channel, ...] = (
-    _INTENTS, _INTENTS_TENANT, _CLAIM, _CLAIM_DISPATCHER, _DISPATCH, _INBOX, _RECONCILE,
-    _OPERATION, _OPERATION_TENANT, _OPERATION_WAIT_TENANT, _OPERATION_WAIT)
+    _INTENTS, _INTENTS_TENANT, _CLAIM, _CLAIM_DISPATCHER, _OUTCOME_DISPATCHER, _DISPATCH,
+    _INBOX, _RECONCILE, _OPERATION, _OPERATION_TENANT, _OPERATION_WAIT_TENANT,
+    _OPERATION_WAIT)
 
 
 # --- message ids ---
@@ -214,12 +224,17 @@ def _dead_letter_id(d: DeadLetter) -> str:
 
 
 def _outcome(model: type[BaseModel], kind: str) -> Row:
-    # The sender's own subject: the ledger dead-letters an outcome naming another dispatcher.
-    return Row(model, (Route(_INBOX, f"ledger.v1.outcome.{{dispatcher_id}}.{kind}",
-                             (Role.DISPATCHER,)),), msgid=_outcome_id)
+    # The sender's own subjects: the ledger dead-letters an outcome naming another dispatcher.
+    # First by request (answered after the inbox commit), then, unanswered, on the stream;
+    # both are committed under the one message id.
+    return Row(model, (Route(_OUTCOME_DISPATCHER, "rpc.v1.outcome.{dispatcher_id}",
+                             (Role.DISPATCHER,)),
+                       Route(_INBOX, f"ledger.v1.outcome.{{dispatcher_id}}.{kind}",
+                             (Role.DISPATCHER,))), msgid=_outcome_id)
 
 
 _AGENT, _OPERATOR = (Role.AGENT,), (Role.OPERATOR,)
+_OUTCOMES = (AttemptSucceeded, AttemptAccepted, AttemptFailed, OutcomeAmbiguous)
 
 # One row per message. Within a role, the order of the rows is the order of its permissions.
 ROWS: tuple[Row, ...] = (
@@ -251,8 +266,10 @@ ROWS: tuple[Row, ...] = (
                         Route(_OPERATION_WAIT_TENANT, "rpc.v1.tenant.{tenant}.wait", _AGENT))),
     Row(IntentReply, answers=(SubmitIntent,)),
     Row(ClaimReply, answers=(ClaimAttempt,)),
+    Row(OutcomeRecorded, answers=_OUTCOMES),
     Row(OperationReply, answers=(OperationQuery, OperationWait)),
-    Row(ErrorReply, answers=(SubmitIntent, ClaimAttempt, OperationQuery, OperationWait)),
+    Row(ErrorReply, answers=(SubmitIntent, ClaimAttempt, *_OUTCOMES, OperationQuery,
+                             OperationWait)),
 )
 # Message models that only travel inside another message (a verdict's evidence).
 PARTS: frozenset[type[BaseModel]] = frozenset({Evidence})
@@ -343,8 +360,12 @@ def stream_subjects(subjects: Subjects, stream: str) -> list[str]:
 
 
 def models_to(channel: Channel) -> list[type[BaseModel]]:
-    """The messages routed to `channel`, then the replies to them, in the rows' order."""
+    """The messages routed to `channel`, then (on a request subject) the replies to them, in
+    the rows' order. A message that is also a request elsewhere (an outcome) has no reply on
+    the stream."""
     sent = [r.model for r in ROWS if channel in r.channels]
+    if channel.durable is not None:
+        return sent
     replies = [r.model for r in ROWS if any(m in r.answers for m in sent)]
     return sent + replies
 

@@ -11,7 +11,8 @@ a confused deputy. So a responder checks the reply subject before doing any work
 - with a broker that has users (the responder itself connects with one), it must be in the
   inbox namespace of a user that may send this request: on a tenant's subject
   (`rpc.v1.tenant.<t>.…`) the agent of that tenant only; on a dispatcher's claim
-  subject that dispatcher (or the shared `dispatcher` user); on the trusted subjects the roles
+  or outcome subject (`rpc.v1.claim.<id>`, `rpc.v1.outcome.<id>`) that dispatcher (or the
+  shared `dispatcher` user); on the trusted subjects the roles
   that the NATS permissions (`permissions.py`) let publish there. The shared `_INBOX.` prefix,
   which no user may subscribe to there, is refused.
 
@@ -69,7 +70,8 @@ class ReplyPolicy:
             # Only that tenant's agent (operator tools use the trusted subjects): an agent
             # naming the operator's inbox would otherwise have answers written there.
             return user == f"agent-{tenant}"
-        dispatcher_id = s.rpc_tail(subject, s.rpc_claim)
+        # A dispatcher's claim and outcome subjects: that dispatcher's inbox only.
+        dispatcher_id = s.rpc_tail(subject, s.rpc_claim) or s.rpc_tail(subject, s.rpc_outcome)
         if dispatcher_id is not None:
             try:
                 own = user_name(Role.DISPATCHER, dispatcher_id)

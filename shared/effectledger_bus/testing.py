@@ -4,7 +4,8 @@
 - `FakePublisher`: JetStream's duplicate detection by message id, with outages on demand;
 - `FakeJetStream`: the nats-py `JetStreamContext.publish` surface, for code that takes one;
 - `FakeLedger`: the ledger's request-reply side — the claim rule (first claimer of an epoch
-  wins, the same attempt id is granted again) and operation reads — with outages on demand.
+  wins, the same attempt id is granted again), outcomes by request (committed once per message
+  id, answered after) and operation reads — with outages on demand.
 
 Fakes, not mocks: a test states what happened (`d.acked`, `publisher.on(subject)`), not which
 calls were made.
@@ -24,10 +25,15 @@ from effectledger_core.messages import (
     ClaimAttempt,
     ClaimReply,
     ClaimStatus,
+    ErrorReply,
     Message,
+    Outcome,
+    OutcomeAnswer,
+    OutcomeRecorded,
     parse,
 )
 
+from . import catalogue
 from .rpc import NoReply
 
 V = TypeVar("V")
@@ -130,6 +136,12 @@ class FakeLedger(Generic[V]):
     `now` and whether an outcome was recorded. `unanswered` claims get no reply at all (the
     requester sees NoReply), as when the ledger is down; `down` fails every call with the given
     error. `operations` answer reads.
+
+    Outcomes by request are committed under their message id, once (`reported`, in order;
+    a second copy answers `duplicate`), and mark their epoch's claim as having an outcome.
+    `reports_unanswered`: the next ones get no reply; with `reports_lost` they are committed
+    first (the answer lost on its way back). `report_error` answers every one with that
+    ErrorReply instead, committing nothing.
     """
 
     def __init__(self, operations: dict[str, V] | None = None, *,
@@ -143,6 +155,11 @@ class FakeLedger(Generic[V]):
         self.down: Exception | None = None
         self.requests: list[ClaimAttempt] = []
         self.reads = 0
+        self.reported: dict[str, Outcome] = {}  # committed outcomes by message id
+        self.reports_unanswered = 0
+        self.reports_lost = False
+        self.report_error: ErrorReply | None = None
+        self.report_timeouts: list[float] = []  # each report's timeout, in order
 
     def hold(self, operation_id: str, epoch: int, attempt_id: str, *, age_s: float = 0.0,
              outcome_recorded: bool = False) -> None:
@@ -171,6 +188,25 @@ class FakeLedger(Generic[V]):
         return ClaimReply(status=ClaimStatus.ALREADY_CLAIMED, operation_id=op, epoch=epoch,
                           attempt_id=held.attempt_id, outcome_recorded=key in self.outcomes,
                           claim_age_s=(self.now - held.claimed_at).total_seconds())
+
+    async def report(self, outcome: Outcome, *, timeout_s: float) -> OutcomeAnswer:
+        self.report_timeouts.append(timeout_s)
+        if self.down is not None:
+            raise self.down
+        if self.report_error is not None:
+            return self.report_error
+        if self.reports_unanswered and not self.reports_lost:
+            self.reports_unanswered -= 1
+            raise NoReply("outcome: TimeoutError")
+        msg_id = catalogue.message_id(outcome)
+        status = "duplicate" if msg_id in self.reported else "applied"
+        self.reported.setdefault(msg_id, outcome)
+        self.outcomes.add((outcome.operation_id, outcome.epoch))
+        if self.reports_unanswered:
+            self.reports_unanswered -= 1
+            raise NoReply("outcome: TimeoutError")
+        return OutcomeRecorded(status=status, operation_id=outcome.operation_id,
+                               attempt_id=outcome.attempt_id, message_id=msg_id)
 
     async def operation(self, operation_id: str) -> V | None:
         self.reads += 1

@@ -114,6 +114,11 @@ class Settings(BaseSettings):
     dispatcher_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     dispatcher_concurrency: int = 32
     claim_timeout_s: float = 5.0
+    # How long a dispatcher waits for the ledger's answer to an outcome sent by request (the
+    # short path to a waiting agent) before publishing it on JetStream instead; 0 disables
+    # the request: every outcome goes by the stream. Either way the command is acked only
+    # once the outcome is committed or stored in the stream.
+    dispatcher_outcome_request_timeout_s: float = Field(default=2.0, ge=0, le=60)
     ack_wait_s: float = 60.0
     max_deliver: int = 20
 

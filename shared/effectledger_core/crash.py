@@ -22,6 +22,7 @@ KNOWN = frozenset({
     "dispatcher.after_claim",
     "dispatcher.before_call",
     "dispatcher.after_response",
+    "dispatcher.after_outcome_request",
     "dispatcher.after_outcome_publish",
     "ledger.after_intent_commit",
     "ledger.relay.after_publish",

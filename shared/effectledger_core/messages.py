@@ -206,6 +206,21 @@ class IntentReply(Message):
     operation: OperationSummary
 
 
+class OutcomeRecorded(Message):
+    """Answer to an outcome sent by request (`rpc.v1.outcome.<dispatcher id>`), sent only
+    after the ledger's inbox transaction committed it: `status` is what became of it
+    (`applied`, `duplicate` when its inbox id was already in, `rejected` and journaled) and
+    `message_id` the inbox id it was committed under, the one its JetStream copy carries."""
+
+    type: Literal["outcome_recorded"] = "outcome_recorded"
+    ok: Literal[True] = True
+    status: Literal["applied", "duplicate", "rejected", "kept"]
+    operation_id: str
+    attempt_id: str
+    message_id: str
+    reason: str | None = None
+
+
 class OperationQuery(Message):
     """Request on the read-only operation subject (reconcilers, before deciding)."""
 
@@ -381,6 +396,7 @@ LEDGER_EVENT_ADAPTER: TypeAdapter[LedgerEvent] = TypeAdapter(LedgerEvent)
 # What each request-reply subject answers: its reply model, or an ErrorReply.
 IntentAnswer = IntentReply | ErrorReply
 ClaimAnswer = ClaimReply | ErrorReply
+OutcomeAnswer = OutcomeRecorded | ErrorReply
 OperationAnswer = OperationReply | ErrorReply
 
 

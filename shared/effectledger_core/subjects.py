@@ -106,6 +106,17 @@ class Subjects:
         """A dispatcher's own claim subject: the claim's holder is the subject's sender."""
         return f"{self.prefix}.rpc.v1.claim.{dispatcher_id}"
 
+    @property
+    def rpc_outcome(self) -> str:
+        """The base of the dispatchers' outcome request subjects (nobody publishes on it)."""
+        return f"{self.prefix}.rpc.v1.outcome"
+
+    def rpc_outcome_by(self, dispatcher_id: str) -> str:
+        """A dispatcher's own outcome request subject: the ledger commits the outcome to its
+        inbox and answers, the shorter path before the JetStream copy (the sender is the
+        subject's dispatcher id, exactly like `rpc_claim_by`)."""
+        return f"{self.prefix}.rpc.v1.outcome.{dispatcher_id}"
+
     def rpc_tail(self, subject: str, base: str) -> str | None:
         """What follows `base.` in `subject` (the tenant or dispatcher id), or None."""
         if not subject.startswith(base + "."):

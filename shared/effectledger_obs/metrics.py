@@ -91,8 +91,8 @@ CLAIMS = Counter(
     ["status"])
 OUTCOMES = Counter(
     "effectledger_outcomes_total",
-    "Attempt outcomes the ledger's inbox handled, by outcome type and what became of them "
-    "(applied, duplicate, rejected, kept).", ["type", "status"])
+    "Attempt outcomes the ledger's inbox handled (from the stream or by request), by outcome "
+    "type and what became of them (applied, duplicate, rejected, kept).", ["type", "status"])
 INBOX_DUPLICATES = Counter(
     "effectledger_inbox_duplicates_total",
     "Messages the ledger's inbox dropped as already handled, by kind.", ["kind"])
@@ -178,6 +178,12 @@ DISPATCH_CLAIM_REPLIES = Counter(
     "effectledger_dispatcher_claim_replies_total",
     "Claim replies as dispatchers received them, by status ('timeout': no reply in time).",
     ["status"])
+DISPATCH_OUTCOMES = Counter(
+    "effectledger_dispatcher_outcomes_reported_total",
+    "Outcomes dispatchers reported, by route: 'request' (committed by the ledger, which "
+    "answered) or 'stream' (published with its publish-ack), and for the stream why the "
+    "request was not enough: off, no_reply, retryable, refused, failed, mismatch.",
+    ["route", "reason"])
 
 # ---- reconciler -----------------------------------------------------------------------------
 

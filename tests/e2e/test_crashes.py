@@ -19,6 +19,8 @@ from tests.support.cluster import Cluster, wait_until
 
 pytestmark = pytest.mark.slow
 FAST_REDELIVERY = {"EFFECTLEDGER_ACK_WAIT_S": "3", "EFFECTLEDGER_INBOX_ACK_WAIT_S": "3"}
+# The dispatcher's outcome by request switched off: every outcome goes by the stream.
+STREAM_ONLY = {"EFFECTLEDGER_DISPATCHER_OUTCOME_REQUEST_TIMEOUT_S": "0"}
 KILLED = -signal.SIGKILL
 
 
@@ -34,13 +36,14 @@ async def _stream_drained(c: Cluster, stream: str, timeout_s: float = 60.0) -> N
     await wait_until(empty, timeout_s, interval=0.2, what=f"stream {stream} to be drained")
 
 
-async def _crashed_dispatcher(make_cluster: Any, point: str
+async def _crashed_dispatcher(make_cluster: Any, point: str,
+                              env: dict[str, str] | None = None
                               ) -> tuple[Cluster, dict[str, Any]]:
     """Sandbox + ledger + dispatcher d1 armed at `point`; one intent; d1 dies; d2 starts."""
     c: Cluster = make_cluster(env=FAST_REDELIVERY)
     await c.start_sandbox()
     await c.start_ledger()
-    await c.start_dispatcher("d1", crash_points=[point])
+    await c.start_dispatcher("d1", crash_points=[point], env=env)
     op = await c.submit_ok("create_ticket", {"title": f"crash at {point}"}, key="crash-op")
     assert await c.wait_exit("d1") == KILLED, c.tail(c.proc("d1"))
     await c.start_dispatcher("d2")
@@ -91,8 +94,10 @@ async def test_dispatcher_lost_after_the_response_is_ambiguous_and_never_calls_t
 async def test_dispatcher_lost_after_publishing_the_outcome_succeeds_once(
         make_cluster: Any) -> None:
     """Outcome published, command not acked: the redelivery finds the attempt finished and
-    only acks; the operation is succeeded with one request and one recorded outcome."""
-    c, op = await _crashed_dispatcher(make_cluster, "dispatcher.after_outcome_publish")
+    only acks; the operation is succeeded with one request and one recorded outcome. (The
+    stream path: with the outcome request on, the ledger's answer skips this point.)"""
+    c, op = await _crashed_dispatcher(make_cluster, "dispatcher.after_outcome_publish",
+                                      env=STREAM_ONLY)
     await c.wait_state(op["id"], "succeeded", 60)
     # The redelivered command is acked by d2 (already claimed, outcome recorded).
     await _stream_drained(c, c.settings.subjects.dispatch_stream)
@@ -102,6 +107,24 @@ async def test_dispatcher_lost_after_publishing_the_outcome_succeeds_once(
     assert kinds == {"intent_accepted": 1, "attempt_claimed": 1, "outcome_recorded": 1}, kinds
     truth = await c.key_truth(op["operation_key"])
     assert truth["requests"] == 1 and truth["applied"] == 1, truth
+    assert await c.stream_stored(c.settings.subjects.events_stream) == 1  # the outcome
+
+
+async def test_dispatcher_lost_after_the_ledger_committed_its_outcome_succeeds_once(
+        make_cluster: Any) -> None:
+    """The outcome sent by request and committed, the command not acked: the redelivered
+    command's claim is refused (already claimed, outcome recorded), so d2 only acks. One
+    request to the provider, one recorded outcome, and no copy of it ever went to the
+    stream."""
+    c, op = await _crashed_dispatcher(make_cluster, "dispatcher.after_outcome_request")
+    await c.wait_state(op["id"], "succeeded", 60)
+    await _stream_drained(c, c.settings.subjects.dispatch_stream)
+
+    kinds = _kinds(await c.journal(op["id"]))
+    assert kinds == {"intent_accepted": 1, "attempt_claimed": 1, "outcome_recorded": 1}, kinds
+    truth = await c.key_truth(op["operation_key"])
+    assert truth["requests"] == 1 and truth["applied"] == 1, truth
+    assert await c.stream_stored(c.settings.subjects.events_stream) == 0
 
 
 async def test_ledger_killed_after_committing_an_intent_still_dispatches_it(

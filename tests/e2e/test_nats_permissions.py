@@ -102,12 +102,22 @@ async def _unmoved(plane: Cluster, op: dict[str, Any], before: dict[str, Any]) -
         before["total_requests"], before["total_applied"])
 
 
+async def _events_stored(broker: PrivateBroker) -> int:
+    """How many messages the events stream ever stored (read with the operator's rights)."""
+    async with speaker(broker, "operator") as op:
+        info = await op.nc.jetstream().stream_info(broker.subjects.events_stream)
+    return int(info.state.last_seq)
+
+
 async def test_the_pipeline_runs_with_each_service_holding_only_its_own_permissions(
         plane: Cluster, broker: PrivateBroker) -> None:
     """An agent's intent on its tenant's subject goes through claim, call and outcome to
-    `succeeded` with every service restricted: the allow lists are complete. The tenant is the
-    subject's; a payload naming another tenant is refused by the ledger."""
+    `succeeded` with every service restricted: the allow lists are complete, the outcome's
+    request on the dispatcher's own subject included (answered in its own inbox, so nothing
+    went to the events stream). The tenant is the subject's; a payload naming another tenant
+    is refused by the ledger."""
     s = broker.subjects
+    events_before = await _events_stored(broker)
     async with speaker(broker, "agent-acme") as acme:
         reply = await acme.request(s.rpc_intents_for("acme"),
                                    {"tool": "create_ticket", "arguments": {"title": "hi"}})
@@ -117,6 +127,7 @@ async def test_the_pipeline_runs_with_each_service_holding_only_its_own_permissi
         assert (await plane.key_truth(done["operation_key"]))["applied"] == 1
         rows = await plane.db_rows("SELECT tenant FROM operations WHERE id = :i", i=op_id)
         assert rows == [{"tenant": "acme"}]
+        assert await _events_stored(broker) == events_before  # the outcome went by request
 
         other = await acme.request(s.rpc_intents_for("acme"), {
             "tool": "create_ticket", "arguments": {"title": "x"}, "tenant": "globex"})
@@ -194,6 +205,7 @@ async def test_service_credentials_reach_only_their_own_subjects(
                 (s.outcome("attempt_succeeded"), _succeeded(op, "dispatcher")),
                 (s.outcome_by("other", "attempt_succeeded"), _succeeded(op, "other")),
                 (s.rpc_claim_by("other"), _claim(op, "other")),
+                (s.rpc_outcome_by("other"), _succeeded(op, "other")),
                 (s.rpc_intents_for("acme"), {"tool": "create_ticket", "arguments": {}}),
                 ("$JS.API.STREAM.UPDATE." + s.dispatch_stream, {}),
                 ("$JS.API.STREAM.DELETE." + s.events_stream, {})]:
@@ -213,6 +225,7 @@ async def test_service_credentials_reach_only_their_own_subjects(
                 (s.dispatch("fast_wire"), _dispatch(op)),
                 (s.outcome_by("dispatcher", "attempt_succeeded"), _succeeded(op, "dispatcher")),
                 (s.rpc_claim_by("dispatcher"), _claim(op, "dispatcher")),
+                (s.rpc_outcome_by("dispatcher"), _succeeded(op, "dispatcher")),
                 (s.ambiguous, {}), ("$JS.API.STREAM.DELETE." + s.dispatch_stream, {})]:
             await r.publish(subject, body)
             await r.refused(subject)
@@ -234,10 +247,12 @@ async def test_service_credentials_reach_only_their_own_subjects(
 async def test_another_dispatcher_cannot_fail_an_attempt_in_flight(
         plane: Cluster, broker: PrivateBroker) -> None:
     """The issue's eavesdropped claim: while the provider holds the real request, a dispatcher
-    that does not hold the claim reports the real attempt failed. On the holder's subject NATS
-    refuses it; in the holder's name on its own subject the ledger dead-letters it; in its own
-    name the ledger rejects it (not_the_claim_holder). The real outcome then lands: the
-    operation succeeds, applied exactly once."""
+    that does not hold the claim reports the real attempt failed, on the stream and by request
+    (issue 30). On the holder's subjects NATS refuses it; in the holder's name on its own
+    subjects the ledger dead-letters it (by request: refused with an error reply, committed
+    nothing); in its own name the ledger rejects it (not_the_claim_holder, journaled; by
+    request the answer says so, after the commit). The real outcome then lands: the operation
+    succeeds, applied exactly once."""
     s = broker.subjects
     held = await plane.sandbox.post("/_faults/append", json={
         "match": {"route": "idempotent"}, "action": {"kind": "delay", "seconds": 4},
@@ -266,6 +281,19 @@ async def test_another_dispatcher_cannot_fail_an_attempt_in_flight(
         await evil.refused(s.outcome_by("dispatcher", "attempt_failed"))
         await evil.publish(s.outcome_by("evil", "attempt_failed"), failed("dispatcher"))
         await evil.publish(s.outcome_by("evil", "attempt_failed"), failed("evil"))
+        # The same by request: on the holder's request subject NATS refuses the publish.
+        await evil.publish(s.rpc_outcome_by("dispatcher"), failed("dispatcher"))
+        await evil.refused(s.rpc_outcome_by("dispatcher"))
+        forged = await evil.request(s.rpc_outcome_by("evil"),
+                                    {**failed("dispatcher"), "code": "forged_by_request"})
+        assert forged["ok"] is False, forged
+        assert (forged["error"]["code"], forged["error"]["retryable"]) == \
+            ("invalid_request", False), forged
+        own = await evil.request(s.rpc_outcome_by("evil"), failed("evil"))
+        # Committed (its inbox id is the stream copy's: a duplicate of the one sent above),
+        # and rejected there: the evil dispatcher does not hold the claim.
+        assert own["ok"] is True and own["status"] in ("rejected", "duplicate"), own
+        assert own["message_id"] == f"attempt_failed:{attempt}", own
 
     async def not_the_holder() -> bool:
         journal = await plane.journal(op_id)
@@ -276,8 +304,10 @@ async def test_another_dispatcher_cannot_fail_an_attempt_in_flight(
     done = await plane.wait_state(op_id, ["succeeded", "failed"], 60)
     assert done["state"] == "succeeded"
     assert (await plane.key_truth(done["operation_key"]))["applied"] == 1
-    letters = await plane.db_rows("SELECT error FROM dead_letters")
+    letters = await plane.db_rows("SELECT subject, error FROM dead_letters")
     assert any("names dispatcher 'dispatcher'" in row["error"] for row in letters), letters
+    assert any(row["subject"] == s.rpc_outcome_by("evil")
+               and "names dispatcher 'dispatcher'" in row["error"] for row in letters), letters
 
 
 def test_credential_files_are_private(broker: PrivateBroker) -> None:

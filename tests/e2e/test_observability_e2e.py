@@ -114,11 +114,19 @@ async def test_metrics_match_the_ledger_rows_after_a_mixed_workload(make_cluster
     assert total(dispatcher, "effectledger_dispatcher_claim_replies_total",
                  status="granted") == attempts
     assert total(dispatcher, "effectledger_nats_connected") == 1
-    # Every dispatch command was acked once, after its outcome's publish.
+    # Every dispatch command was acked once, after its outcome reached the ledger: by request
+    # (answered after the ledger's commit) or, unanswered, on the stream through the inbox.
     assert total(dispatcher, "effectledger_messages_handled_total", consumer="dispatcher",
                  result="ack") == attempts
+    reported = "effectledger_dispatcher_outcomes_reported_total"
+    by_request = total(dispatcher, reported, route="request")
+    by_stream = total(dispatcher, reported, route="stream")
+    assert by_request + by_stream == attempts and by_request >= 1
+    # Each recorded once (a copy after a lost answer would be a duplicate).
+    outcomes = "effectledger_outcomes_total"
+    assert total(ledger, outcomes) - total(ledger, outcomes, status="duplicate") == attempts
     assert total(ledger, "effectledger_messages_handled_total", consumer="ledger.inbox",
-                 result="ack") >= attempts  # outcomes, and the reconciler's verdicts
+                 result="ack") >= by_stream  # those outcomes, and the reconciler's verdicts
     # The reconciler read the provider back and published the verdicts the ledger took.
     assert total(reconciler, "effectledger_readbacks_total", result="found") >= 1
     assert total(ledger, "effectledger_verdicts_total", verdict="applied",

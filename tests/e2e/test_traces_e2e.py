@@ -4,11 +4,12 @@ The services write their spans to files (`EFFECTLEDGER_TRACES_FILE`, the OTLP-le
 The test sends the intent with its own W3C `traceparent`; the ledger is killed right after
 the intent's commit (before it publishes), so the dispatch command is published by the relay
 of the next ledger process, from the trace context kept in the outbox row. The relay's
-publish, the dispatcher's consumption, claim and provider call, and the ledger inbox's
-handling of the outcome must all be in the test's trace, in that order, and the provider must
-have received the trace context with the request. The operation's journal entries (intent,
-claim, outcome, and for an ambiguous operation the reconciler's verdict) carry the trace id,
-and the span id of the ledger span that handled what caused them.
+publish, the dispatcher's consumption, claim and provider call, and the ledger's handling of
+the outcome (its request, issue 30; or the inbox's delivery, with the request off) must all be
+in the test's trace, in that order, and the provider must have received the trace context
+with the request. The operation's journal entries (intent, claim, outcome, and for an
+ambiguous operation the reconciler's verdict) carry the trace id, and the span id of the
+ledger span that handled what caused them.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ def in_trace(found: list[dict[str, Any]], trace_id: str) -> list[dict[str, Any]]
                   key=lambda s: s["start_time"])
 
 
+@pytest.mark.parametrize("route", ["request", "stream"])
 async def test_one_operation_is_one_trace_across_a_ledger_restart(
-        make_cluster: Any, tmp_path: Path) -> None:
+        make_cluster: Any, tmp_path: Path, route: str) -> None:
+    """`route`: the outcome by request, or (the request off) on the stream via the inbox."""
     files = {name: tmp_path / f"{name}.spans.jsonl"
              for name in ("ledger1", "ledger2", "dispatcher")}
     c: Cluster = make_cluster(env={"EFFECTLEDGER_DIRECT_PUBLISH_LEASE_S": "1"})
@@ -63,7 +66,9 @@ async def test_one_operation_is_one_trace_across_a_ledger_restart(
                             headers={"traceparent": f"00-{trace_id}-{parent}-01"})
     await c.wait_exit("ledger")
     await c.start_ledger(env={"EFFECTLEDGER_TRACES_FILE": str(files["ledger2"])})
-    await c.start_dispatcher(env={"EFFECTLEDGER_TRACES_FILE": str(files["dispatcher"])})
+    await c.start_dispatcher(env={
+        "EFFECTLEDGER_TRACES_FILE": str(files["dispatcher"]),
+        "EFFECTLEDGER_DISPATCHER_OUTCOME_REQUEST_TIMEOUT_S": "2" if route == "request" else "0"})
 
     async def succeeded() -> bool:
         ops = await c.list_all("succeeded")
@@ -73,10 +78,15 @@ async def test_one_operation_is_one_trace_across_a_ledger_restart(
     ledger = in_trace(spans(files["ledger2"]), trace_id)
     dispatcher = in_trace(spans(files["dispatcher"]), trace_id)
     names = [s["name"] for s in ledger]
-    assert [n.split(" ")[0] for n in names] == ["publish", "serve", "consume"], names
+    handled = "serve" if route == "request" else "consume"
+    assert [n.split(" ")[0] for n in names] == ["publish", "serve", handled], names
     publish, serve_claim, inbox = ledger
-    assert (publish["name"], inbox["name"]) == ("publish dispatch", "consume ledger.inbox")
+    assert publish["name"] == "publish dispatch"
     assert ".claim" in serve_claim["name"], names  # the claim request, served in the trace
+    if route == "request":
+        assert ".rpc.v1.outcome." in inbox["name"], names  # the outcome's request, likewise
+    else:
+        assert inbox["name"] == "consume ledger.inbox", names
     assert publish["parent_id"] is not None  # the request's span, from the outbox row
     assert publish["resource"]["attributes"]["service.name"] == "effectledger-ledger"
     names = [s["name"] for s in dispatcher]
@@ -85,9 +95,11 @@ async def test_one_operation_is_one_trace_across_a_ledger_restart(
     assert consume["parent_id"] == publish["context"]["span_id"]
     assert claim["parent_id"] == call["parent_id"] == consume["context"]["span_id"]
     assert serve_claim["parent_id"] == claim["context"]["span_id"]
+    if route == "request":  # asked while the dispatcher handled the command
+        assert inbox["parent_id"] == consume["context"]["span_id"]
     assert call["attributes"]["effectledger.tool"] == "create_ticket"
     assert call["attributes"]["effectledger.outcome"] == "attempt_succeeded"
-    # In order: the relay's publish, the claim, the provider call, the outcome in the inbox.
+    # In order: the relay's publish, the claim, the provider call, the outcome's commit.
     assert (publish["start_time"] <= consume["start_time"] <= claim["start_time"]
             <= call["start_time"] <= inbox["start_time"])
     # The provider received the trace context with the request.

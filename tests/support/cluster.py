@@ -474,6 +474,16 @@ class Cluster:
         finally:
             await engine.dispose()
 
+    async def stream_stored(self, stream: str) -> int:
+        """How many messages `stream` ever stored (its last sequence), acked ones included."""
+        import nats
+
+        nc = await nats.connect(self.settings.nats_url)
+        try:
+            return int((await nc.jetstream().stream_info(stream)).state.last_seq)
+        finally:
+            await nc.close()
+
     async def stream_messages(self, stream: str) -> int:
         import nats
 

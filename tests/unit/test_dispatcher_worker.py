@@ -111,7 +111,7 @@ class World:
         return [parse(DeadLetter, p) for p, _ in self.publisher.on(SUBJECTS.deadletter)]
 
 
-def make_world(env: dict[str, str] | None = None) -> World:
+def make_world(env: dict[str, str] | None = None, *, outcome_request_s: float = 0.0) -> World:
     ledger: FakeLedger[Any] = FakeLedger(now=NOW)
     publisher = FakePublisher()
     provider = FakeProvider()
@@ -119,7 +119,8 @@ def make_world(env: dict[str, str] | None = None) -> World:
     dispatcher = Dispatcher(ledger=ledger, publisher=publisher, call=provider, catalog=CATALOG,
                             subjects=SUBJECTS, dispatcher_id="d1", env=env or {},
                             clock=lambda: NOW, ids=lambda: f"a{next(ids)}",
-                            publish_within_s=0.05, monotonic=provider.clock)
+                            publish_within_s=0.05, monotonic=provider.clock,
+                            outcome_request_s=outcome_request_s)
     return World(ledger, publisher, provider, dispatcher)
 
 

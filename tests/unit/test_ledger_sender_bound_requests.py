@@ -6,24 +6,31 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
-from effectledger_core.errors import NotFound
+from effectledger_core.errors import NotFound, StoreUnavailable
+from effectledger_core.limits import MAX_MESSAGE_BYTES
 from effectledger_core.messages import (
+    AttemptSucceeded,
     ClaimAttempt,
     ClaimReply,
     ClaimStatus,
+    DeadLetter,
     ErrorReply,
     IntentReply,
     OperationQuery,
     OperationReply,
+    Outcome,
+    OutcomeRecorded,
     SubmitIntent,
     encode,
     parse_answer,
 )
 from effectledger_core.subjects import Subjects
 from effectledger_core.views import OperationView
-from effectledger_ledger.messaging import Requests
+from effectledger_ledger.db.rows import Recorded
+from effectledger_ledger.messaging import INBOX_CONSUMER, Requests
 from tests.support.views import operation_view
 
 S = Subjects("fx", "FX")
@@ -36,6 +43,21 @@ class Service:
     subjects: Subjects = S
     submitted: list[tuple[SubmitIntent, str]] = field(default_factory=list)
     claims: list[ClaimAttempt] = field(default_factory=list)
+    # (outcome, consumer, message id) as committed; dead letters as recorded
+    outcomes: list[tuple[Outcome, str, str]] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    store_down: bool = False
+
+    async def record_outcome(self, outcome: Outcome, *, consumer: str,
+                             message_id: str) -> Recorded:
+        if self.store_down:
+            raise StoreUnavailable("database unreachable")
+        seen = any(m == message_id and c == consumer for _, c, m in self.outcomes)
+        self.outcomes.append((outcome, consumer, message_id))
+        return Recorded("duplicate") if seen else Recorded("applied", to_state="succeeded")
+
+    async def record_dead_letter(self, letter: DeadLetter) -> None:
+        self.dead_letters.append(letter)
 
     async def submit(self, intent: SubmitIntent, *, actor: str) -> Any:
         self.submitted.append((intent, actor))
@@ -110,3 +132,60 @@ async def test_a_claim_is_granted_only_in_the_name_of_the_subjects_dispatcher() 
                                                                encode(unnamed)))
     assert isinstance(refused, ErrorReply) and refused.error.code == "invalid_request"
     assert service.claims == [claim]
+
+
+OUTCOME = AttemptSucceeded(operation_id="op1", epoch=1, attempt_id="a1", dispatcher_id="d1",
+                           at=datetime(2026, 12, 1, tzinfo=UTC), http_status=201,
+                           response_digest="sha256:00")
+
+
+async def test_an_outcome_by_request_is_committed_under_its_stream_copys_inbox_id() -> None:
+    service = Service()
+    requests = Requests(service)  # type: ignore[arg-type]
+    first = parse_answer(OutcomeRecorded, await requests.outcome_by(S.rpc_outcome_by("d1"),
+                                                                    encode(OUTCOME)))
+    assert isinstance(first, OutcomeRecorded)
+    assert (first.status, first.message_id, first.attempt_id) == \
+        ("applied", "attempt_succeeded:a1", "a1")
+    # The consumer and message id the JetStream copy's delivery would be committed under.
+    assert service.outcomes == [(OUTCOME, INBOX_CONSUMER, "attempt_succeeded:a1")]
+    again = parse_answer(OutcomeRecorded, await requests.outcome_by(S.rpc_outcome_by("d1"),
+                                                                    encode(OUTCOME)))
+    assert isinstance(again, OutcomeRecorded) and again.status == "duplicate"
+
+
+async def test_an_outcome_naming_another_dispatcher_is_refused_and_kept_as_evidence() -> None:
+    service = Service()
+    reply = await Requests(service).outcome_by(  # type: ignore[arg-type]
+        S.rpc_outcome_by("d2"), encode(OUTCOME))
+    answer = parse_answer(OutcomeRecorded, reply)
+    assert isinstance(answer, ErrorReply)
+    assert (answer.error.code, answer.error.retryable) == ("invalid_request", False)
+    assert service.outcomes == []
+    [letter] = service.dead_letters
+    assert (letter.consumer, letter.subject, letter.message_id) == \
+        (INBOX_CONSUMER, S.rpc_outcome_by("d2"), "attempt_succeeded:a1")
+    assert "'d2'" in letter.error and "'d1'" in letter.error
+    assert letter.payload_excerpt == encode(OUTCOME).decode()
+
+
+async def test_bad_outcome_requests_get_an_error_reply_and_change_nothing() -> None:
+    service = Service()
+    requests = Requests(service)  # type: ignore[arg-type]
+    for subject, raw, code in [
+            (S.rpc_outcome_by("d1"), b"{not json", "poison_message"),
+            (S.rpc_outcome_by("d1"), encode(OUTCOME)[:-1] + b', "extra": 1}', "poison_message"),
+            (S.rpc_outcome_by("d1"), b" " * (MAX_MESSAGE_BYTES + 1), "payload_too_large"),
+            (S.rpc_outcome, encode(OUTCOME), "invalid_request")]:
+        answer = parse_answer(OutcomeRecorded, await requests.outcome_by(subject, raw))
+        assert isinstance(answer, ErrorReply) and answer.error.code == code, (raw[:40], answer)
+        assert answer.error.retryable is False
+    assert service.outcomes == [] and service.dead_letters == []
+
+
+async def test_an_outcome_the_store_could_not_commit_is_answered_retryable() -> None:
+    service = Service(store_down=True)
+    answer = parse_answer(OutcomeRecorded, await Requests(service).outcome_by(  # type: ignore[arg-type]
+        S.rpc_outcome_by("d1"), encode(OUTCOME)))
+    assert isinstance(answer, ErrorReply)
+    assert (answer.error.code, answer.error.retryable) == ("store_unavailable", True)

@@ -42,6 +42,11 @@ def test_each_dispatcher_publishes_outcomes_and_claims_only_under_its_own_id() -
     assert publishers(S.outcome("attempt_succeeded")) == set()  # the unbound form: nobody
     assert publishers(S.rpc_claim_by("d1")) == {"dispatcher-d1"}
     assert publishers(S.rpc_claim) == set()
+    # Outcomes by request: on the dispatcher's own subject only, and nothing below it.
+    assert publishers(S.rpc_outcome_by("d1")) == {"dispatcher-d1"}
+    assert publishers(S.rpc_outcome_by("d2")) == {"dispatcher-d2"}
+    assert publishers(S.rpc_outcome) == set()
+    assert publishers(f"{S.rpc_outcome_by('d1')}.x") == set()
 
 
 def test_an_agent_reaches_only_its_own_tenants_request_subjects() -> None:
@@ -125,6 +130,7 @@ def test_the_sender_is_read_back_from_the_subject() -> None:
     assert S.tenant_of(S.rpc_operation_for("acme")) == "acme"
     assert S.tenant_of(S.rpc_intents) is None and S.tenant_of(f"{S.prefix}.rpc.v1.tenant.x") is None
     assert S.rpc_tail(S.rpc_claim_by("d1"), S.rpc_claim) == "d1"
+    assert S.rpc_tail(S.rpc_outcome_by("d1"), S.rpc_outcome) == "d1"
 
 
 def test_replicas_sharing_a_user_keep_every_boundary_but_speaking_for_each_other() -> None:
@@ -132,7 +138,7 @@ def test_replicas_sharing_a_user_keep_every_boundary_but_speaking_for_each_other
     one Secret can do). It may claim and report under any dispatcher id, and nothing more."""
     shared = perm.plane(S, dispatchers=[None], reconcilers=[None], tenants=["acme"])
     d = shared.user("dispatcher").permissions
-    assert d.publish[:2] == (S.rpc_claim_by("*"), S.outcomes_of("*"))
+    assert d.publish[:3] == (S.rpc_claim_by("*"), S.rpc_outcome_by("*"), S.outcomes_of("*"))
     assert not any(_matches(p, S.verdict) or _matches(p, S.dispatch("x")) for p in d.publish)
     assert shared.user("reconciler").permissions.subscribe == ("_INBOX_reconciler.>",)
     assert perm.user_name(perm.Role.DISPATCHER, "dispatcher-1") == "dispatcher-1"

@@ -47,6 +47,17 @@ def test_a_dispatchers_claims_are_answered_in_its_own_inbox() -> None:
     assert STRICT.refusal(S.rpc_claim_by("a.b"), "_INBOX_dispatcher-a.N.1") == FOREIGN_INBOX
 
 
+def test_a_dispatchers_outcomes_by_request_are_answered_in_its_own_inbox() -> None:
+    subject = S.rpc_outcome_by("d1")
+    assert STRICT.refusal(subject, "_INBOX_dispatcher-d1.N.1") is None
+    assert STRICT.refusal(subject, "_INBOX_dispatcher.N.1") is None  # the shared user
+    for other in ("_INBOX_dispatcher-d2.N.1", "_INBOX_operator.N.1", "_INBOX_agent-acme.N.1",
+                  "_INBOX_reconciler-r1.N.1", "_INBOX.N.1"):
+        assert STRICT.refusal(subject, other) == FOREIGN_INBOX, other
+    for reply in (S.dispatch("wire_funds"), S.outcome_by("d1", "attempt_succeeded")):
+        assert OPEN.refusal(subject, reply) == NOT_AN_INBOX
+
+
 def test_trusted_subjects_are_answered_in_the_inboxes_of_the_roles_that_may_ask() -> None:
     assert STRICT.refusal(S.rpc_operation, "_INBOX_reconciler-r1.N.1") is None
     assert STRICT.refusal(S.rpc_operation, "_INBOX_operator.N.1") is None

@@ -51,7 +51,8 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
                                 timeout_s=settings.claim_timeout_s),
         publisher=JetStreamPublisher(nc.jetstream()), call=caller, catalog=catalog,
         subjects=settings.subjects, dispatcher_id=settings.dispatcher_id,
-        ack_wait_s=settings.ack_wait_s, max_deliver=settings.max_deliver, env=env)
+        ack_wait_s=settings.ack_wait_s, max_deliver=settings.max_deliver, env=env,
+        outcome_request_s=settings.dispatcher_outcome_request_timeout_s)
     consumer = build_consumer(nc, settings, dispatcher)
     await consumer.start()
     health = None

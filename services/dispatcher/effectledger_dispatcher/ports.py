@@ -1,7 +1,7 @@
 """What the dispatcher's worker needs from the world, as protocols; the NATS and HTTP (aiohttp)
 implementations live here too, and `effectledger_bus.testing` has fakes of each.
 
-- `LedgerClient`: the claim request-reply (`NatsLedgerClient`);
+- `LedgerClient`: the claim and the outcome request-replies (`NatsLedgerClient`);
 - `Publisher`: JetStream publish with publish-ack (`effectledger_bus.publish`);
 - `ProviderCaller`: one provider attempt classified into an outcome (`HttpProviderCaller`).
 """
@@ -23,6 +23,8 @@ from effectledger_core.messages import (
     ClaimReply,
     DispatchAttempt,
     Outcome,
+    OutcomeAnswer,
+    OutcomeRecorded,
     encode,
 )
 from effectledger_core.subjects import Subjects
@@ -40,6 +42,16 @@ class LedgerClient(Protocol):
         Raises `effectledger_bus.rpc.NoReply` when nobody answered, PoisonMessage when the
         answer is malformed. Asking again with the same attempt id is safe: the ledger grants
         the same attempt again.
+        """
+        ...
+
+    async def report(self, outcome: Outcome, *, timeout_s: float) -> OutcomeAnswer:
+        """The ledger's answer to an outcome sent by request: `OutcomeRecorded` once its inbox
+        committed it, or an `ErrorReply` (`error.retryable` says whether asking again may help).
+
+        Raises `NoReply` when nobody answered within `timeout_s`, PoisonMessage when the
+        answer is malformed. Without an `OutcomeRecorded` nothing is known: the outcome may or
+        may not be committed, and its JetStream copy (same message id) settles it.
         """
         ...
 
@@ -62,11 +74,16 @@ class NatsLedgerClient:
         # The dispatcher's own claim subject: NATS lets it publish there only, so the ledger
         # records the claim's holder from the subject (see effectledger_bus.permissions).
         self.subject = subjects.rpc_claim_by(dispatcher_id)
+        self.outcome_subject = subjects.rpc_outcome_by(dispatcher_id)  # the same, for outcomes
         self.timeout_s = timeout_s
 
     async def claim(self, claim: ClaimAttempt) -> ClaimAnswer:
         return await request(self.nc, self.subject, encode(claim), ClaimReply,
                              timeout_s=self.timeout_s)
+
+    async def report(self, outcome: Outcome, *, timeout_s: float) -> OutcomeAnswer:
+        return await request(self.nc, self.outcome_subject, encode(outcome), OutcomeRecorded,
+                             timeout_s=timeout_s)
 
 
 class HttpProviderCaller:

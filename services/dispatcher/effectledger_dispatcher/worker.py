@@ -6,10 +6,18 @@ Order matters and is the whole point:
    only while the send deadline holds (a fraction of the tool's horizon since the claim was
    requested, `effectledger_core/send_deadline.py`); past it nothing is sent and the attempt
    is reported as not sent, a known-not-applied failure the retry policy may retry;
-3. publish the outcome and wait for JetStream's publish-ack;
+3. report the outcome: first by request to the ledger, which answers only after its inbox
+   committed it; without that answer, publish it to JetStream and wait for the publish-ack
+   (the same message id: whichever copy comes second is a duplicate in the ledger's inbox);
 4. only then ack the dispatch command.
 A crash anywhere leaves the command unacked; its redelivery finds the claim already taken and
-turns into an ambiguous outcome ("dispatcher lost mid-attempt"), never a second call.
+turns into an ambiguous outcome ("dispatcher lost mid-attempt"), never a second call (or, once
+the outcome is recorded, just acks).
+
+The request saves the stream's round trip (publish-ack, then the inbox's delivery, commit and
+ack) on the way to a waiting agent; it is an optimisation only. Nothing but the ledger's answer
+after its commit counts as delivered: no reply, a timeout, an error reply or anything
+unexpected falls back to the stream, which remains the guarantee.
 """
 
 from __future__ import annotations
@@ -80,6 +88,10 @@ class Dispatcher:
     max_deliver: int = 20
     # How long to keep retrying an outcome publish; None: half of ack_wait, at least 5 s.
     publish_within_s: float | None = None
+    # How long to wait for the ledger's answer to an outcome sent by request before publishing
+    # it on the stream instead; 0: never ask, always the stream (the service's setting is
+    # EFFECTLEDGER_DISPATCHER_OUTCOME_REQUEST_TIMEOUT_S).
+    outcome_request_s: float = 0.0
     env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
     clock: Clock = utcnow
     ids: IdFactory = new_id
@@ -88,7 +100,8 @@ class Dispatcher:
     # Counters for logs and tests.
     stats: dict[str, int] = field(default_factory=lambda: {
         "granted": 0, "already_claimed": 0, "stale": 0, "lost_mid_attempt": 0,
-        "dead_lettered": 0, "claim_unavailable": 0})
+        "dead_lettered": 0, "claim_unavailable": 0, "outcome_by_request": 0,
+        "outcome_by_stream": 0})
     # Attempt ids whose claim got no answer at all, by (operation, epoch). Such an attempt never
     # reached the provider (this process calls only after a granted reply), so when the command
     # comes back to this process it asks again with the same id, which the ledger re-grants if
@@ -162,9 +175,18 @@ class Dispatcher:
                 dispatcher_id=self.dispatcher_id, at=self.clock(),
                 reason="dispatcher_lost_mid_attempt",
                 message="the attempt was claimed but its dispatcher never reported an outcome")
-        if not await self._publish_outcome(d, outcome):
-            return  # not acked: redelivery will find the claim and go the ambiguous path
-        crash_point("dispatcher.after_outcome_publish")
+        why = await self._report(outcome)
+        if why is None:
+            # Committed by the ledger: the stream copy would only be a duplicate.
+            self.stats["outcome_by_request"] += 1
+            metrics.inc(metrics.DISPATCH_OUTCOMES, "request", "answered")
+            crash_point("dispatcher.after_outcome_request")
+        else:
+            if not await self._publish_outcome(d, outcome):
+                return  # not acked: redelivery will find the claim and go the ambiguous path
+            self.stats["outcome_by_stream"] += 1
+            metrics.inc(metrics.DISPATCH_OUTCOMES, "stream", why)
+            crash_point("dispatcher.after_outcome_publish")
         await d.ack()
 
     def _note_claim(self, key: tuple[str, int], attempt_id: str,
@@ -245,9 +267,48 @@ class Dispatcher:
             return answer
         return None
 
+    async def _report(self, outcome: Outcome) -> str | None:
+        """None when the ledger answered that it committed `outcome` (sent by request); else
+        why not (a metric label), which leaves the outcome to its JetStream copy: it may or may
+        not be committed, and the copy's message id makes either case come out once."""
+        if self.outcome_request_s <= 0:
+            return "off"
+        op = outcome.operation_id
+        # No heartbeat runs now: a wait past ack_wait would hand the command to another
+        # dispatcher (safe, but needless), so a short ack_wait shortens the wait too.
+        timeout_s = min(self.outcome_request_s, self.ack_wait_s / 3)
+        try:
+            answer = await self.ledger.report(outcome, timeout_s=timeout_s)
+        except NoReply as exc:
+            log.info("outcome of %s by request: %s; publishing it on the stream", op,
+                     exc.message)
+            return "no_reply"
+        except Exception as exc:  # malformed reply, closed connection, a bug: the stream
+            log.warning("outcome of %s by request failed (%s: %s); publishing it on the "
+                        "stream", op, type(exc).__name__, str(exc)[:300])
+            return "failed"
+        if isinstance(answer, ErrorReply):
+            if answer.error.retryable:
+                log.info("outcome of %s by request: %s; publishing it on the stream", op,
+                         answer.error.code)
+                return "retryable"
+            # Never swallowed: the ledger refused it, which our own outcome should never be.
+            # The stream copy goes where the inbox's checks apply and keep evidence.
+            log.error("the ledger refused the outcome of %s sent by request: %s: %s; "
+                      "publishing it on the stream", op, answer.error.code,
+                      answer.error.message[:300])
+            return "refused"
+        if (answer.message_id, answer.attempt_id) != (catalogue.message_id(outcome),
+                                                      outcome.attempt_id):
+            log.error("the ledger's answer for outcome %s names %r: publishing it on the "
+                      "stream", catalogue.message_id(outcome), answer.message_id[:200])
+            return "mismatch"
+        return None
+
     async def _publish_outcome(self, d: Delivery, outcome: Outcome) -> bool:
         try:
-            # Not a heartbeat before the first try: the call's heartbeat covered us until now.
+            # Not a heartbeat before the first try: the call's heartbeat covered us until now
+            # (and the outcome request, if any, waits a few seconds at most).
             await publish_with_retries(
                 self.publisher, self.subjects.outcome_by(self.dispatcher_id, outcome.type),
                 encode(outcome),

@@ -1,9 +1,15 @@
-"""The ledger's NATS side on nats-py: request-reply for intents and claims, and the inbox.
+"""The ledger's NATS side on nats-py: request-reply for intents, claims and outcomes, and the
+inbox.
 
 The inbox is a durable JetStream consumer with explicit acks. A message is acked only after the
 ledger transaction that it caused has committed; poison messages are recorded and then acked.
 Each message type the inbox consumes (its rows in `effectledger_bus.catalogue`) has its handler
 in `INBOX_HANDLERS`.
+
+An outcome may also come by request, on its dispatcher's own `rpc.v1.outcome.<id>`
+(`Requests.outcome_by`): it goes into the same inbox transaction, under the same consumer name
+and message id its JetStream copy carries, and is answered only after that commit. Whichever
+copy comes second is a duplicate in the `inbox` table and changes nothing.
 """
 
 from __future__ import annotations
@@ -45,12 +51,15 @@ from effectledger_core.messages import (
     OperationWait,
     Outcome,
     OutcomeAmbiguous,
+    OutcomeRecorded,
     SubmitIntent,
     VerdictReached,
     WebhookReceived,
     encode,
+    excerpt,
     parse,
     parse_ledger_event,
+    parse_outcome,
 )
 from effectledger_core.views import OperationView
 
@@ -176,6 +185,34 @@ class Requests:
         except EffectLedgerError as exc:
             return _error_reply(exc)
 
+    async def outcome_by(self, subject: str, raw: bytes) -> bytes:
+        """An outcome on a dispatcher's own subject, committed to the inbox exactly as its
+        JetStream copy would be (same consumer, same message id) and answered only after the
+        commit. One naming another dispatcher is refused and kept as a dead letter, like its
+        stream copy would be. Every refusal is an ErrorReply saying whether asking again may
+        help; the dispatcher then publishes the stream copy, where the inbox's checks apply."""
+        try:
+            sender = self.service.subjects.rpc_tail(subject, self.service.subjects.rpc_outcome)
+            if sender is None:
+                raise InvalidRequest(f"no dispatcher in subject {subject[:200]!r}")
+            outcome = parse_outcome(raw)
+            msg_id = catalogue.message_id(outcome)
+            if sender != outcome.dispatcher_id:
+                error = (f"outcome from {sender!r} names dispatcher "
+                         f"{outcome.dispatcher_id!r}")
+                await self.service.record_dead_letter(DeadLetter(
+                    consumer=INBOX_CONSUMER, subject=subject[:1024], message_id=msg_id[:1024],
+                    error=error[:1024], payload_excerpt=excerpt(raw)))
+                raise InvalidRequest(f"{error}: a dispatcher reports only in its own name")
+            recorded = await self.service.record_outcome(outcome, consumer=INBOX_CONSUMER,
+                                                         message_id=msg_id)
+        except EffectLedgerError as exc:
+            return encode(ErrorReply(error=ErrorDetail(
+                **exc.to_dict(), retryable=exc.retryable)))
+        return encode(OutcomeRecorded(status=recorded.status, operation_id=outcome.operation_id,
+                                      attempt_id=outcome.attempt_id, message_id=msg_id,
+                                      reason=recorded.reason))
+
     async def operation(self, raw: bytes) -> bytes:
         try:
             query = parse(OperationQuery, raw)
@@ -200,8 +237,9 @@ async def serve_requests(nc: NatsClient, settings: Settings,
     """Intents, claims and operation reads (request-reply), queue group `ledger`.
 
     The subjects naming a sender (`.tenant.<tenant>.intents`, `.tenant.<tenant>.operation`,
-    `.claim.<dispatcher id>`) bind it: NATS permissions let each principal publish only
-    on its own. The plain subjects serve trusted callers (operator tools, older dispatchers)."""
+    `.claim.<dispatcher id>`, `.outcome.<dispatcher id>`) bind it: NATS permissions let each
+    principal publish only on its own. The plain subjects serve trusted callers (operator
+    tools, older dispatchers)."""
     subjects, handlers = settings.subjects, Requests(service, max_wait_s=settings.wait_max_s)
     # Answers go only to the requester's own inbox (effectledger_bus.replies): with users on
     # the broker (the ledger has one), each requester's `_INBOX_<user>.` namespace.
@@ -212,6 +250,9 @@ async def serve_requests(nc: NatsClient, settings: Settings,
                                   queue="ledger", concurrency=256)
     await server.serve(subjects.rpc_claim, handlers.claim, queue="ledger", concurrency=256)
     await server.serve_by_subject(subjects.rpc_claim_by(">"), handlers.claim_by,
+                                  queue="ledger", concurrency=256)
+    # One outcome transaction each, group-committed like the claims.
+    await server.serve_by_subject(subjects.rpc_outcome_by(">"), handlers.outcome_by,
                                   queue="ledger", concurrency=256)
     await server.serve(subjects.rpc_operation, handlers.operation, queue="ledger",
                        concurrency=16)

@@ -2,8 +2,9 @@
 floor measured on the same machine in the same run.
 
 An operation's critical path, one at a time: HTTP submit, intent commit, command publish and
-delivery, claim request and commit, provider call, outcome publish and delivery, outcome commit,
-the waiter's wake-up and the HTTP answer. Four clocks see it, all on this machine:
+delivery, claim request and commit, provider call, the outcome's request (issue 30; or, when it
+goes unanswered, its publish and delivery), outcome commit, the waiter's wake-up and the HTTP
+answer. Four clocks see it, all on this machine:
 
 - the client: when it sent the request and when the answer was back;
 - the ledger's journal: `intent_accepted`, `attempt_claimed` and `outcome_recorded` are stamped
@@ -51,8 +52,10 @@ HOPS = (
         (("pg_commit", 1), ("nats_request_reply", 0.5))),
     Hop("provider_call", "the provider call, as the dispatcher timed it",
         (("provider_call", 1),)),
-    Hop("call_to_outcome", "outcome publish + ack, delivery to the ledger's inbox → ledger "
-        "builds the outcome's transaction", (("js_publish_ack", 1),)),
+    # The outcome goes to the ledger as a request (one way before the transaction; the reply
+    # is off the agent's path); only an unanswered one takes the stream's publish and delivery.
+    Hop("call_to_outcome", "outcome request to the ledger → ledger builds the outcome's "
+        "transaction", (("nats_request_reply", 0.5),)),
     Hop("outcome_to_answer", "outcome commit, the waiter's wake-up, its read, the HTTP answer",
         (("pg_commit", 1), ("http_round_trip", 0.5))),
 )

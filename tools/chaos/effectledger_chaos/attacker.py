@@ -220,6 +220,9 @@ class Attacker:
              {**outcome, "type": "attempt_succeeded", "response_digest": "0" * 64}),
             (s.outcome_by(FORGED_DISPATCHER, "attempt_succeeded"),
              {**outcome, "type": "attempt_succeeded", "response_digest": "0" * 64}),
+            # The same by request (issue 30): committed, if at all, in the same inbox.
+            (s.rpc_outcome_by(FORGED_DISPATCHER),
+             {**outcome, "type": "attempt_succeeded", "response_digest": "0" * 64}),
             (s.dispatch(op["tool"]),
              {**base, "type": "dispatch_attempt", "operation_key": f"{MARK}-key-{tag}",
               "tool": op["tool"], "arguments": {"amount": 1000000},
@@ -236,6 +239,12 @@ class Attacker:
             out.append((s.outcome("attempt_failed"), {
                 **base, "type": "attempt_failed", "attempt_id": op["attempt_id"],
                 "dispatcher_id": FORGED_DISPATCHER, "at": now, "failure_class": "permanent",
+                "code": MARK, "message": MARK, "http_status": 400}))
+            # By request on its own subject in another dispatcher's name: refused before any
+            # commit, so it cannot take the real attempt's inbox id either.
+            out.append((s.rpc_outcome_by(FORGED_DISPATCHER), {
+                **base, "type": "attempt_failed", "attempt_id": op["attempt_id"],
+                "dispatcher_id": f"{MARK}-holder", "at": now, "failure_class": "permanent",
                 "code": MARK, "message": MARK, "http_status": 400}))
         return out
 

@@ -26,6 +26,11 @@ from .config import (
 )
 
 TENANT = "default"
+# Crash points added after the seeds' plans were settled. Each draws from its own seeded
+# generator, not the plan's, so adding one leaves every fault a seed's plan already had where
+# it was: a shifted plan is a different run, and one such shift queued a ledger's crash points
+# into the long broker outage, which then saw no ledger restart inside it.
+LATER_CRASH_POINTS = ("dispatcher.after_outcome_request",)
 
 
 @dataclass
@@ -255,21 +260,26 @@ def _timed(cfg: ChaosConfig, enabled: set[str], rng: random.Random) -> list[Time
             for s in services:
                 hi = {"ledger": 5.0, "reconciler": 10.0}.get(s.split("-")[0], 9.0)
                 out.append((at(), "pause", s, {"seconds": round(rng.uniform(1.0, hi), 2)}))
+    def crash_fault(point: str, r: random.Random) -> tuple[float, str, str, dict[str, Any]]:
+        if point.startswith("dispatcher"):
+            target = r.choice(names["dispatcher"])
+        else:
+            # One replica of several, drawn only then: a single ledger's plan stays the
+            # one it always was for its seed.
+            ledgers = names["ledger"]
+            target = r.choice(ledgers) if len(ledgers) > 1 else ledgers[0]
+        # A ledger's crash points queue behind each other, so each is armed for the first
+        # hit; dispatchers share the load, the n-th hit varies.
+        nth = 1 if target in names["ledger"] else r.randint(1, 3)
+        when = round(r.uniform(0.05 * d, 0.7 * d), 2)
+        return (when, "crash_point", target,
+                {"point": point, "nth": nth, "restart_after_s": round(r.uniform(0.3, 2.0), 2)})
+
     if "crash_point" in enabled:
-        for point in [*sorted(CRASH_POINTS), SYNTHETIC_AFTER_SEND]:
-            if point.startswith("dispatcher"):
-                target = rng.choice(names["dispatcher"])
-            else:
-                # One replica of several, drawn only then: a single ledger's plan stays the
-                # one it always was for its seed.
-                ledgers = names["ledger"]
-                target = rng.choice(ledgers) if len(ledgers) > 1 else ledgers[0]
-            # A ledger's crash points queue behind each other, so each is armed for the first
-            # hit; dispatchers share the load, the n-th hit varies.
-            nth = 1 if target in names["ledger"] else rng.randint(1, 3)
-            out.append((at(0.05, 0.7), "crash_point", target,
-                        {"point": point, "nth": nth,
-                         "restart_after_s": round(rng.uniform(0.3, 2.0), 2)}))
+        for point in [*sorted(CRASH_POINTS - set(LATER_CRASH_POINTS)), SYNTHETIC_AFTER_SEND]:
+            out.append(crash_fault(point, rng))
+        for point in LATER_CRASH_POINTS:
+            out.append(crash_fault(point, random.Random(f"{cfg.seed}:{point}")))
     if "nats_restart" in enabled:
         for _ in range(repeats):
             out.append((at(), "nats_restart", "nats", {"down_s": round(rng.uniform(1, 4), 2)}))
