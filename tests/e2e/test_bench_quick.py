@@ -52,6 +52,11 @@ def test_bench_quick_check_finds_no_lost_or_duplicated_effect(tmp_path: Path) ->
     effects = results["effects"]
     assert effects["ok"] is True and effects["lost"] == 0 and effects["duplicated"] == 0
     assert results["phases"], "no scenario was measured"
+    # The closed loop completes operations: its window refills from the outcomes the load
+    # generator sees (by request or on the stream); a loop that never saw one measured nothing.
+    closed = [p for p in results["phases"] if p["scenario"] == "max"]
+    assert closed and all(p["succeeded"] > 0 for p in closed), closed
+    assert all(sum(ld["outcomes_seen"] for ld in p["load"]) > 0 for p in closed), closed
     assert (out / "report.md").exists()
     # Every phase says where its operations' time went, stage by stage (numbers, not speed).
     for phase in results["phases"]:

@@ -5,10 +5,12 @@ read transaction to render the operation view, and goes through FastAPI; the NAT
 only the submit transaction. The agent-facing cost per operation is therefore lower on NATS,
 which is the path an agent in the same deployment would use.
 
-Completion is observed cheaply and without touching the database: a core-NATS subscription to
-the outcome subjects the dispatchers publish (`<prefix>.ledger.v1.outcome.>`). That only drives
-the closed loop and the progress line; every reported figure comes from the ledger's own
-timestamps, read from the database after the run (see `measure.py`).
+Completion is observed cheaply and without touching the database: core-NATS subscriptions to
+the subjects a dispatcher reports outcomes on, its requests to the ledger
+(`<prefix>.rpc.v1.outcome.>`) and their JetStream copies, sent only without the ledger's answer
+(`<prefix>.ledger.v1.outcome.>`). That only drives the closed loop and the progress line; every
+reported figure comes from the ledger's own timestamps, read from the database after the run
+(see `measure.py`).
 
 - open loop: intent i is sent at t0 + i/rate whatever happened to the earlier ones (bounded by
   `max_in_flight` outstanding *requests*; a send that finds the bound reached is counted late);
@@ -85,7 +87,10 @@ class LoadGenerator:
     def __init__(self, nats_url: str, subject_prefix: str, *, progress: bool = True) -> None:
         self.nats_url = nats_url
         self.rpc = f"{subject_prefix}.rpc.v1.intents"
-        self.outcomes_subject = f"{subject_prefix}.ledger.v1.outcome.>"
+        # An operation seen on both (a request whose answer was lost, then its copy) counts
+        # once: `_on_outcome` only counts what is still waiting.
+        self.outcomes_subjects = (f"{subject_prefix}.rpc.v1.outcome.>",
+                                  f"{subject_prefix}.ledger.v1.outcome.>")
         self.progress = progress
         self.nc: NatsClient | None = None
         self.waiting: set[str] = set()  # operation ids submitted, no outcome seen yet
@@ -95,8 +100,8 @@ class LoadGenerator:
     async def __aenter__(self) -> LoadGenerator:
         self.nc = await nats.connect(self.nats_url, max_reconnect_attempts=-1,
                                      pending_size=64 * 1024 * 1024)
-        await self.nc.subscribe(self.outcomes_subject, cb=self._on_outcome,
-                                pending_msgs_limit=1_000_000)
+        for subject in self.outcomes_subjects:
+            await self.nc.subscribe(subject, cb=self._on_outcome, pending_msgs_limit=1_000_000)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
