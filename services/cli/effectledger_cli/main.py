@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     sb = sub.add_parser("sandbox", help="run the sandbox provider")
     sb.add_argument("--host", default="127.0.0.1")
     sb.add_argument("--port", type=port_number, default=8700)
+    sb.add_argument("--max-keys", type=int, default=None,
+                    help="keys remembered before the oldest is forgotten, with its effects "
+                         "(default 100,000): bounds the sandbox's memory; a benchmark that "
+                         "checks every effect needs more than it makes")
     sb.add_argument("--api-key", default=os.environ.get("EFFECTLEDGER_SANDBOX_API_KEY"),
                     help="bearer key required by /v1 routes (env EFFECTLEDGER_SANDBOX_API_KEY)")
     sb.add_argument("--webhook-url", default=os.environ.get("EFFECTLEDGER_SANDBOX_WEBHOOK_URL"),
@@ -290,7 +294,12 @@ def _dispatch(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"effectledger sandbox: {exc}", file=sys.stderr)
             return 2
-        app = sandbox_app(api_key=args.api_key or None, **hooks)
+        if args.max_keys is not None and args.max_keys < 1:
+            print(f"effectledger sandbox: --max-keys must be at least 1, not {args.max_keys}",
+                  file=sys.stderr)
+            return 2
+        app = sandbox_app(api_key=args.api_key or None, **hooks,
+                          **({"max_keys": args.max_keys} if args.max_keys is not None else {}))
 
         async def sandbox() -> None:
             from effectledger_core.heap import freeze_survivors_of_full_collections

@@ -186,9 +186,14 @@ def check_effects(ops: Sequence[tuple[str, str, str, str | None]], truth: dict[s
       calls `succeeded` that the provider never applied; an operation still moving at the end;
     - lied: an operation the ledger calls `failed` that the provider applied;
     - unknown: `ambiguous` operations (honestly unknown; no reconciler in this run), by what
-      the provider really did.
+      the provider really did;
+    - provider_forgot_keys: keys past the sandbox's memory (`--max-keys`); their effects cannot
+      be checked, so the check fails (they also show as `succeeded_not_applied`).
     """
     keys = truth.get("keys", {})
+    # Keys the sandbox forgot (past its `--max-keys`) cannot be checked: said as such, and the
+    # check fails, rather than each one being counted as a lost effect.
+    forgotten = int(truth.get("forgotten_keys", 0) or 0)
     applied = {k: int(v.get("applied", 0)) for k, v in keys.items()}
     by_id = {o[0]: o for o in ops}
     ledger_keys = {o[2] for o in ops}
@@ -222,7 +227,9 @@ def check_effects(ops: Sequence[tuple[str, str, str, str | None]], truth: dict[s
                       "applied": sum(1 for o in ambiguous if applied.get(o[2], 0) == 1),
                       "not_applied": sum(1 for o in ambiguous if applied.get(o[2], 0) == 0)},
         "unknown_provider_keys_applied": stray, "peers": peers,
+        "provider_forgot_keys": forgotten,
         "examples": {"missing": missing[:3], "succeeded_not_applied": succeeded_not_applied[:3],
                      "moving": moving[:3], "duplicated": dup_ledger[:3]},
-        "ok": lost == 0 and not dup_ledger and not failed_applied and stray == 0,
+        "ok": (lost == 0 and not dup_ledger and not failed_applied and stray == 0
+               and not forgotten),
     }

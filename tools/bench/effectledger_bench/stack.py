@@ -43,6 +43,8 @@ capabilities = {{ accepts_idempotency_key = true, readback = true, fencing_token
 readback = {{ url = "{sandbox}/v1/idempotent/effects/by-key/{{operation_key}}" }}
 """
 TOOL = "create_ticket"
+# Keys the sandbox remembers in a benchmark run (see `start_sandbox`): a full run makes ~140,000.
+SANDBOX_MAX_KEYS = 10_000_000
 
 
 @dataclass
@@ -168,8 +170,11 @@ class Stack:
     # -- services --------------------------------------------------------------------------
 
     def start_sandbox(self) -> None:
+        # The effects check reads every key the run made from the sandbox's ground truth: it
+        # must forget none (its default, 100,000 keys, is less than a full run makes).
         svc = self._spawn("sandbox", "sandbox", ["sandbox", "--port", str(self.sandbox_port),
-                                                 "--api-key", self.api_key], self.env())
+                                                 "--api-key", self.api_key,
+                                                 "--max-keys", str(SANDBOX_MAX_KEYS)], self.env())
         self._wait_http(svc, f"{self.sandbox_url}/healthz")
 
     def start_ledger(self) -> None:
