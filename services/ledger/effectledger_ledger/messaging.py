@@ -71,8 +71,11 @@ INBOX_CONSUMER = catalogue.LEDGER_INBOX
 INBOX_BACKOFF_CAP_S = 30.0
 
 
-def _error_reply(exc: EffectLedgerError) -> bytes:
-    return encode(ErrorReply(error=ErrorDetail.model_validate(exc.to_dict())))
+def _error_reply(exc: EffectLedgerError, *, with_retryable: bool = False) -> bytes:
+    """The refusal as an ErrorReply; `with_retryable`: say whether asking again may help (the
+    outcome request's dispatcher falls back to the stream on either answer)."""
+    detail = {**exc.to_dict(), **({"retryable": exc.retryable} if with_retryable else {})}
+    return encode(ErrorReply(error=ErrorDetail.model_validate(detail)))
 
 
 def _summary(op: OperationView, *, with_ref: bool) -> OperationSummary:
@@ -207,8 +210,7 @@ class Requests:
             recorded = await self.service.record_outcome(outcome, consumer=INBOX_CONSUMER,
                                                          message_id=msg_id)
         except EffectLedgerError as exc:
-            return encode(ErrorReply(error=ErrorDetail(
-                **exc.to_dict(), retryable=exc.retryable)))
+            return _error_reply(exc, with_retryable=True)
         return encode(OutcomeRecorded(status=recorded.status, operation_id=outcome.operation_id,
                                       attempt_id=outcome.attempt_id, message_id=msg_id,
                                       reason=recorded.reason))
