@@ -4,6 +4,7 @@ never as a crash of the report."""
 
 from __future__ import annotations
 
+from effectledger_bench import pauses
 from effectledger_bench.tail import clusters, section
 
 
@@ -20,13 +21,15 @@ def test_a_phase_row_carries_every_piece_of_evidence() -> None:
                  "claimed_to_outcome_p50": 4.0, "outcome_to_recorded_p50": 1.5}},
              "ledger_stalls": {"loop_lag": {"samples": 54, "over_25ms": 2},
                                "gc_gen0": {"over_10ms": 1}, "gc_gen2": {"over_10ms": 0}},
+             "dispatcher_stalls": {"loop_lag": {"samples": 50, "over_25ms": 1},
+                                   "gc_gen1": {"over_10ms": 2}},
              "pg": {"checkpoints": 1},
              "machine_cpu_share": {"idle": 0.5, "iowait": 0.012, "steal": 0.031}}
     row = next(line for line in "\n".join(section([phase])).splitlines()
                if line.startswith("| half"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells == ["half", "1", "37.0", "119.8", "3", "2 at 1.36, 1 at 3.00",
-                     "265.0 / 4.0 / 1.5", "2 of 54", "1", "1", "3.1 / 1.2"]
+                     "265.0 / 4.0 / 1.5", "2 of 54 / 1 of 50", "1 / 2", "1", "3.1 / 1.2"]
 
 
 def test_a_phase_without_the_records_shows_dashes() -> None:
@@ -35,3 +38,20 @@ def test_a_phase_without_the_records_shows_dashes() -> None:
                if line.startswith("| max"))
     assert "-" in row
     assert section([{"scenario": "max"}]) == []
+
+
+def test_stalls_of_several_processes_are_summed_and_a_vanished_one_left_out() -> None:
+    lag = "effectledger_event_loop_lag_seconds_bucket"
+
+    def scrape(le_10ms: float, total: float) -> pauses.Scrape:
+        return {(lag, (("le", "0.01"),)): le_10ms, (lag, (("le", "0.025"),)): le_10ms,
+                (lag, (("le", "+Inf"),)): total}
+
+    before = {"a": scrape(10, 10), "b": scrape(5, 5), "gone": scrape(1, 1)}
+    after = {"a": scrape(20, 22), "b": scrape(9, 9), "new": scrape(3, 4), "gone": None}
+    out = pauses.delta_many(before, after)
+    assert out is not None
+    # a: 12 samples, 2 over 25 ms; b: 4, none; new (started in the phase): 4, 1 over.
+    assert out["loop_lag"]["samples"] == 20
+    assert out["loop_lag"]["over_25ms"] == 3
+    assert pauses.delta_many({}, {"x": None}) is None

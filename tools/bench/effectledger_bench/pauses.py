@@ -1,5 +1,6 @@
-"""The ledger's loop stalls during a phase: its garbage-collection pauses and event-loop lag
-(`effectledger_obs.loopwatch`), from its /metrics before and after the phase.
+"""The services' loop stalls during a phase: garbage-collection pauses and event-loop lag
+(`effectledger_obs.loopwatch`), from the ledger's and the dispatchers' /metrics before and
+after the phase.
 
 A phase whose p99 is far above its p95 has a few operations that waited for something rare;
 a stall of the loop that serves all of them is one such thing, and these counts say whether it
@@ -8,6 +9,7 @@ happened, how often and how long (the histograms' bucket bounds: "at most")."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -64,10 +66,34 @@ def _pct_bound(buckets: list[tuple[float, float]], p: float) -> float | None:
     return None
 
 
+async def scrape_many(base_urls: list[str]) -> dict[str, Scrape | None]:
+    """`scrape` of each of several processes (the dispatchers), by URL."""
+    return {url: await scrape(url) for url in base_urls}
+
+
 def delta(before: Scrape | None, after: Scrape | None) -> dict[str, Any] | None:
     if before is None or after is None:
         return None
-    d = {k: v - before.get(k, 0.0) for k, v in after.items()}
+    return summarise({k: v - before.get(k, 0.0) for k, v in after.items()})
+
+
+def delta_many(before: Mapping[str, Scrape | None],
+               after: Mapping[str, Scrape | None]) -> dict[str, Any] | None:
+    """The phase's stalls summed over several processes. One that started during the phase
+    counts from zero; one gone by its end (scaled down, killed) is left out: its last figures
+    are not known."""
+    total: Scrape = {}
+    for url, a in after.items():
+        if a is None:
+            continue
+        b = before.get(url) or {}
+        for k, v in a.items():
+            total[k] = total.get(k, 0.0) + v - b.get(k, 0.0)
+    return summarise(total) if total else None
+
+
+def summarise(d: Scrape) -> dict[str, Any]:
+    """GC pauses per generation and loop-lag samples of a phase's histogram deltas."""
     out: dict[str, Any] = {}
     gens = sorted({dict(labels).get("generation", "?") for (s, labels) in d
                    if s == f"{GC}_count"})
@@ -81,5 +107,6 @@ def delta(before: Scrape | None, after: Scrape | None) -> dict[str, Any] | None:
     lag = _buckets(d, LAG)
     out["loop_lag"] = {"samples": round(lag[-1][1]) if lag else 0,
                        "p99_at_most_ms": _pct_bound(lag, 99),
-                       "over_10ms": _over(lag, 0.01), "over_25ms": _over(lag, 0.025)}
+                       "over_10ms": _over(lag, 0.01), "over_25ms": _over(lag, 0.025),
+                       "over_100ms": _over(lag, 0.1)}
     return out

@@ -189,6 +189,7 @@ class Runner:
         w0, m0 = self_wakeups(), machine_ticks()
         s0, r0 = self.stack.samples_by_pid(), len(self.stack.retired)
         stalls0 = await pauses.scrape(self.stack.ledger_url)
+        dstalls0 = await pauses.scrape_many(self.stack.dispatcher_metrics())
         loads: list[LoadResult] = await body()
         moving = await self.wait_rest(tags, settle_s)
         t1 = time.monotonic()
@@ -201,6 +202,8 @@ class Runner:
         stats = latency_stats(rows)
         stages = await stage_latencies(self.dsn, tags)
         stalls = pauses.delta(stalls0, await pauses.scrape(self.stack.ledger_url))
+        dstalls = pauses.delta_many(dstalls0,
+                                    await pauses.scrape_many(self.stack.dispatcher_metrics()))
         n = max(1, stats["operations"])
         cpu: dict[str, float] = {}
         kernel: dict[str, float] = {}
@@ -229,7 +232,8 @@ class Runner:
         result = {
             "scenario": scenario, "params": params, "rep": rep, "tags": tags,
             "wall_s": round(t1 - t0, 2), "still_moving": moving, **stats, "stages_ms": stages,
-            "ledger_stalls": stalls, "machine_cpu_share": machine_shares(m0, m1),
+            "ledger_stalls": stalls, "dispatcher_stalls": dstalls,
+            "machine_cpu_share": machine_shares(m0, m1),
             "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
             "cpu_ms_per_op": {k: round(1000 * v / n, 3) for k, v in sorted(cpu.items())},
             "system_cpu_ms_per_op": round(1000 * system / n, 3),

@@ -55,6 +55,7 @@ class Service:
     pid: int
     log: Path | None = None
     tree: bool = False
+    metrics_url: str | None = None  # its /metrics (the ledger's API, a dispatcher's health port)
 
     @property
     def alive(self) -> bool:
@@ -185,8 +186,12 @@ class Stack:
 
     def start_dispatcher(self, index: int) -> None:
         name = f"dispatcher-{index}"
-        env = self.env({"EFFECTLEDGER_DISPATCHER_ID": name, **self.dispatcher_env})
+        # Its health port serves /metrics: its loop lag and GC pauses are the tail's evidence.
+        port = free_port()
+        env = self.env({"EFFECTLEDGER_DISPATCHER_ID": name,
+                        "EFFECTLEDGER_DISPATCHER_HEALTH_PORT": str(port), **self.dispatcher_env})
         svc = self._spawn(name, "dispatcher", ["dispatcher"], env)
+        svc.metrics_url = f"http://127.0.0.1:{port}"
         marker = f"dispatcher ready: {name}".encode()
         deadline = time.monotonic() + 60
         assert svc.log is not None
@@ -195,6 +200,11 @@ class Stack:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{name} not ready in 60 s; see {svc.log}")
             time.sleep(0.05)  # polling the process's log for its readiness line
+
+    def dispatcher_metrics(self) -> list[str]:
+        """The base URLs of the running dispatchers' /metrics."""
+        return [s.metrics_url for n, s in sorted(self.services.items())
+                if s.kind == "dispatcher" and s.alive and s.metrics_url]
 
     def dispatchers(self) -> list[str]:
         return sorted(n for n, s in self.services.items() if s.kind == "dispatcher" and s.alive)

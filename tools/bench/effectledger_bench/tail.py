@@ -2,7 +2,8 @@
 
 A p99 far above the p95 means a few operations waited for something rare. Per phase this puts
 side by side: when the slowest 1 % were accepted (together, in one stall, or spread out), which
-of their stages grew, the ledger's event-loop lag and garbage collections (`pauses.py`), the
+of their stages grew, the ledger's and the dispatchers' event-loop lag and garbage collections
+(`pauses.py`), the
 PostgreSQL checkpoints begun, and the machine's own share of stolen and disk-wait time
 (`procs.machine_shares`): enough to tell a stall of the code from one of the machine."""
 
@@ -29,9 +30,8 @@ def clusters(times: list[float], gap_s: float = 0.1) -> list[tuple[float, int]]:
 
 def _row(p: Phase) -> list[str]:
     slow: dict[str, Any] = (p.get("stages_ms") or {}).get("slowest_1pct") or {}
-    stalls: dict[str, Any] = p.get("ledger_stalls") or {}
-    lag = stalls.get("loop_lag") or {}
-    gc = sum((stalls.get(f"gc_gen{g}") or {}).get("over_10ms", 0) for g in "012")
+    ledger: dict[str, Any] = p.get("ledger_stalls") or {}
+    dispatchers: dict[str, Any] = p.get("dispatcher_stalls") or {}
     mach: dict[str, Any] = p.get("machine_cpu_share") or {}
     groups = clusters(list(slow.get("accepted_at_s") or []))
     when = ", ".join(f"{n} at {t:.2f}" for t, n in groups[:6]) + (" …" if len(groups) > 6 else "")
@@ -41,10 +41,23 @@ def _row(p: Phase) -> list[str]:
             f"{fmt(slow.get('accepted_to_claimed_p50'))} / "
             f"{fmt(slow.get('claimed_to_outcome_p50'))} / "
             f"{fmt(slow.get('outcome_to_recorded_p50'))}",
-            f"{lag.get('over_25ms', '-')} of {lag.get('samples', '-')}", str(gc),
+            f"{_lag(ledger)} / {_lag(dispatchers)}", f"{_gc(ledger)} / {_gc(dispatchers)}",
             str((p.get("pg") or {}).get("checkpoints", "-")),
             f"{fmt(100 * mach['steal'], 1)} / {fmt(100 * mach['iowait'], 1)}"
             if "steal" in mach and "iowait" in mach else "-"]
+
+
+def _lag(stalls: dict[str, Any]) -> str:
+    """Loop-lag samples over 25 ms, of all samples ("-" when the process was not scraped)."""
+    lag: dict[str, Any] = stalls.get("loop_lag") or {}
+    return f"{lag['over_25ms']} of {lag['samples']}" if lag else "-"
+
+
+def _gc(stalls: dict[str, Any]) -> str:
+    """Garbage collections over 10 ms, all generations."""
+    if not stalls:
+        return "-"
+    return str(sum((stalls.get(f"gc_gen{g}") or {}).get("over_10ms", 0) for g in "012"))
 
 
 def section(phases: list[Phase]) -> list[str]:
@@ -58,9 +71,10 @@ def section(phases: list[Phase]) -> list[str]:
             "(count at seconds into the phase; one group is one stall that held them "
             "all); "
             "their stage medians (accepted → claimed / claimed → outcome / outcome → recorded); "
-            "the ledger's event-loop lag samples over 25 ms; its garbage collections over "
-            "10 ms; PostgreSQL checkpoints begun; the machine's stolen / disk-wait share of "
-            "CPU time (%).", "",
+            "the event-loop lag samples over 25 ms and the garbage collections over 10 ms of "
+            "the ledger / the dispatchers (summed); PostgreSQL checkpoints begun; the "
+            "machine's stolen / disk-wait share of CPU time (%).", "",
             table(rows, ["scenario", "rep", "p95 ms", "p99 ms", "slowest n", "accepted at",
-                         "their stages p50 ms", "loop lag > 25 ms", "GC > 10 ms",
+                         "their stages p50 ms", "loop lag > 25 ms (ledger / dispatchers)",
+                         "GC > 10 ms (ledger / dispatchers)",
                          "checkpoints", "steal / iowait %"]), ""]
