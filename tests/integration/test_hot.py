@@ -276,6 +276,64 @@ async def test_a_second_write_to_a_table_runs_after_the_first_not_beside_it(
     assert actors == ["changed", "changed"]
 
 
+async def test_two_claims_send_their_writes_as_one_statement(store: Store) -> None:
+    """Each claim's UPDATEs name their own operation and dispatch command (`row_key`), so a
+    batch of two sends them with the attempts' INSERT, not as executemany of their own."""
+    _postgres_only(store)
+    for n in (1, 2):
+        await store.run(submit_call(SubmitIntent(tool="create_ticket"), n).one)
+    sent = await _statements(store, [claim_call("op1", "a1"), claim_call("op2", "a2")])
+    assert sent[0] == "BEGIN;" and sent[-1] == "COMMIT;" and len(sent) == 4, sent
+    assert sent[2].count("UPDATE operations") == 2 and sent[2].count("UPDATE outbox") == 2
+    async with store.transaction() as conn:
+        states = (await conn.execute(sa.text("SELECT state FROM operations"))).scalars().all()
+    assert states == ["in_flight", "in_flight"]
+
+
+async def _notes(store: Store, actors: list[str]) -> None:
+    async with store.transaction() as conn:
+        for i, actor in enumerate(actors):
+            await hot.execute_rows(conn, journal.insert(), [journal_row(
+                operation_id=None, at=NOW, kind=f"note{i}", actor=actor)])
+
+
+_RENAME = (journal.update().where(journal.c.kind == sa.bindparam("b_kind"),
+                                  journal.c.actor == sa.bindparam("b_from"))
+           .values(actor=sa.bindparam("b_to")))
+
+
+async def test_rows_of_one_update_naming_different_rows_are_fused_and_all_applied(
+        store: Store) -> None:
+    _postgres_only(store)
+    await _notes(store, ["a", "a"])
+    rows = [{"b_kind": "note0", "b_from": "a", "b_to": "x"},
+            {"b_kind": "note1", "b_from": "a", "b_to": "y"}]
+    seen: list[str] = []
+    async with store.transaction() as conn:
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        driver.add_query_logger(lambda q: seen.append(q.query))
+        await hot.execute_rows(conn, _RENAME, rows, row_key=("b_kind",))
+    assert [q for q in seen if "UPDATE journal" in q] == [seen[0]] and len(seen) == 1, seen
+    async with store.transaction() as conn:
+        actors = (await conn.execute(sa.select(journal.c.actor).order_by(journal.c.kind))
+                  ).scalars().all()
+    assert actors == ["x", "y"]
+
+
+async def test_rows_of_one_update_naming_the_same_row_run_one_after_another(
+        store: Store) -> None:
+    """Fused, both would see the snapshot from before either, and the second (which needs the
+    first's write) would change nothing: rows with equal keys keep executemany's order."""
+    _postgres_only(store)
+    await _notes(store, ["a"])
+    rows = [{"b_kind": "note0", "b_from": "a", "b_to": "b"},
+            {"b_kind": "note0", "b_from": "b", "b_to": "c"}]
+    async with store.transaction() as conn:
+        await hot.execute_rows(conn, _RENAME, rows, row_key=("b_kind",))
+    async with store.transaction() as conn:
+        assert (await conn.execute(sa.select(journal.c.actor))).scalar() == "c"
+
+
 async def test_a_failing_part_of_a_fused_statement_writes_nothing(store: Store) -> None:
     """An intent whose outbox row collides: its operation and journal rows, fused into the same
     statement (and transaction) as the outbox row, are not written either."""

@@ -93,13 +93,18 @@ def _direct(conn: AsyncConnection) -> PgTransaction | None:
     return tx
 
 
-async def execute_rows(conn: AsyncConnection, stmt: sa.Executable, rows: Rows) -> None:
+async def execute_rows(conn: AsyncConnection, stmt: sa.Executable, rows: Rows, *,
+                       row_key: tuple[str, ...] = ()) -> None:
     """Execute `stmt` once per row of `rows` (nothing for none), in one round trip.
 
     Every row has the same keys. One row on SQLite goes through a plain execute, not the
     driver's executemany, which costs more for a single row. Inside `Store.transaction` on
     PostgreSQL a write may instead wait to be sent with the transaction's next statement
     (see the deferred writes below).
+
+    `row_key`: for an UPDATE or DELETE, the parameters that pick the table rows each of `rows`
+    writes (a primary key, or a key no two of whose values pick the same table row). Given,
+    rows with different values of it may wait and be sent with the next statement too.
     """
     if not rows:
         return
@@ -117,11 +122,27 @@ async def execute_rows(conn: AsyncConnection, stmt: sa.Executable, rows: Rows) -
         args = tuple(a for r in rows for a in _args(c, r))
         tx.pending.append(_Write(_rows_sql(c.sql, len(c.names), len(rows)), args, table, insert))
         return
+    if target is not None and not target[1] and len(rows) <= FUSE_ROWS and _distinct(
+            rows, row_key):
+        table = target[0]
+        if any(w.table == table for w in tx.pending):
+            await _flush(tx)
+        # One part per row, each writing a row no other part writes (see `_Write`).
+        tx.pending.extend(_Write(c.sql, _args(c, r), table, False) for r in rows)
+        return
     await _flush(tx)
     if len(rows) == 1:
         await tx.execute(c.sql, _args(c, rows[0]))
         return
     await tx.executemany(c.sql, [_args(c, r) for r in rows])
+
+
+def _distinct(rows: Rows, key: tuple[str, ...]) -> bool:
+    """Whether each of `rows` names another table row by `key` (none given: not known)."""
+    if not key:
+        return False
+    names = {tuple(cast(Mapping[str, Any], r)[k] for k in key) for r in rows}
+    return len(names) == len(rows)
 
 
 # ---- deferred writes ---------------------------------------------------------------------
@@ -144,8 +165,12 @@ FUSE_ROWS = 8
 class _Write(NamedTuple):
     """A write waiting to be sent. Writes in one statement all see the snapshot from before
     any of them, and PostgreSQL applies only one of two changes to the same row, so a write is
-    fused only with writes to other tables, or an INSERT with other INSERTs into its own
-    (each of those sees no row of the others either way); otherwise what waits goes first."""
+    fused only with writes to other tables, an INSERT with other INSERTs into its own (each of
+    those sees no row of the others either way), or the rows of one UPDATE with each other
+    when each names a different table row (`execute_rows`' `row_key`: a batch of claims moves
+    each operation once); otherwise what waits goes first. Unfused, such an UPDATE was an
+    executemany of its own: with two claims and two outcomes in a batch, four round trips of
+    the twelve a mixed batch made."""
     sql: str  # parameters numbered from $1
     args: tuple[Any, ...]
     table: str

@@ -222,7 +222,7 @@ class _Decider:
 
     async def flush(self) -> None:
         await self.batch.write(self.conn)
-        await execute_rows(self.conn, _FINISH_ATTEMPT, self.finish)
+        await execute_rows(self.conn, _FINISH_ATTEMPT, self.finish, row_key=("b_id",))
         self.finish = []
 
     async def decide(self, it: OutcomeCall) -> Recorded:

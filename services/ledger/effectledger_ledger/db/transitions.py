@@ -298,7 +298,7 @@ class Batch:
 
     async def write(self, conn: AsyncConnection) -> None:
         for (event, columns), rows in self._updates.items():
-            await execute_rows(conn, _statement(event, columns), rows)
+            await execute_rows(conn, _statement(event, columns), rows, row_key=("b_id",))
         await _simple_effects(conn, self._effects)
         await insert_journal(conn, self.journal)
         self._updates, self._effects, self.journal = {}, [], []
@@ -342,7 +342,7 @@ async def _simple_effects(conn: AsyncConnection, items: Sequence[tuple[Change, C
                 outbox.c.operation_id == change.operation_id,
                 outbox.c.status.in_([s.value for s in OUTBOX_LIVE]))
                 .values(status=OutboxStatus.OBSOLETE.value))
-    await execute_rows(conn, _CONSUME_DISPATCH, consume)
+    await execute_rows(conn, _CONSUME_DISPATCH, consume, row_key=("b_id", "b_epoch"))
 
 
 # A claim consumes its epoch's dispatch command whatever its status (the relay may not even
