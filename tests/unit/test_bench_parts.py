@@ -251,35 +251,40 @@ $3 = '{op}'
 
 
 def test_wakeups_count_every_thread_that_slept() -> None:
-    """A thread of ours that blocks and is woken five times adds at least five wake-ups."""
+    """A thread of ours that sleeps five times adds at least five wake-ups, counted while it
+    is alive (an exited thread takes its count with it).
+
+    The sleeps are the thing measured, not a synchronisation: `time.sleep` always gives up
+    the CPU (one voluntary switch each). Waiting on events instead raced: a wait that found
+    its event already set never slept, and CI once counted 3 of 5."""
     import os
     import threading
+    import time
 
     from effectledger_bench.procs import sample, self_wakeups
 
-    before = sample(os.getpid())
-    own = self_wakeups()
-    go, done = threading.Event(), threading.Event()
+    go, slept, finish = threading.Event(), threading.Event(), threading.Event()
 
     def sleeper() -> None:
+        go.wait()
         for _ in range(5):
-            go.wait()  # blocks in the kernel: one voluntary switch per wait that sleeps
-            go.clear()
-            done.set()
+            time.sleep(0.001)
+        slept.set()
+        finish.wait()
 
     t = threading.Thread(target=sleeper)
     t.start()
-    for _ in range(5):
+    try:
+        before, own = sample(os.getpid()), self_wakeups()
         go.set()
-        done.wait(5)
-        done.clear()
-    t.join(5)
-    after = sample(os.getpid())
-    assert before is not None and after is not None
-    # The thread has exited, so its own count went with it; the main thread blocked in
-    # done.wait (or join) at least once per round.
-    assert after.wakeups - before.wakeups >= 5
-    assert self_wakeups() - own >= 5
+        assert slept.wait(5)
+        after = sample(os.getpid())
+        assert before is not None and after is not None
+        assert after.wakeups - before.wakeups >= 5
+        assert self_wakeups() - own >= 5
+    finally:
+        finish.set()
+        t.join(5)
 
 
 def test_wakeup_probe_reports_each_rate_in_a_fresh_process() -> None:
