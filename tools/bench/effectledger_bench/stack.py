@@ -55,7 +55,7 @@ class Service:
     pid: int
     log: Path | None = None
     tree: bool = False
-    metrics_url: str | None = None  # its /metrics (the ledger's API, a dispatcher's health port)
+    metrics_url: str | None = None  # a dispatcher's /metrics (its health port)
 
     @property
     def alive(self) -> bool:

@@ -3,9 +3,9 @@
 A p99 far above the p95 means a few operations waited for something rare. Per phase this puts
 side by side: when the slowest 1 % were accepted (together, in one stall, or spread out), which
 of their stages grew, the ledger's and the dispatchers' event-loop lag and garbage collections
-(`pauses.py`), the
-PostgreSQL checkpoints begun, and the machine's own share of stolen and disk-wait time
-(`procs.machine_shares`): enough to tell a stall of the code from one of the machine."""
+(`pauses.py`), the PostgreSQL checkpoints begun, and the machine's own share of stolen and
+disk-wait time (`procs.machine_shares`): enough to tell a stall of the code from one of the
+machine."""
 
 from __future__ import annotations
 

@@ -114,27 +114,33 @@ async def execute_rows(conn: AsyncConnection, stmt: sa.Executable, rows: Rows, *
         await conn.execute(stmt, params)
         return
     c = _compiled(stmt, conn.dialect, tuple(rows[0]))
-    target = c.target
-    if target is not None and (len(rows) == 1 or (target[1] and len(rows) <= FUSE_ROWS)):
-        table, insert = target
+    parts = _deferrable(c, rows, row_key)
+    if parts:
+        table, insert = parts[0].table, parts[0].insert
         if any(w.table == table and not (insert and w.insert) for w in tx.pending):
             await _flush(tx)  # see `_Write`: only INSERTs share a statement with its writes
-        args = tuple(a for r in rows for a in _args(c, r))
-        tx.pending.append(_Write(_rows_sql(c.sql, len(c.names), len(rows)), args, table, insert))
-        return
-    if target is not None and not target[1] and len(rows) <= FUSE_ROWS and _distinct(
-            rows, row_key):
-        table = target[0]
-        if any(w.table == table for w in tx.pending):
-            await _flush(tx)
-        # One part per row, each writing a row no other part writes (see `_Write`).
-        tx.pending.extend(_Write(c.sql, _args(c, r), table, False) for r in rows)
+        tx.pending.extend(parts)
         return
     await _flush(tx)
     if len(rows) == 1:
         await tx.execute(c.sql, _args(c, rows[0]))
         return
     await tx.executemany(c.sql, [_args(c, r) for r in rows])
+
+
+def _deferrable(c: _Compiled, rows: Rows, row_key: tuple[str, ...]) -> list[_Write]:
+    """`rows` as writes that may wait (none: send now): one statement for a single row or a
+    small INSERT; one part per row for a small UPDATE or DELETE whose rows each write a row
+    no other part writes (`_distinct`, see `_Write`)."""
+    if c.target is None or len(rows) > FUSE_ROWS:
+        return []
+    table, insert = c.target
+    if len(rows) == 1 or insert:
+        args = tuple(a for r in rows for a in _args(c, r))
+        return [_Write(_rows_sql(c.sql, len(c.names), len(rows)), args, table, insert)]
+    if _distinct(rows, row_key):
+        return [_Write(c.sql, _args(c, r), table, False) for r in rows]
+    return []
 
 
 def _distinct(rows: Rows, key: tuple[str, ...]) -> bool:
