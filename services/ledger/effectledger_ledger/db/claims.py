@@ -14,16 +14,18 @@ from datetime import datetime
 from typing import Any, ClassVar
 
 import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.commands import arguments_digest, mismatch
 from effectledger_core.messages import ClaimAttempt, ClaimReply, ClaimStatus
 from effectledger_core.states import AttemptStatus, Event, JournalKind, State, sources
 
+from . import hot
 from .calls import BatchCall
 from .common import execute_rows, journal_row, lock_with_attempts
 from .schema import attempts, operations
-from .transitions import Batch, Change
+from .transitions import Batch, Change, alone_statement, apply_alone
 
 _CLAIMABLE = frozenset(s.value for s in sources(Event.CLAIM))
 _CLAIMED = AttemptStatus.CLAIMED.value
@@ -173,6 +175,65 @@ async def _held_reply(conn: AsyncConnection, held: _Held, item: ClaimCall, op: _
                       outcome_recorded=held.status != _CLAIMED, claim_age_s=age, **base)
 
 
+# ---- a claim alone: one statement -------------------------------------------------------------
+#
+# A claim alone in its transaction (one at a time: the agent's path) is granted by one guarded
+# statement when the locked path would grant it (`transitions.alone_statement`). The guard is
+# `_claims`' decision to grant, in SQL: the operation exists at the claim's epoch, in a
+# claimable state (the table's own guard), for the claim's tool and arguments digest (a
+# command that states both: `mismatch` finds nothing then), and no attempt holds its epoch.
+# Anything else (a mismatch, a redelivered claim, a stale epoch, the arguments' other stored
+# form) writes nothing and goes to the locked path, which decides and explains it. The
+# statement locks the operation's row before it inserts the attempt, as every writer of an
+# attempt does, and the unique (operation, epoch) key stands behind the NOT EXISTS.
+
+def _attempt_from(moved: sa.CTE) -> sa.Insert:
+    return attempts.insert().from_select(
+        ["id", "operation_id", "epoch", "dispatcher_id", "status", "claimed_at"],
+        sa.select(sa.bindparam("a_id", type_=attempts.c.id.type), moved.c.id,
+                  sa.bindparam("b_epoch", type_=attempts.c.epoch.type),
+                  sa.bindparam("a_dispatcher", type_=attempts.c.dispatcher_id.type),
+                  sa.literal_column(f"'{_CLAIMED}'"),
+                  sa.bindparam("b_now", type_=attempts.c.claimed_at.type))
+    ).returning(attempts.c.id)
+
+
+_CLAIM_ALONE = alone_statement(Event.CLAIM, guard=[
+    operations.c.tool == sa.bindparam("c_tool"),
+    operations.c.arguments_digest == sa.bindparam("c_digest"),
+    ~sa.exists().where(attempts.c.operation_id == operations.c.id,
+                       attempts.c.epoch == operations.c.epoch),
+], then=_attempt_from)
+
+
+async def _claim_alone(conn: AsyncConnection, item: ClaimCall) -> ClaimReply | None:
+    """The claim granted by one statement (see above); None: nothing written, decide under
+    the lock."""
+    claim = item.claim
+    if claim.tool is None or claim.arguments_digest is None:
+        return None
+    first = hot.nothing_sent(conn)
+    change = Change(operation_id=claim.operation_id, epoch=claim.epoch, from_state=State.PENDING,
+                    event=Event.CLAIM, at=item.now, actor=claim.dispatcher_id,
+                    detail={"attempt_id": claim.attempt_id}, traceparent=item.traceparent)
+    try:
+        step = await apply_alone(conn, change, _CLAIM_ALONE, {
+            "c_tool": claim.tool, "c_digest": claim.arguments_digest,
+            "a_id": claim.attempt_id, "a_dispatcher": claim.dispatcher_id})
+    except IntegrityError:
+        if not first:
+            raise  # inside a transaction: it is aborted, and the batch is replayed
+        # An attempt committed between our snapshot and our insert (the unique key held):
+        # as its own transaction the statement left nothing behind.
+        return None
+    if step is None:
+        return None
+    return ClaimReply(status=ClaimStatus.GRANTED, attempt_id=claim.attempt_id,
+                      current_epoch=claim.epoch, state=step.to.value,
+                      operation_id=claim.operation_id, epoch=claim.epoch, tool=claim.tool,
+                      arguments_digest=claim.arguments_digest)
+
+
 @dataclass(frozen=True, slots=True)
 class ClaimCall(BatchCall[ClaimReply]):
     """One claim, as group commit batches it."""
@@ -187,6 +248,12 @@ class ClaimCall(BatchCall[ClaimReply]):
     async def many(cls, conn: AsyncConnection, calls: Sequence[ClaimCall]
                    ) -> list[ClaimReply | Exception]:
         return list(await _claims(conn, calls))
+
+    async def one(self, conn: AsyncConnection) -> ClaimReply:
+        """A claim alone: one statement when it is granted (see `_claim_alone`)."""
+        granted = await _claim_alone(conn, self)
+        # (`BatchCall.one` by name: a slotted dataclass is a new class, and has no `super()`.)
+        return granted if granted is not None else await BatchCall.one(self, conn)
 
 
 async def claim_txn(conn: AsyncConnection, claim: ClaimAttempt, *, now: datetime) -> ClaimReply:

@@ -86,6 +86,18 @@ def _args(c: _Compiled, row: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple(out)
 
 
+def direct(conn: AsyncConnection) -> bool:
+    """Whether statements on `conn` go straight to asyncpg (PostgreSQL's `Store.transaction`)."""
+    return _direct(conn) is not None
+
+
+def nothing_sent(conn: AsyncConnection) -> bool:
+    """Whether `conn`'s transaction (direct, see `direct`) has sent and queued nothing yet: its
+    next statement, fetched `lockless`, is then a transaction of its own."""
+    tx = _direct(conn)
+    return tx is not None and not tx.began and not tx.pending
+
+
 def _direct(conn: AsyncConnection) -> PgTransaction | None:
     """The transaction statements go straight to asyncpg in (PostgreSQL's `Store.transaction`,
     see `pgtx.py`); None: they go through SQLAlchemy's execute."""
@@ -308,6 +320,9 @@ async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, An
     violation, and the service retries). First in its transaction, it is sent without a BEGIN,
     as a statement of its own: at READ COMMITTED every statement takes its own snapshot, so it
     reads exactly what it would have read inside, and the round trip of the BEGIN is saved.
+    Also a write that is all its transaction needs when it comes first
+    (`transitions.apply_alone`): it commits when it returns; later, it is part of the
+    transaction.
     """
     tx = _direct(conn)
     if not tx:

@@ -43,10 +43,11 @@ from effectledger_core.states import (
 )
 from effectledger_core.subjects import Subjects
 
-from .common import execute_rows, insert_journal, journal_row, notify_outbox
+from . import hot
+from .common import execute_rows, insert_journal, journal_row, note_transitions, notify_outbox
 from .outbox import dispatch_row
 from .rows import JournalRow, OperationRow, Recorded
-from .schema import attempts, operations, outbox
+from .schema import attempts, journal, operations, outbox
 
 K = JournalKind
 
@@ -310,6 +311,64 @@ async def apply_many(conn: AsyncConnection, changes: Sequence[Change]) -> list[S
     steps = [batch.add(c) for c in changes]
     await batch.write(conn)
     return steps
+
+
+# ---- one change alone, in one statement -----------------------------------------------------
+#
+# A call alone in its transaction (one at a time: an agent's call, the idle path) paid four
+# round trips for a claim: BEGIN, the locking read, the fused writes, COMMIT. When the
+# caller can state its whole decision as a condition on the operation's row (`guard`), the
+# change, its journal entry, its simple effects and the caller's own row are one statement
+# instead: a data-modifying CTE that moves the operation only where the guard and the
+# table's own guard hold, and writes everything else from the row it moved. First in its
+# transaction it is a transaction of its own (no BEGIN, no COMMIT: one round trip). Where
+# the guard does not hold nothing is written, and the caller decides under its row locks as
+# before; the statement never decides anything the locked path would not.
+
+def alone_statement(event: Event, *, guard: Sequence[sa.ColumnElement[bool]],
+                    then: Callable[[sa.CTE], sa.Insert]) -> sa.Insert:
+    """`event`'s change of one operation as one statement, written only where `guard` holds.
+
+    `then(moved)`: the caller's own row, an INSERT selecting from `moved` (the moved
+    operation's id) with a RETURNING clause; the statement returns its rows, none when
+    nothing was written. Its parameters: `_params`' (`b_*`), the journal entry's (`j_*`),
+    the guard's and the caller's. Built once per caller.
+    """
+    causes = CAUSES[event]
+    if writes_commands(event) or causes.effects - {Effect.CONSUME_DISPATCH}:
+        raise TransitionError(f"{event.value} writes more than one statement may")
+    moved = (_statement(event, ()).where(*guard)
+             .returning(operations.c.id).cte("moved"))
+    entry = (journal.insert().from_select(
+        ["operation_id", *_JOURNAL_PARAMS],
+        sa.select(moved.c.id, *(sa.bindparam(f"j_{c}", type_=journal.c[c].type)
+                               for c in _JOURNAL_PARAMS)))
+        .cte("entry"))
+    ctes = [moved, entry]
+    if Effect.CONSUME_DISPATCH in causes.effects:
+        ctes.append(_CONSUME_DISPATCH.where(sa.select(moved.c.id).exists()).cte("consumed"))
+    return then(moved).add_cte(*ctes)
+
+
+_JOURNAL_PARAMS = ("at", "kind", "actor", "epoch", "from_state", "to_state", "detail")
+
+
+async def apply_alone(conn: AsyncConnection, change: Change, stmt: sa.Insert,
+                      params: Mapping[str, Any]) -> Step | None:
+    """Apply `change` with `stmt` (built by `alone_statement` for its event) and the caller's
+    `params`; None when nothing was written: the guard did not hold, or the store has no
+    such statement (SQLite, which has no data-modifying CTEs), and the caller decides under
+    its locks instead."""
+    if not hot.direct(conn):
+        return None
+    step, causes = _check(change)
+    entry = _entry(change, step, causes)
+    values = {**_params(change), **{f"j_{c}": entry[c] for c in _JOURNAL_PARAMS},  # type: ignore[literal-required]
+              **params}
+    if not await hot.fetch(conn, stmt, values, lockless=True):
+        return None
+    note_transitions(conn, [entry])
+    return step
 
 
 # ---- the effects ----------------------------------------------------------------------------
