@@ -187,15 +187,15 @@ async def _held_reply(conn: AsyncConnection, held: _Held, item: ClaimCall, op: _
 # statement locks the operation's row before it inserts the attempt, as every writer of an
 # attempt does, and the unique (operation, epoch) key stands behind the NOT EXISTS.
 
-def _attempt_from(moved: sa.CTE) -> sa.Insert:
-    return attempts.insert().from_select(
+def _attempt_from(moved: sa.CTE) -> list[sa.UpdateBase]:
+    return [attempts.insert().from_select(
         ["id", "operation_id", "epoch", "dispatcher_id", "status", "claimed_at"],
         sa.select(sa.bindparam("a_id", type_=attempts.c.id.type), moved.c.id,
                   sa.bindparam("b_epoch", type_=attempts.c.epoch.type),
                   sa.bindparam("a_dispatcher", type_=attempts.c.dispatcher_id.type),
                   sa.literal_column(f"'{_CLAIMED}'"),
                   sa.bindparam("b_now", type_=attempts.c.claimed_at.type))
-    ).returning(attempts.c.id)
+    ).returning(attempts.c.id)]
 
 
 _CLAIM_ALONE = alone_statement(Event.CLAIM, guard=[

@@ -18,6 +18,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.failures import Failure, Idempotency, policy_digest
@@ -48,7 +49,16 @@ from .common import (
 from .resolution import RetryDecider, WebhookBinding, settle_from_stored_webhooks
 from .rows import JournalRow, OperationRow, Recorded
 from .schema import UTCDateTime, attempts, dead_letters, inbox, operations
-from .transitions import Batch, Change, Dispatch, Reconcile, apply, writes_commands
+from .transitions import (
+    Batch,
+    Change,
+    Dispatch,
+    Reconcile,
+    alone_statement,
+    apply,
+    apply_alone,
+    writes_commands,
+)
 
 _RESULT = {"result"}
 _EVENT = {
@@ -83,6 +93,12 @@ class OutcomeCall(BatchCall[Recorded]):
     async def many(cls, conn: AsyncConnection, calls: Sequence[OutcomeCall]
                    ) -> Sequence[Recorded | Exception]:
         return await _record(conn, calls)
+
+    async def one(self, conn: AsyncConnection) -> Recorded:
+        """An outcome alone: one statement when it is a success to apply (`_success_alone`)."""
+        applied = await _success_alone(conn, self)
+        # (`BatchCall.one` by name: a slotted dataclass is a new class, and has no `super()`.)
+        return applied if applied is not None else await BatchCall.one(self, conn)
 
 
 async def record_outcome_txn(conn: AsyncConnection, outcome: Outcome, *, consumer: str,
@@ -148,6 +164,75 @@ _INBOX_THEN_LOCK = sa.select(
 ).select_from(_ONE.outerjoin(_LOCKED, sa.true()))
 _FULL_ROWS = {d: sa.select(operations).where(hot.one_of(operations.c.id, "ids", d))
               for d in hot.DIALECTS}
+
+
+# ---- a success alone: one statement ------------------------------------------------------------
+#
+# An outcome alone in its transaction (the agent's path) was four round trips: BEGIN, the inbox
+# INSERT with the locking read, the fused writes, COMMIT. A success that the locked path would
+# apply is one statement (`transitions.alone_statement`) whose guard is `_rejection` finding
+# nothing, in SQL: the operation at the outcome's epoch, in a state that accepts a success
+# (the table's own guard), its attempt at that epoch the outcome's, held by the outcome's
+# sender; and the message not in the inbox yet. The inbox row is written from the moved
+# operation, without ON CONFLICT: a copy of the message recorded meanwhile fails the whole
+# statement on the inbox's key, and leaves nothing behind. Anything else (a duplicate, a
+# rejection, a failure, which asks the retry policy, and ambiguity, which writes commands)
+# writes nothing and is decided under the lock as before.
+
+def _success_writes(moved: sa.CTE) -> list[sa.UpdateBase]:
+    moved_exists = sa.select(moved.c.id).exists()
+    finish = (attempts.update().where(attempts.c.id == sa.bindparam("f_attempt"), moved_exists)
+              .values(status=sa.bindparam("f_status"), finished_at=sa.bindparam("b_now"),
+                      http_status=sa.bindparam("f_http"),
+                      provider_ref=sa.bindparam("b_provider_ref"),
+                      response_digest=sa.bindparam("b_response_digest"),
+                      outcome=sa.bindparam("b_last_outcome")))
+    noted = inbox.insert().from_select(
+        ["consumer", "message_id", "received_at"],
+        sa.select(sa.bindparam("i_consumer", type_=inbox.c.consumer.type),
+                  sa.bindparam("i_message", type_=inbox.c.message_id.type),
+                  sa.bindparam("b_now", type_=inbox.c.received_at.type)).where(moved_exists)
+    ).returning(inbox.c.message_id)
+    return [finish, noted]
+
+
+_SUCCESS_COLUMNS = ("last_outcome", "provider_ref", "response_digest", "result")
+_SUCCESS_ALONE = alone_statement(Event.OUTCOME_SUCCEEDED, columns=_SUCCESS_COLUMNS, guard=[
+    sa.exists().where(attempts.c.operation_id == operations.c.id,
+                      attempts.c.epoch == operations.c.epoch,
+                      attempts.c.id == sa.bindparam("f_attempt"),
+                      attempts.c.dispatcher_id == sa.bindparam("f_dispatcher")),
+    ~sa.exists().where(inbox.c.consumer == sa.bindparam("i_consumer"),
+                       inbox.c.message_id == sa.bindparam("i_message")),
+], then=_success_writes)
+
+
+async def _success_alone(conn: AsyncConnection, it: OutcomeCall) -> Recorded | None:
+    """The success applied by one statement (see above); None: nothing written, decide
+    under the lock."""
+    outcome = it.outcome
+    if not isinstance(outcome, AttemptSucceeded):
+        return None
+    first = hot.nothing_sent(conn)
+    detail = outcome.model_dump(mode="json", exclude=_RESULT)
+    change = Change(operation_id=outcome.operation_id, epoch=outcome.epoch,
+                    from_state=State.IN_FLIGHT, event=Event.OUTCOME_SUCCEEDED, at=it.now,
+                    actor=outcome.dispatcher_id, detail=detail, values={
+                        "last_outcome": detail, "provider_ref": outcome.provider_ref,
+                        "response_digest": outcome.response_digest,
+                        "result": (outcome.result.model_dump(mode="json")
+                                   if outcome.result is not None else None)},
+                    traceparent=it.traceparent)
+    try:
+        step = await apply_alone(conn, change, _SUCCESS_ALONE, {
+            "f_attempt": outcome.attempt_id, "f_dispatcher": outcome.dispatcher_id,
+            "f_status": outcome.type, "f_http": outcome.http_status,
+            "i_consumer": it.consumer, "i_message": it.message_id})
+    except IntegrityError:
+        if not first:
+            raise  # inside a transaction: it is aborted, and the batch is replayed
+        return None  # a copy of the message was recorded meanwhile: the locked path says so
+    return None if step is None else Recorded("applied", to_state=step.to.value)
 
 
 @dataclass

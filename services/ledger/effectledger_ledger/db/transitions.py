@@ -326,18 +326,20 @@ async def apply_many(conn: AsyncConnection, changes: Sequence[Change]) -> list[S
 # before; the statement never decides anything the locked path would not.
 
 def alone_statement(event: Event, *, guard: Sequence[sa.ColumnElement[bool]],
-                    then: Callable[[sa.CTE], sa.Insert]) -> sa.Insert:
+                    then: Callable[[sa.CTE], Sequence[sa.UpdateBase]],
+                    columns: tuple[str, ...] = ()) -> sa.UpdateBase:
     """`event`'s change of one operation as one statement, written only where `guard` holds.
 
-    `then(moved)`: the caller's own row, an INSERT selecting from `moved` (the moved
-    operation's id) with a RETURNING clause; the statement returns its rows, none when
-    nothing was written. Its parameters: `_params`' (`b_*`), the journal entry's (`j_*`),
-    the guard's and the caller's. Built once per caller.
+    `then(moved)`: the caller's own writes, each conditioned on `moved` (the moved
+    operation's id); the last has a RETURNING clause, and the statement returns its rows,
+    none when nothing was written. `columns`: the other columns the change writes (its
+    `values`). Parameters: `_params`' (`b_*`), the journal entry's (`j_*`), the guard's and
+    the caller's. Built once per caller.
     """
     causes = CAUSES[event]
     if writes_commands(event) or causes.effects - {Effect.CONSUME_DISPATCH}:
         raise TransitionError(f"{event.value} writes more than one statement may")
-    moved = (_statement(event, ()).where(*guard)
+    moved = (_statement(event, tuple(sorted(columns))).where(*guard)
              .returning(operations.c.id).cte("moved"))
     entry = (journal.insert().from_select(
         ["operation_id", *_JOURNAL_PARAMS],
@@ -347,13 +349,15 @@ def alone_statement(event: Event, *, guard: Sequence[sa.ColumnElement[bool]],
     ctes = [moved, entry]
     if Effect.CONSUME_DISPATCH in causes.effects:
         ctes.append(_CONSUME_DISPATCH.where(sa.select(moved.c.id).exists()).cte("consumed"))
-    return then(moved).add_cte(*ctes)
+    *before, last = then(moved)
+    ctes.extend(w.cte(f"then{i}") for i, w in enumerate(before))
+    return last.add_cte(*ctes)
 
 
 _JOURNAL_PARAMS = ("at", "kind", "actor", "epoch", "from_state", "to_state", "detail")
 
 
-async def apply_alone(conn: AsyncConnection, change: Change, stmt: sa.Insert,
+async def apply_alone(conn: AsyncConnection, change: Change, stmt: sa.UpdateBase,
                       params: Mapping[str, Any]) -> Step | None:
     """Apply `change` with `stmt` (built by `alone_statement` for its event) and the caller's
     `params`; None when nothing was written: the guard did not hold, or the store has no

@@ -1,12 +1,14 @@
-"""A claim alone in its transaction is one statement (db/claims.py, `_claim_alone`).
+"""A claim or a success alone in its transaction is one statement (`transitions.apply_alone`;
+db/claims.py `_claim_alone`, db/outcomes.py `_success_alone`).
 
-The statement only ever grants, and only where the locked path would grant the same claim:
-every other case (a redelivered claim, another attempt, a stale epoch, a forged command, an
-unknown operation, one awaiting approval) writes nothing and is decided under the lock.
-Checked here the way it can go wrong: the same claims, one at a time, with the one-statement
-path on and off, must answer the same and leave the same rows; concurrent claims of one
-operation are granted once; an attempt committed under the statement's feet is caught by
-the unique key and answered by the locked path.
+The statement only ever grants a claim or applies a success, and only where the locked path
+would do the same: every other case (a redelivered claim or message, another attempt or
+sender, a stale epoch, a forged command, an unknown operation, a failure, ambiguity) writes
+nothing and is decided under the lock. Checked here the way it can go wrong: the same calls,
+one at a time, with the one-statement path on and off, must answer the same and leave the
+same rows; concurrent claims of one operation are granted once, concurrent copies of one
+outcome applied once; a row committed under the statement's feet is caught by a unique key
+and answered by the locked path.
 """
 
 from __future__ import annotations
@@ -17,13 +19,29 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
-from effectledger_core.messages import ClaimAttempt, ClaimStatus, SubmitIntent
+from effectledger_core.messages import (
+    AttemptSucceeded,
+    ClaimAttempt,
+    ClaimStatus,
+    OutcomeAmbiguous,
+    SubmitIntent,
+)
+from effectledger_core.results import ProviderResult
 from effectledger_ledger.db import hot
 from effectledger_ledger.db.claims import ClaimCall
-from effectledger_ledger.db.schema import attempts, operations
+from effectledger_ledger.db.outcomes import OutcomeCall
+from effectledger_ledger.db.schema import attempts, inbox, operations
 from effectledger_ledger.db.store import Store
 from tests.integration.test_hot import _as_printed, _postgres_only, _statements
-from tests.integration.test_set_based import LATER, reset, submit, submit_call
+from tests.integration.test_set_based import (
+    LATER,
+    SUBJECTS,
+    failed,
+    reset,
+    retry_when_asked,
+    submit,
+    submit_call,
+)
 
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
@@ -94,7 +112,7 @@ async def test_alone_and_locked_claims_answer_and_write_the_same(
     assert sent, "the one-statement path never ran"
 
 
-async def _sent_alone(store: Store, call: ClaimCall) -> list[str]:
+async def _sent_alone(store: Store, call: ClaimCall | OutcomeCall) -> list[str]:
     """What `call` alone in its transaction sends, as asyncpg's query logger sees it."""
     seen: list[str] = []
 
@@ -170,10 +188,12 @@ async def test_an_attempt_committed_meanwhile_is_stopped_by_the_unique_key(
             "INSERT INTO attempts (id, operation_id, epoch, dispatcher_id, status, claimed_at)"
             " VALUES ('intruder', 'op1', 1, 'dx', 'claimed', now())")
         claim = asyncio.create_task(store.run(_claim("op1", "a1", tool, digest).one))
-        # Wait until the claim's INSERT waits for the intruder's row lock (the unique key).
+        # Until the claim's INSERT waits for the intruder's row (the unique key). Matched by
+        # its start: pg_stat_activity keeps only a statement's first kilobyte.
         while not await other.fetchval(
                 "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND query LIKE '%INSERT INTO attempts%' AND pid <> pg_backend_pid()"):
+                " AND query LIKE 'WITH moved AS%' AND datname = current_database()"
+                " AND pid <> pg_backend_pid()"):
             await asyncio.sleep(0.005)  # polling a condition, not a timing guess
             assert not claim.done(), claim
         await tx.commit()
@@ -191,3 +211,125 @@ async def asyncpg_connect(store: Store) -> Any:
 
     url = store.url.set(drivername="postgresql")
     return await asyncpg.connect(url.render_as_string(hide_password=False))
+
+
+# ---- outcomes ---------------------------------------------------------------------------------
+
+def _outcome(o: Any, message_id: str, consumer: str = "c") -> OutcomeCall:
+    return OutcomeCall(o, consumer=consumer, message_id=message_id, subjects=SUBJECTS,
+                       now=LATER, ambiguous_outbox_id=f"amb-{message_id}",
+                       decide_retry=retry_when_asked, traceparent=TRACE)
+
+
+def _success(op: str, attempt: str, *, epoch: int = 1, dispatcher: str = "d1",
+             result: bool = True) -> AttemptSucceeded:
+    return AttemptSucceeded(
+        operation_id=op, epoch=epoch, attempt_id=attempt, dispatcher_id=dispatcher, at=LATER,
+        provider_ref=f"ref-{op}", response_digest="sha256:01", http_status=201,
+        result=ProviderResult(kind="json", value={"id": op, "none": None}, bytes=30)
+        if result else None)
+
+
+async def _outcomes_one_at_a_time(store: Store) -> list[Any]:
+    for n in range(7):
+        await submit(store, n)
+        tool, digest = await _digest(store, f"op{n}")
+        await store.run(_claim(f"op{n}", f"a{n}", tool, digest).one)
+    await store.run(_outcome(OutcomeAmbiguous(operation_id="op5", epoch=1, attempt_id="a5",
+                                              dispatcher_id="d1", at=LATER,
+                                              reason="timeout"), "amb5").one)
+    calls = [
+        _outcome(_success("op0", "a0"), "m0"),  # applied
+        _outcome(_success("op0", "a0"), "m0"),  # the same message again: duplicate
+        _outcome(_success("op0", "a0"), "m0", consumer="other"),  # applied already: rejected
+        _outcome(_success("op1", "x1"), "m1"),  # not the claimed attempt
+        _outcome(_success("op1", "a1", dispatcher="d2"), "m1b"),  # not the claim's holder
+        _outcome(_success("op1", "a1", epoch=2), "m1c"),  # stale epoch
+        _outcome(_success("op9", "a9"), "m9"),  # unknown operation
+        _outcome(_success("op1", "a1", result=False), "m1d"),  # applied, with no result
+        _outcome(failed("op2", "a2", "retry_me"), "m2"),  # a failure: the locked path
+        _outcome(failed("op3", "a3", "no"), "m3"),
+        _outcome(_success("op5", "a5"), "m5"),  # a late success after ambiguity
+        _outcome(_success("op4", "a4"), "m4"),
+        _outcome(_success("op6", "a6"), "m6"),
+        _outcome(_success("op6", "a6"), "m6"),
+    ]
+    return [(await store.run(call.one)).__repr__() for call in calls]
+
+
+async def test_alone_and_locked_outcomes_answer_and_write_the_same(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    _postgres_only(store)
+    alone = await _outcomes_one_at_a_time(store)
+    alone_rows = await _as_printed(store)
+    await reset(store)
+    monkeypatch.setattr(hot, "direct", lambda conn: False)
+    locked = await _outcomes_one_at_a_time(store)
+    assert locked == alone
+    assert await _as_printed(store) == alone_rows
+    assert [a.split("(")[1].split(",")[0] for a in alone] == [
+        "status='applied'", "status='duplicate'", "status='rejected'", "status='rejected'",
+        "status='rejected'", "status='rejected'", "status='rejected'", "status='applied'",
+        "status='applied'", "status='applied'", "status='applied'", "status='applied'",
+        "status='applied'", "status='duplicate'"], alone
+
+
+async def test_a_success_alone_is_one_statement_committed_by_itself(store: Store) -> None:
+    _postgres_only(store)
+    await submit(store, 1)
+    tool, digest = await _digest(store, "op1")
+    await store.run(_claim("op1", "a1", tool, digest).one)
+    [sent] = await _sent_alone(store, _outcome(_success("op1", "a1"), "m1"))
+    assert "UPDATE operations" in sent and "INSERT INTO inbox" in sent
+    rows = await _as_printed(store)
+    assert "succeeded" in rows["operations"][0] and len(rows["inbox"]) == 1
+    assert any('""id"": ""op1""' in r for r in rows["operations"])  # the provider's answer
+    # The same message again: nothing written, the locked path finds it in the inbox.
+    again = await _sent_alone(store, _outcome(_success("op1", "a1"), "m1"))
+    assert again[0].startswith("WITH moved") and again[1] == "BEGIN;"
+    assert (await _as_printed(store)) == rows
+
+
+async def test_concurrent_copies_of_one_outcome_are_applied_once(store: Store) -> None:
+    _postgres_only(store)
+    await submit(store, 1)
+    tool, digest = await _digest(store, "op1")
+    await store.run(_claim("op1", "a1", tool, digest).one)
+    results = await asyncio.gather(*(
+        store.run(_outcome(_success("op1", "a1"), "m1").one) for _ in range(4)))
+    assert sorted(r.status for r in results) == [
+        "applied", "duplicate", "duplicate", "duplicate"], results
+    rows = await _as_printed(store)
+    assert sum("outcome_recorded" in r for r in rows["journal"]) == 1
+
+
+async def test_a_message_recorded_meanwhile_is_stopped_by_the_inbox_key(store: Store) -> None:
+    """The inbox's NOT EXISTS reads the statement's snapshot; a copy of the message recorded
+    after it fails the inbox INSERT, and the whole statement with it (the operation stays
+    where it was); the locked path then finds the copy: a duplicate."""
+    _postgres_only(store)
+    await submit(store, 1)
+    tool, digest = await _digest(store, "op1")
+    await store.run(_claim("op1", "a1", tool, digest).one)
+    other = await asyncpg_connect(store)
+    try:
+        tx = other.transaction()
+        await tx.start()
+        await other.execute("INSERT INTO inbox (consumer, message_id, received_at)"
+                            " VALUES ('c', 'm1', now())")
+        recorded = asyncio.create_task(store.run(_outcome(_success("op1", "a1"), "m1").one))
+        while not await other.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND query LIKE 'WITH moved AS%' AND datname = current_database()"
+                " AND pid <> pg_backend_pid()"):
+            await asyncio.sleep(0.005)  # polling a condition, not a timing guess
+            assert not recorded.done(), recorded
+        await tx.commit()
+        result = await recorded
+    finally:
+        await other.close()
+    assert result.status == "duplicate"
+    async with store.transaction() as conn:
+        state = (await conn.execute(sa.select(operations.c.state))).scalar()
+        n = (await conn.execute(sa.select(sa.func.count()).select_from(inbox))).scalar()
+    assert state == "in_flight" and n == 1
