@@ -144,6 +144,10 @@ async def test_recheck_wakes_a_wait_for_a_change_made_elsewhere(
     waits = [asyncio.create_task(client.get(f"/v1/operations/{o['id']}", params={"wait": LONG},
                                             headers=auth(AGENT_A))) for o in (moved, still)]
     await _waiting(svc, 2)
+    # Both waits have read the state they sleep on: a wait whose read came after the writes
+    # below would end by itself, and the re-check would have nothing to wake (seen under load).
+    await wait_until(lambda: all(w.seen is not None for ws in svc.waiters._by_op.values()
+                                 for w in ws), 10, interval=0.01, what="the waits' reads")
     # Written straight to the database, as another replica would: no signal here.
     await store.run(claim_txn, _claim(moved["id"]), now=NOW)
     await store.run(record_outcome_txn, _success(moved["id"]), consumer="ledger",
