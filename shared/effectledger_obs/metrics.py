@@ -152,6 +152,11 @@ DB_TRANSACTION_DURATION = Histogram(
 DB_BATCH_FALLBACKS = Counter(
     "effectledger_db_batch_fallbacks_total",
     "Group-commit batches rolled back and replayed call by call.", ["writer"])
+DB_ALONE = Counter(
+    "effectledger_db_alone_total",
+    "Calls alone in their transaction that tried one guarded statement (intent, claim, "
+    "outcome), by whether it wrote (written) or left the call to the locked path (declined).",
+    ["call", "result"])
 
 # ---- HTTP (ledger API, reconciler webhooks, health ports) -----------------------------------
 

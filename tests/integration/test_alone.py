@@ -1,14 +1,15 @@
-"""A claim or a success alone in its transaction is one statement (`transitions.apply_alone`;
-db/claims.py `_claim_alone`, db/outcomes.py `_success_alone`).
+"""A call alone in its transaction is one statement: a claim or a success
+(`transitions.apply_alone`; db/claims.py `_claim_alone`, db/outcomes.py `_success_alone`) and
+a new intent with a caller key (db/intents.py `_created_alone`).
 
-The statement only ever grants a claim or applies a success, and only where the locked path
-would do the same: every other case (a redelivered claim or message, another attempt or
-sender, a stale epoch, a forged command, an unknown operation, a failure, ambiguity) writes
-nothing and is decided under the lock. Checked here the way it can go wrong: the same calls,
-one at a time, with the one-statement path on and off, must answer the same and leave the
-same rows; concurrent claims of one operation are granted once, concurrent copies of one
-outcome applied once; a row committed under the statement's feet is caught by a unique key
-and answered by the locked path.
+The statement only ever grants a claim, applies a success or creates an operation, and only
+where the locked (or batch) path would do the same: every other case (a key already taken, a
+redelivered claim or message, another attempt or sender, a stale epoch, a forged command, an
+unknown operation, a failure, ambiguity) writes nothing and is decided as before. Checked
+here the way it can go wrong: the same calls, one at a time, with the one-statement path on
+and off, must answer the same and leave the same rows; concurrent claims of one operation are
+granted once, concurrent copies of one outcome applied once; a row committed under the
+statement's feet is caught by a unique key and answered by the locked path.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ from effectledger_core.messages import (
 from effectledger_core.results import ProviderResult
 from effectledger_ledger.db import hot
 from effectledger_ledger.db.claims import ClaimCall
+from effectledger_ledger.db.intents import SubmitCall
 from effectledger_ledger.db.outcomes import OutcomeCall
 from effectledger_ledger.db.schema import attempts, inbox, operations
 from effectledger_ledger.db.store import Store
 from tests.integration.test_hot import _as_printed, _postgres_only, _statements
 from tests.integration.test_set_based import (
+    CATALOG,
     LATER,
+    NOW,
     SUBJECTS,
     failed,
     reset,
@@ -112,7 +116,7 @@ async def test_alone_and_locked_claims_answer_and_write_the_same(
     assert sent, "the one-statement path never ran"
 
 
-async def _sent_alone(store: Store, call: ClaimCall | OutcomeCall) -> list[str]:
+async def _sent_alone(store: Store, call: ClaimCall | OutcomeCall | SubmitCall) -> list[str]:
     """What `call` alone in its transaction sends, as asyncpg's query logger sees it."""
     seen: list[str] = []
 
@@ -333,3 +337,68 @@ async def test_a_message_recorded_meanwhile_is_stopped_by_the_inbox_key(store: S
         state = (await conn.execute(sa.select(operations.c.state))).scalar()
         n = (await conn.execute(sa.select(sa.func.count()).select_from(inbox))).scalar()
     assert state == "in_flight" and n == 1
+
+
+# ---- intents ----------------------------------------------------------------------------------
+
+async def _intents_one_at_a_time(store: Store) -> list[Any]:
+    a, b = {"title": "a"}, {"title": "b", "none": None}
+    leased = SubmitCall(catalog=CATALOG, intent=SubmitIntent(
+        tool="create_ticket", arguments=b, idempotency_key="k5"), subjects=SUBJECTS,
+        operation_id="op5", outbox_id="ob5", now=NOW, lease_until=LATER, traceparent=TRACE)
+    calls = [
+        submit_call(SubmitIntent(tool="create_ticket", arguments=a, idempotency_key="k1"), 1),
+        submit_call(SubmitIntent(tool="create_ticket", arguments=a, idempotency_key="k1"), 2),
+        submit_call(SubmitIntent(tool="create_ticket", arguments=b, idempotency_key="k1"), 3),
+        submit_call(SubmitIntent(tool="create_ticket", arguments=a, idempotency_key="k1",
+                                 tenant="other"), 4),
+        leased,
+        submit_call(SubmitIntent(tool="wire_money", arguments=a, idempotency_key="k6"), 6),
+        submit_call(SubmitIntent(tool="no_such_tool", arguments=a, idempotency_key="k7"), 7),
+        submit_call(SubmitIntent(tool="create_ticket", arguments=a), 8),
+        submit_call(SubmitIntent(tool="create_ticket", arguments=a, idempotency_key="k9",
+                                 join_identical=True), 9),
+    ]
+    out = []
+    for call in calls:
+        try:
+            got = await store.run(call.one)
+        except Exception as exc:  # a refusal, compared by kind
+            out.append(type(exc).__name__)
+            continue
+        out.append((got.created, got.operation, got.command))
+    return out
+
+
+async def test_alone_and_batched_intents_answer_and_write_the_same(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    _postgres_only(store)
+    alone = await _intents_one_at_a_time(store)
+    alone_rows = await _as_printed(store)
+    await reset(store)
+    monkeypatch.setattr(hot, "direct", lambda conn: False)
+    batched = await _intents_one_at_a_time(store)
+    assert batched == alone
+    assert await _as_printed(store) == alone_rows
+    assert [x if isinstance(x, str) else x[0] for x in alone] == [
+        True, False, "IdempotencyConflict", True, True, True, "UnknownTool", True, True]
+    assert alone[4][2] is not None  # the leased command, for the direct publisher
+
+
+async def test_a_new_intent_with_a_key_alone_is_one_statement(store: Store) -> None:
+    """As the service sends it: leased to the ledger's direct publisher (a command left to
+    the relays adds the NOTIFY that wakes them, as a statement of its own)."""
+    _postgres_only(store)
+    keyed = SubmitCall(catalog=CATALOG, intent=SubmitIntent(
+        tool="create_ticket", idempotency_key="k1"), subjects=SUBJECTS, operation_id="op1",
+        outbox_id="ob1", now=NOW, lease_until=LATER)
+    [sent] = await _sent_alone(store, keyed)
+    assert "INSERT INTO operations" in sent and "ON CONFLICT" in sent
+    rows = await _as_printed(store)
+    assert (len(rows["operations"]), len(rows["journal"]), len(rows["outbox"])) == (1, 1, 1)
+    # The key again: nothing written, then read and found (the same call).
+    again = await _sent_alone(store, submit_call(
+        SubmitIntent(tool="create_ticket", idempotency_key="k1"), 2))
+    assert again[0].startswith("WITH new_op") and again[1].startswith("SELECT")
+    assert await _as_printed(store) == rows
+

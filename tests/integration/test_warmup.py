@@ -1,6 +1,7 @@
 """A new ledger warms its connections and hot statements before it listens (db/warmup.py).
 
-The warm-up runs an intent, its claim and its outcome on each connection and rolls them back:
+The warm-up runs an intent, its claim and its outcome on each connection, alone and as a
+batch, and rolls them back:
 it must leave no row behind, leave the statements prepared on the pooled connections (on
 PostgreSQL, where asyncpg prepares per connection), and never stop a ledger from starting.
 """
@@ -43,11 +44,16 @@ async def test_each_pooled_connection_has_the_hot_statements_prepared(store: Sto
     try:
         assert pool.checkedin() == 0  # type: ignore[attr-defined]
         for conn in conns:
+            statements = list((await conn.execute(sa.text(
+                "SELECT statement FROM pg_prepared_statements"))).scalars())
             # The tables each prepared statement inserts into (fused writes insert into several).
-            prepared = {table for statement in (await conn.execute(sa.text(
-                "SELECT statement FROM pg_prepared_statements"))).scalars()
-                for table in re.findall(r"INSERT INTO (\w+)", statement)}
+            prepared = {table for statement in statements
+                        for table in re.findall(r"INSERT INTO (\w+)", statement)}
             assert {"operations", "outbox", "journal", "attempts", "inbox"} <= prepared
+            # The calls alone (one statement each: intent, claim, success) and the locked path.
+            assert sum(s.startswith("WITH new_op") for s in statements) == 1
+            assert sum(s.startswith("WITH moved") for s in statements) == 2
+            assert any("FOR UPDATE" in s for s in statements)
     finally:
         for conn in conns:
             await conn.close()

@@ -1,6 +1,6 @@
 """The ledger's `db` package stays flat: the transition applier stands on the schema, the rows,
-the common helpers and the outbox only, never on the group-commit engine or the modules that
-use it (read from the source, lazy imports included)."""
+the common helpers, the outbox and the statement executor (`hot`) only, never on the
+group-commit engine or the modules that use it (read from the source, lazy imports included)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ DB_DIR = Path(effectledger_ledger.db.__file__).parent
 
 # What each foundation module of `db` may import from `db`, and nothing else.
 ALLOWED = {
-    "transitions": {"schema", "rows", "common", "outbox"},
+    "transitions": {"schema", "rows", "common", "outbox", "hot"},
     "outbox": {"schema", "rows", "common", "calls"},
     "calls": set(),
     "common": {"schema", "rows", "hot"},

@@ -98,6 +98,14 @@ def nothing_sent(conn: AsyncConnection) -> bool:
     return tx is not None and not tx.began and not tx.pending
 
 
+async def begin(conn: AsyncConnection) -> None:
+    """Begin `conn`'s transaction now: every statement after it is inside it, even one that
+    would otherwise be a transaction of its own (a rehearsal, which must roll back whole)."""
+    tx = _direct(conn)
+    if tx:
+        await tx.begin()
+
+
 def _direct(conn: AsyncConnection) -> PgTransaction | None:
     """The transaction statements go straight to asyncpg in (PostgreSQL's `Store.transaction`,
     see `pgtx.py`); None: they go through SQLAlchemy's execute."""

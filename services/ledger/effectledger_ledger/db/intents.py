@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.catalog import Catalog, Tool
@@ -18,13 +19,14 @@ from effectledger_core.intents import reject_nul, validate_arguments
 from effectledger_core.messages import SubmitIntent
 from effectledger_core.states import JournalKind, OutboxKind, State
 from effectledger_core.subjects import Subjects
+from effectledger_obs import metrics
 
 from . import hot
 from .calls import BatchCall
-from .common import execute_rows, insert_journal, journal_row, notify_outbox
+from .common import execute_rows, insert_journal, journal_row, note_transitions, notify_outbox
 from .outbox import OutboxItem, dispatch_row
 from .rows import JournalRow, OperationRow
-from .schema import OUTBOX_PUBLISHING, operations, outbox
+from .schema import OUTBOX_PUBLISHING, journal, operations, outbox
 from .transitions import RELEASE_CALL_IDENTITY
 
 
@@ -66,9 +68,7 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
     for i, kw in enumerate(items):
         intent = kw.intent
         try:
-            tool = kw.catalog.get(intent.tool)
-            _canonical, args_digest = validate_arguments(intent.arguments)
-            reject_nul(intent.arguments)
+            tool, args_digest = _checked(kw)
         except EffectLedgerError as exc:
             results[i] = exc
             continue
@@ -120,16 +120,9 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
             else:
                 results[i] = Submitted(existing.as_dict(), created=False)
             continue
-        now = kw.now
-        state = State.AWAITING_APPROVAL if tool.commit_policy == "approval" else State.PENDING
-        op = OperationRow(
-            id=kw.operation_id, tenant=intent.tenant, task_id=intent.task_id,
-            caller_key=caller[i], operation_key=op_key, tool=tool.name,
-            arguments=intent.arguments, arguments_digest=args_digest,
-            tool_digest=tool.digest(), contract_revision=tool.contract_revision,
-            effect_class=tool.effect_class.value, commit_policy=tool.commit_policy,
-            state=state, epoch=1, created_at=now, updated_at=now, call_key=call_key)
-        columns = op.as_dict()
+        new = _new_operation(kw, tool, args_digest, caller_key=caller[i], op_key=op_key,
+                             call_key=call_key)
+        op, columns = new.op, new.columns
         new_ops.append(columns)
         known[op_key] = op  # a second intent with this key in the same batch finds it
         if call_key is not None:
@@ -140,28 +133,11 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
                     releases.append({"holder_id": holder.id, "held": call_key})
             holders[call_key] = op
             batch_columns[op.id] = columns
-        entries.append(journal_row(
-            operation_id=kw.operation_id, at=now, kind=JournalKind.INTENT_ACCEPTED, actor=kw.actor,
-            epoch=1, to_state=state.value,
-            detail={"arguments_digest": args_digest, "tool_digest": op.tool_digest,
-                    "contract_revision": tool.contract_revision, "tenant": intent.tenant,
-                    "task_id": intent.task_id}, traceparent=kw.traceparent))
-        command = None
-        if state is State.PENDING:
-            row = dispatch_row(op, subjects=kw.subjects, outbox_id=kw.outbox_id, now=now)
-            # Every row has the same columns: a multi-row INSERT is compiled from its first
-            # row, and would drop a later leased row's lease_until if the first had none.
-            lease_until = row["lease_until"] = kw.lease_until
-            row["traceparent"] = kw.traceparent
-            if lease_until is not None:
-                # Written as already leased, so no relay takes it while we publish it.
-                row["status"] = OUTBOX_PUBLISHING
-                command = OutboxItem(row["id"], row["subject"], row["payload"].encode(), 0,
-                                     OutboxKind.DISPATCH.value, row["traceparent"])
-            else:
-                relay = True
-            commands.append(row)
-        results[i] = Submitted(columns, created=True, command=command)
+        entries.append(new.entry)
+        if new.command_row is not None:
+            commands.append(new.command_row)
+            relay = relay or new.command is None
+        results[i] = new.submitted
     if releases:
         await conn.execute(RELEASE_CALL_IDENTITY, releases)
     if new_ops:
@@ -174,6 +150,128 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
     if relay:
         await notify_outbox(conn)
     return [r for r in results if r is not None]
+
+
+def _checked(kw: SubmitCall) -> tuple[Tool, str]:
+    """The intent's tool and arguments digest; EffectLedgerError when it is refused."""
+    tool = kw.catalog.get(kw.intent.tool)
+    _canonical, args_digest = validate_arguments(kw.intent.arguments)
+    reject_nul(kw.intent.arguments)
+    return tool, args_digest
+
+
+class _New(NamedTuple):
+    """A new operation's rows, and the caller's answer once they are committed."""
+
+    op: OperationRow
+    columns: dict[str, Any]
+    entry: JournalRow
+    command_row: dict[str, Any] | None  # its dispatch command (none while awaiting approval)
+    command: OutboxItem | None  # the command, leased to this ledger (None: the relays')
+    submitted: Submitted
+
+
+def _new_operation(kw: SubmitCall, tool: Tool, args_digest: str, *, caller_key: str | None,
+                   op_key: str, call_key: str | None) -> _New:
+    intent, now = kw.intent, kw.now
+    state = State.AWAITING_APPROVAL if tool.commit_policy == "approval" else State.PENDING
+    op = OperationRow(
+        id=kw.operation_id, tenant=intent.tenant, task_id=intent.task_id,
+        caller_key=caller_key, operation_key=op_key, tool=tool.name,
+        arguments=intent.arguments, arguments_digest=args_digest,
+        tool_digest=tool.digest(), contract_revision=tool.contract_revision,
+        effect_class=tool.effect_class.value, commit_policy=tool.commit_policy,
+        state=state, epoch=1, created_at=now, updated_at=now, call_key=call_key)
+    columns = op.as_dict()
+    entry = journal_row(
+        operation_id=kw.operation_id, at=now, kind=JournalKind.INTENT_ACCEPTED, actor=kw.actor,
+        epoch=1, to_state=state.value,
+        detail={"arguments_digest": args_digest, "tool_digest": op.tool_digest,
+                "contract_revision": tool.contract_revision, "tenant": intent.tenant,
+                "task_id": intent.task_id}, traceparent=kw.traceparent)
+    command = row = None
+    if state is State.PENDING:
+        row = dispatch_row(op, subjects=kw.subjects, outbox_id=kw.outbox_id, now=now)
+        # Every row has the same columns: a multi-row INSERT is compiled from its first
+        # row, and would drop a later leased row's lease_until if the first had none.
+        lease_until = row["lease_until"] = kw.lease_until
+        row["traceparent"] = kw.traceparent
+        if lease_until is not None:
+            # Written as already leased, so no relay takes it while we publish it.
+            row["status"] = OUTBOX_PUBLISHING
+            command = OutboxItem(row["id"], row["subject"], row["payload"].encode(), 0,
+                                 OutboxKind.DISPATCH.value, row["traceparent"])
+    return _New(op, columns, entry, row, command,
+                Submitted(columns, created=True, command=command))
+
+
+# ---- an intent alone with a caller key: one statement -----------------------------------------
+#
+# An intent with a caller key read the key (lockless), then wrote its three rows (fused): two
+# round trips, each its own transaction. Alone in its transaction (an agent's call, one at a
+# time) it is one statement instead: the operation's INSERT with ON CONFLICT on the key,
+# and the journal entry and the dispatch command inserted from the row it inserted. A key
+# already taken writes nothing, and is read and compared as before (the same call again, or
+# a conflict). Only for an intent that goes straight to dispatch and does not join identical
+# calls (those read and release call identities).
+
+def _bound(prefix: str, table: sa.Table, names: Sequence[str]) -> list[sa.BindParameter[Any]]:
+    return [sa.bindparam(f"{prefix}{n}", type_=table.c[n].type) for n in names]
+
+
+_OP_COLUMNS = OperationRow._fields
+_ENTRY_COLUMNS = tuple(JournalRow.__annotations__)
+_COMMAND_COLUMNS = ("id", "operation_id", "epoch", "kind", "subject", "payload", "status",
+                    "created_at", "available_at", "publish_count", "lease_until", "traceparent")
+
+
+def _new_alone() -> sa.Insert:
+    new_op = (postgresql.insert(operations)
+              .values(dict(zip(_OP_COLUMNS, _bound("op_", operations, _OP_COLUMNS),
+                               strict=True)))
+              .on_conflict_do_nothing(index_elements=[operations.c.operation_key])
+              .returning(operations.c.id).cte("new_op"))
+    inserted = sa.select(new_op.c.id).exists()
+    entry = journal.insert().from_select(
+        list(_ENTRY_COLUMNS),
+        sa.select(*_bound("j_", journal, _ENTRY_COLUMNS)).where(inserted)).cte("new_entry")
+    return (outbox.insert().from_select(
+        list(_COMMAND_COLUMNS),
+        sa.select(*_bound("o_", outbox, _COMMAND_COLUMNS)).where(inserted))
+        .returning(outbox.c.id).add_cte(new_op, entry))
+
+
+_NEW_ALONE = _new_alone()
+
+
+async def _created_alone(conn: AsyncConnection, kw: SubmitCall) -> Submitted | None:
+    """The intent created by one statement (see above); None: decide as a batch of one."""
+    intent = kw.intent
+    if intent.idempotency_key is None or intent.join_identical or not hot.direct(conn):
+        return None
+    try:
+        tool, args_digest = _checked(kw)
+    except EffectLedgerError:
+        return None  # refused: the batch path says why
+    if tool.commit_policy == "approval":
+        return None
+    op_key = derive_operation_key(tenant=intent.tenant, task_id=intent.task_id,
+                                  caller_key=intent.idempotency_key,
+                                  operation_id=kw.operation_id)
+    new = _new_operation(kw, tool, args_digest, caller_key=intent.idempotency_key,
+                         op_key=op_key, call_key=None)
+    assert new.command_row is not None
+    params = {**{f"op_{k}": v for k, v in new.columns.items()},
+              **{f"j_{k}": v for k, v in new.entry.items()},
+              **{f"o_{k}": new.command_row[k] for k in _COMMAND_COLUMNS}}
+    written = bool(await hot.fetch(conn, _NEW_ALONE, params, lockless=True))
+    metrics.child(metrics.DB_ALONE, "intent", "written" if written else "declined").inc()
+    if not written:
+        return None  # the key is taken: read it
+    note_transitions(conn, [new.entry])
+    if new.command is None:
+        await notify_outbox(conn)  # left to the relays
+    return new.submitted
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +296,12 @@ class SubmitCall(BatchCall[Submitted]):
     async def many(cls, conn: AsyncConnection, calls: Sequence[SubmitCall]
                    ) -> Sequence[Submitted | Exception]:
         return await _submit(conn, calls)
+
+    async def one(self, conn: AsyncConnection) -> Submitted:
+        """An intent alone: one statement when it is new (`_created_alone`)."""
+        created = await _created_alone(conn, self)
+        # (`BatchCall.one` by name: a slotted dataclass is a new class, and has no `super()`.)
+        return created if created is not None else await BatchCall.one(self, conn)
 
 
 async def submit_intent_txn(conn: AsyncConnection, *, catalog: Catalog, intent: SubmitIntent,

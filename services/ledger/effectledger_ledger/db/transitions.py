@@ -42,6 +42,7 @@ from effectledger_core.states import (
     transition,
 )
 from effectledger_core.subjects import Subjects
+from effectledger_obs import metrics
 
 from . import hot
 from .common import execute_rows, insert_journal, journal_row, note_transitions, notify_outbox
@@ -369,10 +370,16 @@ async def apply_alone(conn: AsyncConnection, change: Change, stmt: sa.UpdateBase
     entry = _entry(change, step, causes)
     values = {**_params(change), **{f"j_{c}": entry[c] for c in _JOURNAL_PARAMS},  # type: ignore[literal-required]
               **params}
-    if not await hot.fetch(conn, stmt, values, lockless=True):
+    written = bool(await hot.fetch(conn, stmt, values, lockless=True))
+    metrics.child(metrics.DB_ALONE, _ALONE_NAME.get(change.event, change.event.value),
+                  "written" if written else "declined").inc()
+    if not written:
         return None
     note_transitions(conn, [entry])
     return step
+
+
+_ALONE_NAME = {Event.CLAIM: "claim", Event.OUTCOME_SUCCEEDED: "outcome"}
 
 
 # ---- the effects ----------------------------------------------------------------------------

@@ -21,6 +21,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from datetime import datetime
+from typing import TypeVar
+
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.catalog import Catalog
 from effectledger_core.ids import new_id, utcnow
@@ -28,11 +32,13 @@ from effectledger_core.messages import AttemptSucceeded, ClaimAttempt, SubmitInt
 from effectledger_core.subjects import Subjects
 
 from . import hot
+from .calls import BatchCall
 from .claims import ClaimCall
 from .intents import SubmitCall
 from .outcomes import OutcomeCall
 from .store import Store
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 # An operation of this tenant lives only inside the warm-up's rolled-back transaction.
@@ -68,24 +74,42 @@ class _Rehearsed(Exception):
 
 async def _dry_run(store: Store, catalog: Catalog, subjects: Subjects, tool: str) -> bool:
     now = utcnow()
-    intent = SubmitIntent(tool=tool, idempotency_key=new_id(), tenant=WARMUP_TENANT)
     try:
         async with store.transaction() as conn:
+            # Begun first: a call alone would otherwise be one statement committing by
+            # itself (`transitions.apply_alone`), and a rehearsal must leave nothing behind.
+            await hot.begin(conn)
             # The shapes the service sends: an intent with a caller key and a lease (the
-            # direct path), its claim, and a success outcome (which also writes the inbox row).
-            submitted = await SubmitCall(catalog, intent, subjects, new_id(), new_id(), now,
-                                         lease_until=now).one(conn)
-            op = submitted.operation
-            attempt = new_id()
-            await ClaimCall(ClaimAttempt(
-                operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
-                tool=op["tool"], arguments_digest=op["arguments_digest"]), now).one(conn)
-            await OutcomeCall(AttemptSucceeded(
-                operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
-                at=now, response_digest="warmup"), consumer="warmup", message_id=new_id(),
-                subjects=subjects, now=now, ambiguous_outbox_id=new_id()).one(conn)
+            # direct path), its claim, and a success outcome (which also writes the inbox row),
+            # each as a call alone (one statement) and as a batch (the locked path).
+            for alone in (True, False):
+                await _operation(conn, catalog, subjects, tool, now, alone=alone)
             await hot.flush(conn)  # so the fused writes are prepared too
             raise _Rehearsed  # nothing of it persists
     except _Rehearsed:
         pass
     return True
+
+
+async def _operation(conn: AsyncConnection, catalog: Catalog, subjects: Subjects, tool: str,
+                     now: datetime, *, alone: bool) -> None:
+    async def run(call: BatchCall[T]) -> T:
+        if alone:
+            return await call.one(conn)
+        [result] = await type(call).many(conn, [call])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    intent = SubmitIntent(tool=tool, idempotency_key=new_id(), tenant=WARMUP_TENANT)
+    submitted = await run(SubmitCall(catalog, intent, subjects, new_id(), new_id(), now,
+                                     lease_until=now))
+    op = submitted.operation
+    attempt = new_id()
+    await run(ClaimCall(ClaimAttempt(
+        operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
+        tool=op["tool"], arguments_digest=op["arguments_digest"]), now))
+    await run(OutcomeCall(AttemptSucceeded(
+        operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
+        at=now, response_digest="warmup"), consumer="warmup", message_id=new_id(),
+        subjects=subjects, now=now, ambiguous_outbox_id=new_id()))

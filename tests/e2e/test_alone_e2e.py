@@ -1,0 +1,40 @@
+"""The agent's path takes the one-statement calls (docs/design.md, "A call alone: one
+statement"): through the real ledger and dispatcher on PostgreSQL, an operation submitted
+with a caller key, one at a time, is created, claimed and recorded by one statement each, and
+the same key again is declined by it and answered by the read it falls back to.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.e2e.test_observability_e2e import _scrape, total
+from tests.support.cluster import Cluster
+
+pytestmark = [pytest.mark.parametrize("db_url", ["postgres"], indirect=True)]
+
+
+async def test_one_call_at_a_time_is_one_statement_per_transaction(make_cluster: Any) -> None:
+    c: Cluster = make_cluster()
+    await c.start_sandbox()
+    await c.start_ledger()
+    await c.start_dispatcher()
+    before = await _scrape(f"{c.ledger_url}/metrics")  # the warm-up rehearses them too
+    ops = []
+    for i in range(3):  # one at a time, as an agent calls
+        ops.append(await c.submit_ok("create_ticket", {"title": f"t{i}"}, key=f"k{i}"))
+        await c.wait_state(ops[-1]["id"], "succeeded", 30)
+    again = await c.submit("create_ticket", {"title": "t0"}, key="k0")
+    assert again.status_code == 200 and again.json()["id"] == ops[0]["id"], again.text
+    scraped = await _scrape(f"{c.ledger_url}/metrics")
+
+    def alone(call: str, result: str) -> float:
+        return (total(scraped, "effectledger_db_alone_total", call=call, result=result)
+                - total(before, "effectledger_db_alone_total", call=call, result=result))
+
+    # One at a time, each call is alone in its transaction (group commit has nothing to add).
+    assert alone("intent", "written") == 3 and alone("intent", "declined") == 1
+    assert alone("claim", "written") == 3 and alone("claim", "declined") == 0
+    assert alone("outcome", "written") == 3 and alone("outcome", "declined") == 0
