@@ -402,3 +402,22 @@ async def test_a_new_intent_with_a_key_alone_is_one_statement(store: Store) -> N
     assert again[0].startswith("WITH new_op") and again[1].startswith("SELECT")
     assert await _as_printed(store) == rows
 
+
+
+async def test_a_success_alone_returns_the_view_a_read_gives(store: Store) -> None:
+    """With an earlier attempt (a failure retried): the closed attempt as written, the other
+    as it was, the operation as moved, exactly as `reads.get_operation` reads them after."""
+    _postgres_only(store)
+    from effectledger_ledger.db.reads import get_operation
+
+    await submit(store, 1)
+    tool, digest = await _digest(store, "op1")
+    await store.run(_claim("op1", "a1", tool, digest).one)
+    await store.run(_outcome(failed("op1", "a1", "retry_me"), "m1").one)
+    await store.run(_claim("op1", "a2", tool, digest, epoch=2).one)
+    recorded = await store.run(_outcome(_success("op1", "a2", epoch=2), "m2").one)
+    assert recorded.status == "applied" and recorded.view is not None
+    async with store.read() as conn:
+        read = await get_operation(conn, "op1")
+    assert recorded.view == read
+    assert [a.epoch for a in read.attempts] == [1, 2] and read.state == "succeeded"

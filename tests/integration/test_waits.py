@@ -199,6 +199,32 @@ async def test_submit_and_wait_sleeps_on_its_own_commit_and_wakes_only_to_answer
     assert svc.waiters.state_queries == before_reads
 
 
+async def test_a_success_alone_answers_the_wait_with_its_own_view(
+        svc: LedgerService, client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    """On PostgreSQL a success alone returns the operation's view from its own statement
+    (db/outcomes.py `_success_alone`); the wait it ends answers with it, without a read, and
+    it is what a read gives. On SQLite the wait reads it, as before."""
+    reads: list[str] = []
+    real = svc.operation
+
+    async def counted(operation_id: str) -> Any:
+        reads.append(operation_id)
+        return await real(operation_id)
+
+    monkeypatch.setattr(svc, "operation", counted)
+    post = asyncio.create_task(client.post("/v1/intents", headers=auth(AGENT_A), params={
+        "wait": LONG}, json={"tool": "lookup", "arguments": {"q": 4}}))
+    await _waiting(svc)
+    [op_id] = list(svc.waiters._by_op)
+    await svc.claim(_claim(op_id))
+    await svc.record_outcome(_success(op_id), consumer="ledger", message_id="m12")
+    resp = await asyncio.wait_for(post, 10)
+    assert resp.status_code == 201 and resp.json()["state"] == "succeeded"
+    assert reads == ([] if svc.store.is_postgres else [op_id])
+    assert resp.json() == (await real(op_id)).model_dump(mode="json")
+
+
 async def test_a_wait_on_an_existing_operation_still_reads_its_state(
         svc: LedgerService, client: httpx.AsyncClient) -> None:
     """Only the commit that created the operation may stand for the first read: a keyed

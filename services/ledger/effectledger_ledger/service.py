@@ -232,7 +232,8 @@ class LedgerService:
             self.observer.outcome_reported(operation_id=outcome.operation_id, at=outcome.at,
                                            now=self.clock())
         self.waiters.changed(outcome.operation_id,
-                             result.to_state if result.status == "applied" else None)
+                             result.to_state if result.status == "applied" else None,
+                             view=result.view)
         if result.to_state in _NEW_COMMAND:
             await self._keep_trace(follow_up, traceparent)
             self.outbox_wake.set()
@@ -346,7 +347,10 @@ class LedgerService:
                 watch.seen = state
                 remaining = deadline - loop.time()
                 if remaining <= 0 or wait_over(state, changed_from):
-                    return await self.operation(operation_id)
+                    # The view the waking commit returned, if it did (a success alone):
+                    # the operation as that commit left it, which a read would also give.
+                    told: OperationView | None = watch.take_view(state)
+                    return told if told is not None else await self.operation(operation_id)
                 await watch.sleep(remaining)
 
     async def _states_of(self, operation_ids: list[str]) -> dict[str, str]:

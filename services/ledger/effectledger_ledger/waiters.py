@@ -24,6 +24,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,9 @@ class Watch:
     seen: str | None = None  # the state this waiter last read
     # The state the waking commit produced, when the signaller knew it: saves a read.
     told: str | None = None
+    # The operation's view as that commit left it, when its transaction returned one (a
+    # success alone, `outcomes._success_alone`): the answer needs no read then.
+    view: Any = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
     # Which states end this wait (None: any change wakes it). A change to another state
     # (a claim's `in_flight` for a wait on the outcome) is noted in `seen` and wakes no one:
@@ -48,6 +52,11 @@ class Watch:
     def take_told(self) -> str | None:
         told, self.told = self.told, None
         return told
+
+    def take_view(self, state: str) -> Any:
+        """The view told with `state` (None when none was, or it is of another state)."""
+        view, self.view = self.view, None
+        return view if view is not None and getattr(view, "state", None) == state else None
 
     async def sleep(self, timeout_s: float) -> bool:
         """Sleep until woken or `timeout_s`; True when woken. (`asyncio.timeout`, unlike
@@ -124,10 +133,12 @@ class Waiters:
                         if not f.done():
                             f.set_result(states.get(op_id))
 
-    def changed(self, operation_id: str | None, state: str | None = None) -> None:
+    def changed(self, operation_id: str | None, state: str | None = None,
+                view: Any = None) -> None:
         """The operation's row changed and the change is committed: wake its waiters.
         `state`: the state that commit left it in, when known (the waiters need not read it;
-        signals come in commit order, so the last one told is the latest)."""
+        signals come in commit order, so the last one told is the latest). `view`: the
+        operation as that commit left it, when its transaction returned it."""
         if operation_id is None:
             return
         for w in self._by_op.get(operation_id, ()):
@@ -135,7 +146,7 @@ class Waiters:
                 w.seen = state  # what the re-check compares with
                 continue
             self.wakeups += 1
-            w.told = state
+            w.told, w.view = state, view
             w.event.set()
 
     def _start_recheck(self) -> None:

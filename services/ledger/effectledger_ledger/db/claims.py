@@ -25,7 +25,7 @@ from . import hot
 from .calls import BatchCall
 from .common import execute_rows, journal_row, lock_with_attempts
 from .schema import attempts, operations
-from .transitions import Batch, Change, alone_statement, apply_alone
+from .transitions import Batch, Change, Then, alone_statement, apply_alone
 
 _CLAIMABLE = frozenset(s.value for s in sources(Event.CLAIM))
 _CLAIMED = AttemptStatus.CLAIMED.value
@@ -187,15 +187,15 @@ async def _held_reply(conn: AsyncConnection, held: _Held, item: ClaimCall, op: _
 # statement locks the operation's row before it inserts the attempt, as every writer of an
 # attempt does, and the unique (operation, epoch) key stands behind the NOT EXISTS.
 
-def _attempt_from(moved: sa.CTE) -> list[sa.UpdateBase]:
-    return [attempts.insert().from_select(
+def _attempt_from(moved: sa.CTE) -> Then:
+    return [], (attempts.insert().from_select(
         ["id", "operation_id", "epoch", "dispatcher_id", "status", "claimed_at"],
         sa.select(sa.bindparam("a_id", type_=attempts.c.id.type), moved.c.id,
                   sa.bindparam("b_epoch", type_=attempts.c.epoch.type),
                   sa.bindparam("a_dispatcher", type_=attempts.c.dispatcher_id.type),
                   sa.literal_column(f"'{_CLAIMED}'"),
                   sa.bindparam("b_now", type_=attempts.c.claimed_at.type))
-    ).returning(attempts.c.id)]
+    ).returning(attempts.c.id))
 
 
 _CLAIM_ALONE = alone_statement(Event.CLAIM, guard=[
@@ -217,7 +217,7 @@ async def _claim_alone(conn: AsyncConnection, item: ClaimCall) -> ClaimReply | N
                     event=Event.CLAIM, at=item.now, actor=claim.dispatcher_id,
                     detail={"attempt_id": claim.attempt_id}, traceparent=item.traceparent)
     try:
-        step = await apply_alone(conn, change, _CLAIM_ALONE, {
+        applied = await apply_alone(conn, change, _CLAIM_ALONE, {
             "c_tool": claim.tool, "c_digest": claim.arguments_digest,
             "a_id": claim.attempt_id, "a_dispatcher": claim.dispatcher_id})
     except IntegrityError:
@@ -226,10 +226,10 @@ async def _claim_alone(conn: AsyncConnection, item: ClaimCall) -> ClaimReply | N
         # An attempt committed between our snapshot and our insert (the unique key held):
         # as its own transaction the statement left nothing behind.
         return None
-    if step is None:
+    if applied is None:
         return None
     return ClaimReply(status=ClaimStatus.GRANTED, attempt_id=claim.attempt_id,
-                      current_epoch=claim.epoch, state=step.to.value,
+                      current_epoch=claim.epoch, state=applied[0].to.value,
                       operation_id=claim.operation_id, epoch=claim.epoch, tool=claim.tool,
                       arguments_digest=claim.arguments_digest)
 

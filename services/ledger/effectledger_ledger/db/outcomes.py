@@ -46,6 +46,7 @@ from .common import (
     lock_with_attempts_stmt,
     locked_rows,
 )
+from .reads import ATTEMPT_PREFIX, view_of
 from .resolution import RetryDecider, WebhookBinding, settle_from_stored_webhooks
 from .rows import JournalRow, OperationRow, Recorded
 from .schema import UTCDateTime, attempts, dead_letters, inbox, operations
@@ -54,6 +55,7 @@ from .transitions import (
     Change,
     Dispatch,
     Reconcile,
+    Then,
     alone_statement,
     apply,
     apply_alone,
@@ -179,21 +181,33 @@ _FULL_ROWS = {d: sa.select(operations).where(hot.one_of(operations.c.id, "ids", 
 # rejection, a failure, which asks the retry policy, and ambiguity, which writes commands)
 # writes nothing and is decided under the lock as before.
 
-def _success_writes(moved: sa.CTE) -> list[sa.UpdateBase]:
+def _success_writes(moved: sa.CTE) -> Then:
+    """The attempt closed and the inbox row, from the moved operation; the statement returns
+    the operation's view as it leaves it (`reads.view_of`'s rows), so the waiter it wakes
+    needs no read: the closed attempt as written, the others as they were."""
     moved_exists = sa.select(moved.c.id).exists()
-    finish = (attempts.update().where(attempts.c.id == sa.bindparam("f_attempt"), moved_exists)
-              .values(status=sa.bindparam("f_status"), finished_at=sa.bindparam("b_now"),
-                      http_status=sa.bindparam("f_http"),
-                      provider_ref=sa.bindparam("b_provider_ref"),
-                      response_digest=sa.bindparam("b_response_digest"),
-                      outcome=sa.bindparam("b_last_outcome")))
+    finished = (attempts.update()
+                .where(attempts.c.id == sa.bindparam("f_attempt"), moved_exists)
+                .values(status=sa.bindparam("f_status"), finished_at=sa.bindparam("b_now"),
+                        http_status=sa.bindparam("f_http"),
+                        provider_ref=sa.bindparam("b_provider_ref"),
+                        response_digest=sa.bindparam("b_response_digest"),
+                        outcome=sa.bindparam("b_last_outcome"))
+                .returning(*attempts.c).cte("finished"))
     noted = inbox.insert().from_select(
         ["consumer", "message_id", "received_at"],
         sa.select(sa.bindparam("i_consumer", type_=inbox.c.consumer.type),
                   sa.bindparam("i_message", type_=inbox.c.message_id.type),
                   sa.bindparam("b_now", type_=inbox.c.received_at.type)).where(moved_exists)
-    ).returning(inbox.c.message_id)
-    return [finish, noted]
+    ).cte("noted")
+    others = sa.select(*attempts.c).where(attempts.c.operation_id == sa.bindparam("b_id"),
+                                          attempts.c.id != sa.bindparam("f_attempt"))
+    every = sa.union_all(sa.select(*finished.c), others).subquery("every")
+    view = (sa.select(*(moved.c[c.name].label(c.name) for c in operations.c),
+                      *(every.c[c.name].label(ATTEMPT_PREFIX + c.name) for c in attempts.c))
+            .select_from(moved.outerjoin(every, sa.true()))
+            .order_by(every.c.epoch))
+    return [finished, noted], view
 
 
 _SUCCESS_COLUMNS = ("last_outcome", "provider_ref", "response_digest", "result")
@@ -224,7 +238,7 @@ async def _success_alone(conn: AsyncConnection, it: OutcomeCall) -> Recorded | N
                                    if outcome.result is not None else None)},
                     traceparent=it.traceparent)
     try:
-        step = await apply_alone(conn, change, _SUCCESS_ALONE, {
+        applied = await apply_alone(conn, change, _SUCCESS_ALONE, {
             "f_attempt": outcome.attempt_id, "f_dispatcher": outcome.dispatcher_id,
             "f_status": outcome.type, "f_http": outcome.http_status,
             "i_consumer": it.consumer, "i_message": it.message_id})
@@ -232,7 +246,10 @@ async def _success_alone(conn: AsyncConnection, it: OutcomeCall) -> Recorded | N
         if not first:
             raise  # inside a transaction: it is aborted, and the batch is replayed
         return None  # a copy of the message was recorded meanwhile: the locked path says so
-    return None if step is None else Recorded("applied", to_state=step.to.value)
+    if applied is None:
+        return None
+    step, rows = applied
+    return Recorded("applied", to_state=step.to.value, view=view_of(rows))
 
 
 @dataclass

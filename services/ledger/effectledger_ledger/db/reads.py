@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -45,7 +45,7 @@ def _row(r: Any) -> dict[str, Any]:
 
 # The operation with its attempts, in one statement (one round trip): built once, since
 # `hot.read_rows` compiles a statement once and sends it straight to asyncpg.
-_A = "attempt__"
+_A = ATTEMPT_PREFIX = "attempt__"
 _OPERATION = (
     sa.select(operations, *(c.label(_A + c.name) for c in attempts.c))
     .select_from(operations.outerjoin(attempts, attempts.c.operation_id == operations.c.id))
@@ -61,6 +61,12 @@ async def get_operation(conn: AsyncConnection, operation_id: str) -> OperationVi
     found = await hot.read_rows(conn, _OPERATION, {"id": operation_id})
     if not found:
         raise NotFound(f"operation {operation_id!r} not found")
+    return view_of(found)
+
+
+def view_of(found: Sequence[Mapping[str, Any]]) -> OperationView:
+    """The view from `_OPERATION`'s rows (or rows of its shape: the operation's columns, then
+    each attempt's prefixed with `ATTEMPT_PREFIX`, by epoch; one row with none)."""
     view: dict[str, Any] = {k: found[0][k] for k in _OPERATION_COLUMNS}
     view["attempts"] = [{k: r[_A + k] for k in _ATTEMPT_COLUMNS} for r in found
                         if r[_A + "id"] is not None]

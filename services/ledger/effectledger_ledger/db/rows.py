@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any, Literal, NamedTuple, TypedDict
 
 from effectledger_core.states import State
+from effectledger_core.views import OperationView
 
 
 class OperationRow(NamedTuple):
@@ -94,3 +95,6 @@ class Recorded:
     # A duplicate to announce after the commit: a note for the caller, not part of what
     # became of the message (so not compared or shown).
     duplicate: DuplicateFound | None = field(default=None, repr=False, compare=False)
+    # The operation's view as the change left it, when the transaction returned it (a success
+    # alone, one statement): the waiters it wakes answer with it instead of reading it.
+    view: OperationView | None = field(default=None, repr=False, compare=False)

@@ -326,22 +326,28 @@ async def apply_many(conn: AsyncConnection, changes: Sequence[Change]) -> list[S
 # the guard does not hold nothing is written, and the caller decides under its row locks as
 # before; the statement never decides anything the locked path would not.
 
+# What a caller adds to the statement: its own writes (as CTEs) and the statement's last part,
+# whose rows the statement returns (none when nothing was written).
+Then = tuple[Sequence[sa.CTE], sa.Select[Any] | sa.UpdateBase]
+
+
 def alone_statement(event: Event, *, guard: Sequence[sa.ColumnElement[bool]],
-                    then: Callable[[sa.CTE], Sequence[sa.UpdateBase]],
-                    columns: tuple[str, ...] = ()) -> sa.UpdateBase:
+                    then: Callable[[sa.CTE], Then],
+                    columns: tuple[str, ...] = ()) -> sa.Select[Any] | sa.UpdateBase:
     """`event`'s change of one operation as one statement, written only where `guard` holds.
 
     `then(moved)`: the caller's own writes, each conditioned on `moved` (the moved
-    operation's id); the last has a RETURNING clause, and the statement returns its rows,
-    none when nothing was written. `columns`: the other columns the change writes (its
-    `values`). Parameters: `_params`' (`b_*`), the journal entry's (`j_*`), the guard's and
-    the caller's. Built once per caller.
+    operation's row, every column as the change left it), and the statement's last part: a
+    RETURNING write or a SELECT, whose rows the statement returns, none when nothing was
+    written. `columns`: the other columns the change writes (its `values`). Parameters:
+    `_params`' (`b_*`), the journal entry's (`j_*`), the guard's and the caller's. Built
+    once per caller.
     """
     causes = CAUSES[event]
     if writes_commands(event) or causes.effects - {Effect.CONSUME_DISPATCH}:
         raise TransitionError(f"{event.value} writes more than one statement may")
     moved = (_statement(event, tuple(sorted(columns))).where(*guard)
-             .returning(operations.c.id).cte("moved"))
+             .returning(*operations.c).cte("moved"))
     entry = (journal.insert().from_select(
         ["operation_id", *_JOURNAL_PARAMS],
         sa.select(moved.c.id, *(sa.bindparam(f"j_{c}", type_=journal.c[c].type)
@@ -350,33 +356,33 @@ def alone_statement(event: Event, *, guard: Sequence[sa.ColumnElement[bool]],
     ctes = [moved, entry]
     if Effect.CONSUME_DISPATCH in causes.effects:
         ctes.append(_CONSUME_DISPATCH.where(sa.select(moved.c.id).exists()).cte("consumed"))
-    *before, last = then(moved)
-    ctes.extend(w.cte(f"then{i}") for i, w in enumerate(before))
-    return last.add_cte(*ctes)
+    writes, last = then(moved)
+    return last.add_cte(*ctes, *writes)
 
 
 _JOURNAL_PARAMS = ("at", "kind", "actor", "epoch", "from_state", "to_state", "detail")
 
 
-async def apply_alone(conn: AsyncConnection, change: Change, stmt: sa.UpdateBase,
-                      params: Mapping[str, Any]) -> Step | None:
+async def apply_alone(conn: AsyncConnection, change: Change,
+                      stmt: sa.Select[Any] | sa.UpdateBase, params: Mapping[str, Any]
+                      ) -> tuple[Step, Sequence[Mapping[str, Any]]] | None:
     """Apply `change` with `stmt` (built by `alone_statement` for its event) and the caller's
-    `params`; None when nothing was written: the guard did not hold, or the store has no
-    such statement (SQLite, which has no data-modifying CTEs), and the caller decides under
-    its locks instead."""
+    `params`: the step and the statement's rows; None when nothing was written: the guard
+    did not hold, or the store has no such statement (SQLite, which has no data-modifying
+    CTEs), and the caller decides under its locks instead."""
     if not hot.direct(conn):
         return None
     step, causes = _check(change)
     entry = _entry(change, step, causes)
     values = {**_params(change), **{f"j_{c}": entry[c] for c in _JOURNAL_PARAMS},  # type: ignore[literal-required]
               **params}
-    written = bool(await hot.fetch(conn, stmt, values, lockless=True))
+    rows = await hot.fetch(conn, stmt, values, lockless=True)
     metrics.child(metrics.DB_ALONE, _ALONE_NAME.get(change.event, change.event.value),
-                  "written" if written else "declined").inc()
-    if not written:
+                  "written" if rows else "declined").inc()
+    if not rows:
         return None
     note_transitions(conn, [entry])
-    return step
+    return step, rows
 
 
 _ALONE_NAME = {Event.CLAIM: "claim", Event.OUTCOME_SUCCEEDED: "outcome"}
