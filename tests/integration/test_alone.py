@@ -408,7 +408,7 @@ async def test_a_success_alone_returns_the_view_a_read_gives(store: Store) -> No
     """With an earlier attempt (a failure retried): the closed attempt as written, the other
     as it was, the operation as moved, exactly as `reads.get_operation` reads them after."""
     _postgres_only(store)
-    from effectledger_ledger.db.reads import get_operation
+    from effectledger_ledger.db.reads import get_operation, view_of
 
     await submit(store, 1)
     tool, digest = await _digest(store, "op1")
@@ -416,8 +416,8 @@ async def test_a_success_alone_returns_the_view_a_read_gives(store: Store) -> No
     await store.run(_outcome(failed("op1", "a1", "retry_me"), "m1").one)
     await store.run(_claim("op1", "a2", tool, digest, epoch=2).one)
     recorded = await store.run(_outcome(_success("op1", "a2", epoch=2), "m2").one)
-    assert recorded.status == "applied" and recorded.view is not None
+    assert recorded.status == "applied" and recorded.view_rows is not None
     async with store.read() as conn:
         read = await get_operation(conn, "op1")
-    assert recorded.view == read
+    assert view_of(recorded.view_rows) == read
     assert [a.epoch for a in read.attempts] == [1, 2] and read.state == "succeeded"

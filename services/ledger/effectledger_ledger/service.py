@@ -231,9 +231,11 @@ class LedgerService:
         else:
             self.observer.outcome_reported(operation_id=outcome.operation_id, at=outcome.at,
                                            now=self.clock())
+        # The view its own statement returned (a success alone), built only for a waiter.
+        view = (reads.view_of(result.view_rows) if result.view_rows
+                and self.waiters.watching(outcome.operation_id) else None)
         self.waiters.changed(outcome.operation_id,
-                             result.to_state if result.status == "applied" else None,
-                             view=result.view)
+                             result.to_state if result.status == "applied" else None, view=view)
         if result.to_state in _NEW_COMMAND:
             await self._keep_trace(follow_up, traceparent)
             self.outbox_wake.set()

@@ -87,6 +87,10 @@ class Waiters:
     def __len__(self) -> int:
         return sum(len(w) for w in self._by_op.values())
 
+    def watching(self, operation_id: str) -> bool:
+        """Whether anyone waits on the operation."""
+        return operation_id in self._by_op
+
     @contextlib.contextmanager
     def watch(self, operation_id: str) -> Iterator[Watch]:
         w = Watch(operation_id)

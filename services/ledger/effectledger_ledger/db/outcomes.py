@@ -46,7 +46,7 @@ from .common import (
     lock_with_attempts_stmt,
     locked_rows,
 )
-from .reads import ATTEMPT_PREFIX, view_of
+from .reads import ATTEMPT_PREFIX
 from .resolution import RetryDecider, WebhookBinding, settle_from_stored_webhooks
 from .rows import JournalRow, OperationRow, Recorded
 from .schema import UTCDateTime, attempts, dead_letters, inbox, operations
@@ -183,7 +183,7 @@ _FULL_ROWS = {d: sa.select(operations).where(hot.one_of(operations.c.id, "ids", 
 
 def _success_writes(moved: sa.CTE) -> Then:
     """The attempt closed and the inbox row, from the moved operation; the statement returns
-    the operation's view as it leaves it (`reads.view_of`'s rows), so the waiter it wakes
+    the operation's view as it leaves it (rows for `reads.view_of`), so a waiter it wakes
     needs no read: the closed attempt as written, the others as they were."""
     moved_exists = sa.select(moved.c.id).exists()
     finished = (attempts.update()
@@ -249,7 +249,7 @@ async def _success_alone(conn: AsyncConnection, it: OutcomeCall) -> Recorded | N
     if applied is None:
         return None
     step, rows = applied
-    return Recorded("applied", to_state=step.to.value, view=view_of(rows))
+    return Recorded("applied", to_state=step.to.value, view_rows=rows)
 
 
 @dataclass

@@ -7,13 +7,12 @@ keeps its JSON shape: `as_dict()` gives exactly the column mapping the API alway
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal, NamedTuple, TypedDict
 
 from effectledger_core.states import State
-from effectledger_core.views import OperationView
 
 
 class OperationRow(NamedTuple):
@@ -95,6 +94,8 @@ class Recorded:
     # A duplicate to announce after the commit: a note for the caller, not part of what
     # became of the message (so not compared or shown).
     duplicate: DuplicateFound | None = field(default=None, repr=False, compare=False)
-    # The operation's view as the change left it, when the transaction returned it (a success
-    # alone, one statement): the waiters it wakes answer with it instead of reading it.
-    view: OperationView | None = field(default=None, repr=False, compare=False)
+    # The operation's view as the change left it, as rows of its read (`reads.view_of`), when
+    # the transaction returned them (a success alone, one statement): a waiter it wakes
+    # answers with it instead of reading it. Rows, not the view: nobody may be waiting.
+    view_rows: Sequence[Mapping[str, Any]] | None = field(default=None, repr=False,
+                                                          compare=False)
