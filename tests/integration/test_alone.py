@@ -15,7 +15,8 @@ statement's feet is caught by a unique key and answered by the locked path.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import pytest
 import sqlalchemy as sa
@@ -47,6 +48,7 @@ from tests.integration.test_set_based import (
     submit_call,
 )
 
+T = TypeVar("T")
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 
 
@@ -62,6 +64,44 @@ def _claim(op: str, attempt: str, tool: str, digest: str, *, epoch: int = 1,
     return ClaimCall(ClaimAttempt(operation_id=op, epoch=epoch, attempt_id=attempt,
                                   dispatcher_id=dispatcher, tool=tool, arguments_digest=digest),
                      now=LATER, traceparent=TRACE)
+
+
+async def _both_ways(store: Store, monkeypatch: pytest.MonkeyPatch,
+                     scenario: Callable[[Store], Awaitable[T]]) -> tuple[T, dict[str, list[str]]]:
+    """`scenario` with the one-statement path on, then again on an empty database with it
+    off: the answers and every row must be the same. Returns the first run's answers and
+    rows."""
+    alone = await scenario(store)
+    alone_rows = await _as_printed(store)
+    await reset(store)
+    with monkeypatch.context() as m:
+        m.setattr(hot, "direct", lambda conn: False)  # the one statement switched off
+        other = await scenario(store)
+    assert other == alone
+    assert await _as_printed(store) == alone_rows
+    return alone, alone_rows
+
+
+async def _under_a_held_row(store: Store, insert: str, call: Awaitable[T]) -> T:
+    """`call` run while another transaction holds `insert`'s row uncommitted: once the call's
+    statement waits for that row (the unique key), the other transaction commits."""
+    other = await asyncpg_connect(store)
+    try:
+        tx = other.transaction()
+        await tx.start()
+        await other.execute(insert)
+        task = asyncio.ensure_future(call)
+        # Matched by the statement's start: pg_stat_activity keeps only its first kilobyte.
+        while not await other.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND query LIKE 'WITH moved AS%' AND datname = current_database()"
+                " AND pid <> pg_backend_pid()"):
+            await asyncio.sleep(0.005)  # polling a condition, not a timing guess
+            assert not task.done(), task
+        await tx.commit()
+        return await task
+    finally:
+        await other.close()
 
 
 async def _one_at_a_time(store: Store) -> list[Any]:
@@ -101,13 +141,7 @@ async def test_alone_and_locked_claims_answer_and_write_the_same(
         return await real(conn, stmt, params, **kw)
 
     monkeypatch.setattr(hot, "fetch", counting)
-    alone = await _one_at_a_time(store)
-    alone_rows = await _as_printed(store)
-    await reset(store)
-    monkeypatch.setattr(hot, "direct", lambda conn: False)  # the one statement switched off
-    locked = await _one_at_a_time(store)
-    assert locked == alone
-    assert await _as_printed(store) == alone_rows
+    alone, alone_rows = await _both_ways(store, monkeypatch, _one_at_a_time)
     assert [r["status"] for r in alone] == [
         "granted", "granted", "already_claimed", "stale_epoch", "command_mismatch",
         "command_mismatch", "not_claimable", "not_found", "granted", "granted"]
@@ -184,26 +218,10 @@ async def test_an_attempt_committed_meanwhile_is_stopped_by_the_unique_key(
     _postgres_only(store)
     await store.run(submit_call(SubmitIntent(tool="create_ticket"), 1).one)
     tool, digest = await _digest(store, "op1")
-    other = await asyncpg_connect(store)
-    try:
-        tx = other.transaction()
-        await tx.start()
-        await other.execute(
-            "INSERT INTO attempts (id, operation_id, epoch, dispatcher_id, status, claimed_at)"
-            " VALUES ('intruder', 'op1', 1, 'dx', 'claimed', now())")
-        claim = asyncio.create_task(store.run(_claim("op1", "a1", tool, digest).one))
-        # Until the claim's INSERT waits for the intruder's row (the unique key). Matched by
-        # its start: pg_stat_activity keeps only a statement's first kilobyte.
-        while not await other.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND query LIKE 'WITH moved AS%' AND datname = current_database()"
-                " AND pid <> pg_backend_pid()"):
-            await asyncio.sleep(0.005)  # polling a condition, not a timing guess
-            assert not claim.done(), claim
-        await tx.commit()
-        reply = await claim
-    finally:
-        await other.close()
+    reply = await _under_a_held_row(
+        store, "INSERT INTO attempts (id, operation_id, epoch, dispatcher_id, status,"
+        " claimed_at) VALUES ('intruder', 'op1', 1, 'dx', 'claimed', now())",
+        store.run(_claim("op1", "a1", tool, digest).one))
     assert reply.status is ClaimStatus.ALREADY_CLAIMED and reply.attempt_id == "intruder"
     rows = await _as_printed(store)
     assert len(rows["attempts"]) == 1 and "pending" in rows["operations"][0]
@@ -264,13 +282,7 @@ async def _outcomes_one_at_a_time(store: Store) -> list[Any]:
 async def test_alone_and_locked_outcomes_answer_and_write_the_same(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     _postgres_only(store)
-    alone = await _outcomes_one_at_a_time(store)
-    alone_rows = await _as_printed(store)
-    await reset(store)
-    monkeypatch.setattr(hot, "direct", lambda conn: False)
-    locked = await _outcomes_one_at_a_time(store)
-    assert locked == alone
-    assert await _as_printed(store) == alone_rows
+    alone, _rows = await _both_ways(store, monkeypatch, _outcomes_one_at_a_time)
     assert [a.split("(")[1].split(",")[0] for a in alone] == [
         "status='applied'", "status='duplicate'", "status='rejected'", "status='rejected'",
         "status='rejected'", "status='rejected'", "status='rejected'", "status='applied'",
@@ -315,23 +327,9 @@ async def test_a_message_recorded_meanwhile_is_stopped_by_the_inbox_key(store: S
     await submit(store, 1)
     tool, digest = await _digest(store, "op1")
     await store.run(_claim("op1", "a1", tool, digest).one)
-    other = await asyncpg_connect(store)
-    try:
-        tx = other.transaction()
-        await tx.start()
-        await other.execute("INSERT INTO inbox (consumer, message_id, received_at)"
-                            " VALUES ('c', 'm1', now())")
-        recorded = asyncio.create_task(store.run(_outcome(_success("op1", "a1"), "m1").one))
-        while not await other.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND query LIKE 'WITH moved AS%' AND datname = current_database()"
-                " AND pid <> pg_backend_pid()"):
-            await asyncio.sleep(0.005)  # polling a condition, not a timing guess
-            assert not recorded.done(), recorded
-        await tx.commit()
-        result = await recorded
-    finally:
-        await other.close()
+    result = await _under_a_held_row(
+        store, "INSERT INTO inbox (consumer, message_id, received_at) VALUES ('c', 'm1', now())",
+        store.run(_outcome(_success("op1", "a1"), "m1").one))
     assert result.status == "duplicate"
     async with store.transaction() as conn:
         state = (await conn.execute(sa.select(operations.c.state))).scalar()
@@ -373,13 +371,7 @@ async def _intents_one_at_a_time(store: Store) -> list[Any]:
 async def test_alone_and_batched_intents_answer_and_write_the_same(
         store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     _postgres_only(store)
-    alone = await _intents_one_at_a_time(store)
-    alone_rows = await _as_printed(store)
-    await reset(store)
-    monkeypatch.setattr(hot, "direct", lambda conn: False)
-    batched = await _intents_one_at_a_time(store)
-    assert batched == alone
-    assert await _as_printed(store) == alone_rows
+    alone, _rows = await _both_ways(store, monkeypatch, _intents_one_at_a_time)
     assert [x if isinstance(x, str) else x[0] for x in alone] == [
         True, False, "IdempotencyConflict", True, True, True, "UnknownTool", True, True]
     assert alone[4][2] is not None  # the leased command, for the direct publisher
