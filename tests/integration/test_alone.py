@@ -39,14 +39,13 @@ from tests.integration.test_hot import _as_printed, _postgres_only, _statements
 from tests.integration.test_set_based import (
     CATALOG,
     LATER,
-    NOW,
-    SUBJECTS,
     failed,
     reset,
     retry_when_asked,
     submit,
     submit_call,
 )
+from tests.support.ledger import NOW, SUBJECTS
 
 T = TypeVar("T")
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -357,7 +356,7 @@ async def _intents_one_at_a_time(store: Store) -> list[Any]:
         submit_call(SubmitIntent(tool="create_ticket", arguments=a, idempotency_key="k9",
                                  join_identical=True), 9),
     ]
-    out = []
+    out: list[Any] = []
     for call in calls:
         try:
             got = await store.run(call.one)
