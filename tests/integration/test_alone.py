@@ -151,17 +151,7 @@ async def test_alone_and_locked_claims_answer_and_write_the_same(
 
 async def _sent_alone(store: Store, call: ClaimCall | OutcomeCall | SubmitCall) -> list[str]:
     """What `call` alone in its transaction sends, as asyncpg's query logger sees it."""
-    seen: list[str] = []
-
-    def log(query: Any) -> None:
-        seen.append(query.query)
-
-    async with store.transaction() as conn:
-        driver: Any = (await conn.get_raw_connection()).driver_connection
-        driver.add_query_logger(log)
-        await call.one(conn)
-    driver.remove_query_logger(log)  # after the block: a COMMIT is logged too
-    return [q for q in seen if "typeinfo_tree" not in q and "'jit'" not in q]
+    return await _statements(store, [call], alone=True)
 
 
 async def test_a_claim_alone_is_one_statement_committed_by_itself(store: Store) -> None:

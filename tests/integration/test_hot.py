@@ -194,9 +194,10 @@ async def test_a_transaction_cancelled_inside_a_statement_is_rolled_back_at_once
 
 # ---- deferred writes (hot.execute_rows) -------------------------------------------------------
 
-async def _statements(store: Store, calls: list[Any]) -> list[str]:
-    """What one transaction running `calls` as a batch sends to PostgreSQL, statement by
-    statement, as asyncpg's query logger sees them (BEGIN and COMMIT included)."""
+async def _statements(store: Store, calls: list[Any], *, alone: bool = False) -> list[str]:
+    """What one transaction running `calls` as a batch (or its one call `alone`, as
+    `BatchCall.one`) sends to PostgreSQL, statement by statement, as asyncpg's query logger
+    sees them (BEGIN and COMMIT included)."""
     seen: list[str] = []
 
     def log(query: Any) -> None:
@@ -205,7 +206,11 @@ async def _statements(store: Store, calls: list[Any]) -> list[str]:
     async with store.transaction() as conn:
         driver: Any = (await conn.get_raw_connection()).driver_connection
         driver.add_query_logger(log)
-        await type(calls[0]).many(conn, calls)
+        if alone:
+            [call] = calls
+            await call.one(conn)
+        else:
+            await type(calls[0]).many(conn, calls)
     driver.remove_query_logger(log)  # after the block: its COMMIT is logged too
     # Not ours: asyncpg's one-off introspection of a type it meets first (the id arrays).
     return [q for q in seen if "typeinfo_tree" not in q and "'jit'" not in q]

@@ -19,7 +19,8 @@ class BatchCall(Generic[R]):
     """A typed batched call: subclasses are frozen dataclasses of one call's inputs.
 
     `many` decides a whole batch of calls of its class together (set-based); `one` runs a
-    single call as a batch of one, raising the exception `many` refused it with.
+    single call alone in its transaction: first `alone` (one statement, where a class has
+    such a form), else as a batch of one, raising the exception `many` refused it with.
     """
 
     __slots__ = ()
@@ -31,7 +32,15 @@ class BatchCall(Generic[R]):
                    ) -> Sequence[R | Exception]:
         raise NotImplementedError
 
+    async def alone(self, conn: AsyncConnection) -> R | None:
+        """The call done by one statement, when it is alone in its transaction; None: nothing
+        written, and it is decided as a batch of one (`transitions.apply_alone`)."""
+        return None
+
     async def one(self, conn: AsyncConnection) -> R:
+        done = await self.alone(conn)
+        if done is not None:
+            return done
         [result] = await type(self).many(conn, [self])
         if isinstance(result, Exception):
             raise result

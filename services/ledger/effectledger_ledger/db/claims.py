@@ -14,14 +14,12 @@ from datetime import datetime
 from typing import Any, ClassVar
 
 import sqlalchemy as sa
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.commands import arguments_digest, mismatch
 from effectledger_core.messages import ClaimAttempt, ClaimReply, ClaimStatus
 from effectledger_core.states import AttemptStatus, Event, JournalKind, State, sources
 
-from . import hot
 from .calls import BatchCall
 from .common import execute_rows, journal_row, lock_with_attempts
 from .schema import attempts, operations
@@ -212,20 +210,12 @@ async def _claim_alone(conn: AsyncConnection, item: ClaimCall) -> ClaimReply | N
     claim = item.claim
     if claim.tool is None or claim.arguments_digest is None:
         return None
-    first = hot.nothing_sent(conn)
     change = Change(operation_id=claim.operation_id, epoch=claim.epoch, from_state=State.PENDING,
                     event=Event.CLAIM, at=item.now, actor=claim.dispatcher_id,
                     detail={"attempt_id": claim.attempt_id}, traceparent=item.traceparent)
-    try:
-        applied = await apply_alone(conn, change, _CLAIM_ALONE, {
-            "c_tool": claim.tool, "c_digest": claim.arguments_digest,
-            "a_id": claim.attempt_id, "a_dispatcher": claim.dispatcher_id})
-    except IntegrityError:
-        if not first:
-            raise  # inside a transaction: it is aborted, and the batch is replayed
-        # An attempt committed between our snapshot and our insert (the unique key held):
-        # as its own transaction the statement left nothing behind.
-        return None
+    applied = await apply_alone(conn, change, _CLAIM_ALONE, {
+        "c_tool": claim.tool, "c_digest": claim.arguments_digest,
+        "a_id": claim.attempt_id, "a_dispatcher": claim.dispatcher_id})
     if applied is None:
         return None
     return ClaimReply(status=ClaimStatus.GRANTED, attempt_id=claim.attempt_id,
@@ -249,11 +239,9 @@ class ClaimCall(BatchCall[ClaimReply]):
                    ) -> list[ClaimReply | Exception]:
         return list(await _claims(conn, calls))
 
-    async def one(self, conn: AsyncConnection) -> ClaimReply:
-        """A claim alone: one statement when it is granted (see `_claim_alone`)."""
-        granted = await _claim_alone(conn, self)
-        # (`BatchCall.one` by name: a slotted dataclass is a new class, and has no `super()`.)
-        return granted if granted is not None else await BatchCall.one(self, conn)
+    async def alone(self, conn: AsyncConnection) -> ClaimReply | None:
+        """Granted by one statement (see `_claim_alone`)."""
+        return await _claim_alone(conn, self)
 
 
 async def claim_txn(conn: AsyncConnection, claim: ClaimAttempt, *, now: datetime) -> ClaimReply:

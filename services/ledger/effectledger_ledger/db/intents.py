@@ -297,11 +297,9 @@ class SubmitCall(BatchCall[Submitted]):
                    ) -> Sequence[Submitted | Exception]:
         return await _submit(conn, calls)
 
-    async def one(self, conn: AsyncConnection) -> Submitted:
-        """An intent alone: one statement when it is new (`_created_alone`)."""
-        created = await _created_alone(conn, self)
-        # (`BatchCall.one` by name: a slotted dataclass is a new class, and has no `super()`.)
-        return created if created is not None else await BatchCall.one(self, conn)
+    async def alone(self, conn: AsyncConnection) -> Submitted | None:
+        """A new operation created by one statement (see `_created_alone`)."""
+        return await _created_alone(conn, self)
 
 
 async def submit_intent_txn(conn: AsyncConnection, *, catalog: Catalog, intent: SubmitIntent,

@@ -18,7 +18,6 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.failures import Failure, Idempotency, policy_digest
@@ -96,11 +95,9 @@ class OutcomeCall(BatchCall[Recorded]):
                    ) -> Sequence[Recorded | Exception]:
         return await _record(conn, calls)
 
-    async def one(self, conn: AsyncConnection) -> Recorded:
-        """An outcome alone: one statement when it is a success to apply (`_success_alone`)."""
-        applied = await _success_alone(conn, self)
-        # (`BatchCall.one` by name: a slotted dataclass is a new class, and has no `super()`.)
-        return applied if applied is not None else await BatchCall.one(self, conn)
+    async def alone(self, conn: AsyncConnection) -> Recorded | None:
+        """A success applied by one statement (see `_success_alone`)."""
+        return await _success_alone(conn, self)
 
 
 async def record_outcome_txn(conn: AsyncConnection, outcome: Outcome, *, consumer: str,
@@ -227,25 +224,15 @@ async def _success_alone(conn: AsyncConnection, it: OutcomeCall) -> Recorded | N
     outcome = it.outcome
     if not isinstance(outcome, AttemptSucceeded):
         return None
-    first = hot.nothing_sent(conn)
     detail = outcome.model_dump(mode="json", exclude=_RESULT)
     change = Change(operation_id=outcome.operation_id, epoch=outcome.epoch,
                     from_state=State.IN_FLIGHT, event=Event.OUTCOME_SUCCEEDED, at=it.now,
-                    actor=outcome.dispatcher_id, detail=detail, values={
-                        "last_outcome": detail, "provider_ref": outcome.provider_ref,
-                        "response_digest": outcome.response_digest,
-                        "result": (outcome.result.model_dump(mode="json")
-                                   if outcome.result is not None else None)},
-                    traceparent=it.traceparent)
-    try:
-        applied = await apply_alone(conn, change, _SUCCESS_ALONE, {
-            "f_attempt": outcome.attempt_id, "f_dispatcher": outcome.dispatcher_id,
-            "f_status": outcome.type, "f_http": outcome.http_status,
-            "i_consumer": it.consumer, "i_message": it.message_id})
-    except IntegrityError:
-        if not first:
-            raise  # inside a transaction: it is aborted, and the batch is replayed
-        return None  # a copy of the message was recorded meanwhile: the locked path says so
+                    actor=outcome.dispatcher_id, detail=detail,
+                    values=_values(outcome, detail), traceparent=it.traceparent)
+    applied = await apply_alone(conn, change, _SUCCESS_ALONE, {
+        "f_attempt": outcome.attempt_id, "f_dispatcher": outcome.dispatcher_id,
+        "f_status": outcome.type, "f_http": outcome.http_status,
+        "i_consumer": it.consumer, "i_message": it.message_id})
     if applied is None:
         return None
     step, rows = applied
@@ -346,14 +333,7 @@ class _Decider:
             self._reject(it, reason, detail)
             return Recorded("rejected", reason=reason)
         assert op is not None
-        values: dict[str, Any] = {"last_outcome": detail}
-        if isinstance(outcome, AttemptSucceeded | AttemptAccepted):
-            values.update(provider_ref=outcome.provider_ref,
-                          response_digest=outcome.response_digest)
-        if isinstance(outcome, AttemptSucceeded):
-            # Always the column, so every success shares one statement in the batch.
-            values["result"] = (outcome.result.model_dump(mode="json")
-                                if outcome.result is not None else None)
+        values = _values(outcome, detail)
         change = Change(operation_id=outcome.operation_id, epoch=outcome.epoch,
                         from_state=State(op.state), event=event, at=now,
                         actor=outcome.dispatcher_id, detail=detail, values=values,
@@ -416,6 +396,19 @@ class _Decider:
             operation_id=it.outcome.operation_id, at=it.now, kind=JournalKind.OUTCOME_REJECTED,
             actor=it.outcome.dispatcher_id, epoch=it.outcome.epoch, traceparent=it.traceparent,
             detail={"reason": reason, "outcome": detail, "message_id": it.message_id}))
+
+
+def _values(outcome: Outcome, detail: dict[str, Any]) -> dict[str, Any]:
+    """The columns an applied outcome writes beside the state (`detail`: the outcome as
+    journaled, without the provider's answer)."""
+    values: dict[str, Any] = {"last_outcome": detail}
+    if isinstance(outcome, AttemptSucceeded | AttemptAccepted):
+        values.update(provider_ref=outcome.provider_ref, response_digest=outcome.response_digest)
+    if isinstance(outcome, AttemptSucceeded):
+        # Always the column, so every success shares one statement in the batch.
+        values["result"] = (outcome.result.model_dump(mode="json")
+                            if outcome.result is not None else None)
+    return values
 
 
 def _with(change: Change, **kw: Any) -> Change:

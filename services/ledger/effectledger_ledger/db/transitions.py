@@ -26,6 +26,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.messages import ReconcileOperation
@@ -368,15 +369,24 @@ async def apply_alone(conn: AsyncConnection, change: Change,
                       ) -> tuple[Step, Sequence[Mapping[str, Any]]] | None:
     """Apply `change` with `stmt` (built by `alone_statement` for its event) and the caller's
     `params`: the step and the statement's rows; None when nothing was written: the guard
-    did not hold, or the store has no such statement (SQLite, which has no data-modifying
-    CTEs), and the caller decides under its locks instead."""
+    did not hold, a unique key stopped it (first in its transaction), or the store has no
+    such statement (SQLite, which has no data-modifying CTEs), and the caller decides under
+    its locks instead."""
     if not hot.direct(conn):
         return None
     step, causes = _check(change)
     entry = _entry(change, step, causes)
     values = {**_params(change), **{f"j_{c}": entry[c] for c in _JOURNAL_PARAMS},  # type: ignore[literal-required]
               **params}
-    rows = await hot.fetch(conn, stmt, values, lockless=True)
+    first = hot.nothing_sent(conn)
+    try:
+        rows = await hot.fetch(conn, stmt, values, lockless=True)
+    except IntegrityError:
+        if not first:
+            raise  # inside a transaction: it is aborted, and the batch is replayed
+        # A row committed between the statement's snapshot and its INSERT (an attempt, an
+        # inbox row: the unique key held); as its own transaction it left nothing behind.
+        rows = []
     metrics.child(metrics.DB_ALONE, _ALONE_NAME.get(change.event, change.event.value),
                   "written" if rows else "declined").inc()
     if not rows:
