@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from effectledger_bus.httpedge import server_config
+from effectledger_bus.httpedge import server_config, timed_protocol
 from effectledger_cli.embedded import free_port
 from effectledger_core.errors import EffectLedgerError
 from effectledger_ledger.api import read_bounded
@@ -35,13 +35,16 @@ async def echo(request: Request) -> Response:
     return JSONResponse({"path": request.url.path, "size": len(body)})
 
 
-@pytest.fixture
-async def port() -> AsyncIterator[int]:
+@pytest.fixture(params=["httptools", "h11"])
+async def port(request: pytest.FixtureRequest) -> AsyncIterator[int]:
+    """Every defence holds with either parser: httptools (the default) and h11 (where
+    httptools is not installed)."""
     app = Starlette(routes=[Route("/{rest:path}", echo, methods=["GET", "POST"])])
     p = free_port()
     server = uvicorn.Server(server_config(
         app, host="127.0.0.1", port=p, log_level="warning", lifespan="off",
-        header_timeout_s=HEADER_TIMEOUT_S, body_timeout_s=BODY_TIMEOUT_S))
+        header_timeout_s=HEADER_TIMEOUT_S, body_timeout_s=BODY_TIMEOUT_S,
+        http_parser=request.param))
     task = asyncio.create_task(server.serve())
     while not server.started:  # noqa: ASYNC110 - uvicorn exposes a flag, not an event
         await asyncio.sleep(0.01)
@@ -89,6 +92,19 @@ async def test_a_complete_request_is_served(port: int) -> None:
     assert answer.startswith(b"HTTP/1.1 200") and b'"size":2' in answer
 
 
+@pytest.mark.parametrize("request_bytes", [
+    b"GET /ok HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n",  # a space in a header name
+    b"POST /ok HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 5\r\n\r\n{}",
+    b"POST /ok HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 not http\r\n\r\n",  # TLS on a plain port
+], ids=["header-name", "two-lengths", "negative-length", "tls-hello"])
+async def test_a_malformed_request_is_400_and_reaches_no_handler(port: int,
+                                                                 request_bytes: bytes) -> None:
+    answer = await exchange(port, request_bytes)
+    assert answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert b'"path"' not in answer  # the echo handler never ran
+
+
 class _Seen(logging.Handler):
     """Sets `event` when a record containing `text` is logged."""
 
@@ -116,3 +132,10 @@ async def test_a_client_leaving_mid_body_is_one_line_not_a_traceback(
     finally:
         logging.getLogger().removeHandler(seen)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+def test_the_default_parser_is_httptools_and_a_wrong_name_is_refused() -> None:
+    assert timed_protocol(1.0).__mro__[1].__name__ == "TimedHttpToolsProtocol"
+    assert timed_protocol(1.0, "h11").header_timeout_s == 1.0
+    with pytest.raises(ValueError, match="unknown HTTP parser"):
+        timed_protocol(1.0, "picohttp")
