@@ -44,7 +44,7 @@ class HeaderDeadline:
     loop: asyncio.AbstractEventLoop
     client: Any
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
         self._header_timer: asyncio.TimerHandle | None = None
         self._arm_headers()
