@@ -1,9 +1,12 @@
 """The requests of the client, shared by its sync and async forms: each method builds a
 `Call` (what to send and how to read the answer); the two clients only differ in how they
-send it."""
+send it. An answer is read from an `Answer` (status, body, Retry-After), whichever HTTP library
+fetched it: httpx for the sync client and for an async client given its own `httpx.AsyncClient`,
+aiohttp for the async client's default (`_aio`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -37,10 +40,23 @@ class Submitted:
 
 
 @dataclass(frozen=True)
+class Answer:
+    """What reading an answer needs of it."""
+
+    status: int
+    body: bytes
+    retry_after: str | None = None
+
+    @classmethod
+    def of(cls, resp: httpx.Response) -> Answer:
+        return cls(resp.status_code, resp.content, resp.headers.get("retry-after"))
+
+
+@dataclass(frozen=True)
 class Call(Generic[T]):
     method: str
     path: str
-    read: Callable[[httpx.Response], T]
+    read: Callable[[Answer], T]
     params: dict[str, Any] = field(default_factory=dict)
     json: Any = None
 
@@ -52,24 +68,25 @@ class Call(Generic[T]):
                                   json=self.json, timeout=timeout)
 
 
-def _body(resp: httpx.Response) -> Any:
+def _body(answer: Answer) -> Any:
     try:
-        body = resp.json()
-    except ValueError:
+        body = json.loads(answer.body) if answer.body else None
+    except ValueError:  # not JSON, or not text (UnicodeDecodeError is a ValueError)
         body = None
-    if resp.status_code >= 400:
-        raise error_from(resp.status_code, body, resp.text, resp.headers.get("retry-after"))
+    if answer.status >= 400:
+        raise error_from(answer.status, body, answer.body.decode("utf-8", "replace"),
+                         answer.retry_after)
     return body
 
 
-def _model(model: type[T]) -> Callable[[httpx.Response], T]:
-    def read(resp: httpx.Response) -> T:
-        return model.model_validate(_body(resp))  # type: ignore[attr-defined, no-any-return]
+def _model(model: type[T]) -> Callable[[Answer], T]:
+    def read(answer: Answer) -> T:
+        return model.model_validate(_body(answer))  # type: ignore[attr-defined, no-any-return]
     return read
 
 
-def _submitted(resp: httpx.Response) -> Submitted:
-    return Submitted(OperationView.model_validate(_body(resp)), created=resp.status_code == 201)
+def _submitted(answer: Answer) -> Submitted:
+    return Submitted(OperationView.model_validate(_body(answer)), created=answer.status == 201)
 
 
 def wait_param(seconds: float | None) -> dict[str, str]:

@@ -1,13 +1,21 @@
-"""effectledger_client against the real ledger app (in-process, both databases): typed answers
-that are exactly the documented views, and typed errors carrying the stable codes."""
+"""effectledger_client against the real ledger app (both databases): typed answers that are
+exactly the documented views, and typed errors carrying the stable codes. Every test runs
+twice: over the async client's default transport (aiohttp) to the app served by uvicorn on a
+loopback port, as the ledger serves it, and over an `httpx.AsyncClient` of the caller's own
+(the app in process)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 import pytest
+import uvicorn
 
+from effectledger_bus.httpedge import server_config
+from effectledger_cli.embedded import free_port
 from effectledger_client import (
     AsyncClient,
     Forbidden,
@@ -37,27 +45,56 @@ async def _ready() -> dict[str, bool]:
     return {"database": True}
 
 
+Connect = Callable[[str | None], AsyncClient]
+
+
+@contextlib.asynccontextmanager
+async def served(app: object) -> AsyncIterator[str]:
+    """`app` behind uvicorn on a loopback port, with the ledger's own HTTP edge."""
+    port = free_port()
+    server = uvicorn.Server(server_config(app, host="127.0.0.1", port=port,
+                                          log_level="warning", lifespan="off",
+                                          header_timeout_s=10, body_timeout_s=10))
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@pytest.fixture(params=["aiohttp", "httpx"])
+async def connect(request: pytest.FixtureRequest,
+                  svc: LedgerService) -> AsyncIterator[Connect]:  # noqa: F811
+    """Makes a client holding a token (None: no token)."""
+    app = create_app(svc, ready=_ready, auth=Authenticator(AGENTS, OPERATORS))
+    if request.param == "httpx":
+        transport = httpx.ASGITransport(app=app)
+
+        def in_process(token: str | None) -> AsyncClient:
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            return AsyncClient("http://ledger.test", http=httpx.AsyncClient(
+                transport=transport, base_url="http://ledger.test", headers=headers))
+        yield in_process
+        return
+    async with served(app) as url:
+        yield lambda token: AsyncClient(url, token=token or "")
+
+
 @pytest.fixture
-async def transport(svc: LedgerService) -> httpx.ASGITransport:  # noqa: F811
-    return httpx.ASGITransport(app=create_app(svc, ready=_ready,
-                                              auth=Authenticator(AGENTS, OPERATORS)))
-
-
-def _client(transport: httpx.ASGITransport, token: str | None) -> AsyncClient:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return AsyncClient("http://ledger.test", http=httpx.AsyncClient(
-        transport=transport, base_url="http://ledger.test", headers=headers))
-
-
-@pytest.fixture
-async def agent(transport: httpx.ASGITransport) -> AsyncIterator[AsyncClient]:
-    async with _client(transport, AGENT_A) as c:
+async def agent(connect: Connect) -> AsyncIterator[AsyncClient]:
+    async with connect(AGENT_A) as c:
         yield c
 
 
 @pytest.fixture
-async def operator(transport: httpx.ASGITransport) -> AsyncIterator[AsyncClient]:
-    async with _client(transport, OPERATOR) as c:
+async def operator(connect: Connect) -> AsyncIterator[AsyncClient]:
+    async with connect(OPERATOR) as c:
         yield c
 
 
@@ -90,7 +127,7 @@ async def test_operator_actions_return_the_operation(agent: AsyncClient,
 
 
 async def test_errors_are_typed_with_their_stable_codes(
-        agent: AsyncClient, transport: httpx.ASGITransport) -> None:
+        agent: AsyncClient, connect: Connect) -> None:
     with pytest.raises(NotFound) as nf:
         await agent.get("no-such-op")
     assert nf.value.code == "not_found" and nf.value.status == 404
@@ -104,9 +141,22 @@ async def test_errors_are_typed_with_their_stable_codes(
     op = (await agent.submit("payout", {"amount": 1})).operation
     with pytest.raises(Forbidden):
         await agent.approve(op.id, epoch=op.epoch, arguments_digest=op.arguments_digest)
-    async with _client(transport, "wrong-token") as stranger:
+    async with connect("wrong-token") as stranger:
         with pytest.raises(Unauthenticated):
             await stranger.get(op.id)
+    async with connect(None) as anonymous:
+        with pytest.raises(Unauthenticated):
+            await anonymous.get(op.id)
+
+
+@pytest.mark.parametrize("odd_id", ["a%2Fb", "x?y=1#z", "é ü", "%00"])
+async def test_an_operation_id_is_one_path_segment_whatever_it_holds(
+        agent: AsyncClient, odd_id: str) -> None:
+    """The id reaches the operations route quoted, as one segment: the ledger's own not_found,
+    not the router's 404 for a path it does not serve (that would read as `http_404`)."""
+    with pytest.raises(NotFound) as nf:
+        await agent.get(odd_id)
+    assert nf.value.code == "not_found"
 
 
 def test_a_non_ledger_error_page_still_maps_by_status() -> None:
@@ -118,7 +168,49 @@ async def test_an_unreachable_ledger_is_unavailable_and_retryable() -> None:
     async with AsyncClient("http://127.0.0.1:9", timeout_s=2) as c:
         with pytest.raises(Unavailable) as exc:
             await c.get("x")
-    assert exc.value.retryable
+    assert exc.value.retryable and exc.value.code == "unreachable"
+
+
+async def test_a_ledger_that_does_not_answer_in_time_is_unavailable() -> None:
+    """A server that accepts and never answers: the read timeout (timeout_s, plus the wait
+    for a waiting request) ends the call as Unavailable, not a hang."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        held.append(w)
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with AsyncClient(f"http://127.0.0.1:{port}", token="", timeout_s=0.3) as c:
+            with pytest.raises(Unavailable) as exc:
+                await asyncio.wait_for(c.get("x"), 10)
+        assert exc.value.code == "unreachable"
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+
+
+async def test_a_proxy_page_that_is_not_json_is_still_a_typed_error() -> None:
+    """A 502 HTML page from something in front of the ledger: Unavailable, by its status."""
+    async def page(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await r.readuntil(b"\r\n\r\n")
+        body = b"<html>bad gateway</html>"
+        w.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/html\r\nContent-Length: "
+                + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+        await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(page, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with AsyncClient(f"http://127.0.0.1:{port}", token="") as c:
+            with pytest.raises(Unavailable) as exc:
+                await c.get("x")
+        assert exc.value.code == "http_502" and "bad gateway" in exc.value.message
+    finally:
+        server.close()
 
 
 async def test_a_quota_refusal_is_rate_limited_with_its_retry_after(

@@ -3,13 +3,14 @@ loopback only, and an explicit token (argument or EFFECTLEDGER_TOKEN) always win
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
 
 from effectledger_cli import api_tokens
-from effectledger_client import AsyncClient, Client, localtokens
+from effectledger_client import AsyncClient, Client, LedgerError, localtokens
 
 
 @pytest.fixture
@@ -23,6 +24,30 @@ def _sent(client: Client) -> str | None:
     value = client._http.headers.get("authorization")
     client.close()
     return value
+
+
+async def _sent_async(token: str | None) -> str | None:
+    """The Authorization header the async client puts on the wire, to a loopback ledger."""
+    seen: list[str | None] = []
+
+    async def ledger(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        head = (await r.readuntil(b"\r\n\r\n")).decode()
+        auth = [line.split(":", 1)[1].strip() for line in head.split("\r\n")
+                if line.lower().startswith("authorization:")]
+        seen.append(auth[0] if auth else None)
+        w.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        await w.drain()
+        w.close()
+
+    server = await asyncio.start_server(ledger, "127.0.0.1", 0)
+    try:
+        async with AsyncClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
+                               token=token) as client:
+            with pytest.raises(LedgerError):
+                await client.get("x")
+    finally:
+        server.close()
+    return seen[0]
 
 
 def test_up_writes_private_tokens_kept_across_restarts(data: Path) -> None:
@@ -47,8 +72,11 @@ def test_the_client_sends_the_agent_token_to_a_loopback_ledger_only(
     assert _sent(Client("https://ledger.example.com")) is None  # never off this machine
     assert _sent(Client("http://127.0.0.1:8600", token="mine")) == "Bearer mine"
     assert _sent(Client("http://127.0.0.1:8600", token="")) is None  # explicitly none
-    async_client = AsyncClient("http://127.0.0.1:8600")
-    assert async_client._http.headers.get("authorization") == agent
+    # The async client on the wire: `up`'s token for the loopback ledger (tokens are per
+    # data folder, not per port), the caller's when given, none when told none.
+    assert asyncio.run(_sent_async(None)) == agent
+    assert asyncio.run(_sent_async("mine")) == "Bearer mine"
+    assert asyncio.run(_sent_async("")) is None
     monkeypatch.setenv("EFFECTLEDGER_TOKEN", "from-env")
     assert _sent(Client("http://127.0.0.1:8600")) == "Bearer from-env"
 
