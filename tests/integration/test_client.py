@@ -244,3 +244,52 @@ async def test_identical_calls_join_through_the_api(agent: AsyncClient) -> None:
     assert again.operation.caller_key == "host-1"
     repeat = await agent.submit("lookup", {"q": 5}, join_identical=True, repeat="2")
     assert repeat.created and repeat.operation.id != first.operation.id
+
+
+async def _answering(seen: list[bytes], status: bytes = b"404 Not Found"
+                     ) -> asyncio.Server:
+    """A loopback server that records each request's first line and answers `status`."""
+    async def answer(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        seen.append((await r.readuntil(b"\r\n\r\n")).split(b"\r\n", 1)[0])
+        w.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+        await w.drain()
+        w.close()
+
+    return await asyncio.start_server(answer, "127.0.0.1", 0)
+
+
+async def test_the_environments_proxy_is_used_and_no_proxy_is_honoured(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As httpx did: HTTP_PROXY carries the request (absolute URI), NO_PROXY skips it."""
+    via_proxy: list[bytes] = []
+    direct: list[bytes] = []
+    proxy, ledger = await _answering(via_proxy), await _answering(direct)
+    ledger_url = f"http://127.0.0.1:{ledger.sockets[0].getsockname()[1]}"
+    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.sockets[0].getsockname()[1]}")
+    monkeypatch.delenv("http_proxy", raising=False)
+    try:
+        for no_proxy in ("", "127.0.0.1"):
+            monkeypatch.setenv("NO_PROXY", no_proxy)
+            monkeypatch.delenv("no_proxy", raising=False)
+            async with AsyncClient(ledger_url, token="") as c:
+                with pytest.raises(NotFound):
+                    await c.get("op1")
+    finally:
+        proxy.close()
+        ledger.close()
+    assert via_proxy == [f"GET {ledger_url}/v1/operations/op1 HTTP/1.1".encode()]
+    assert direct == [b"GET /v1/operations/op1 HTTP/1.1"]
+
+
+async def test_a_base_url_with_a_path_prefixes_every_request() -> None:
+    """A ledger behind a path prefix (a proxy's route): the prefix stays, as with httpx."""
+    seen: list[bytes] = []
+    server = await _answering(seen)
+    try:
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/ledger/"
+        async with AsyncClient(url, token="") as c:
+            with pytest.raises(NotFound):
+                await c.get("op1")
+    finally:
+        server.close()
+    assert seen == [b"GET /ledger/v1/operations/op1 HTTP/1.1"]
