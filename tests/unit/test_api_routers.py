@@ -4,13 +4,14 @@ driven by name without a database, a broker or tokens."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Annotated, Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 
 from effectledger_core.errors import NotFound
 from effectledger_core.views import Journal, JournalEntry, OperationView
@@ -114,6 +115,64 @@ async def test_a_route_function_is_called_by_name(fake: FakeService) -> None:
 class FakeConsole:
     def __init__(self, service: FakeService) -> None:
         self.service = service
+
+
+def _sync_dependencies(app: FastAPI) -> list[str]:
+    """Every dependency FastAPI would run in its thread pool (a plain `def`), by route."""
+    from fastapi.dependencies.models import Dependant
+
+    def walk(d: Dependant, route: str) -> list[str]:
+        found = []
+        for sub in d.dependencies:
+            call = sub.call
+            # A function, or an instance whose __call__ is the dependency (HTTPBearer).
+            fn = call if inspect.isfunction(call) else type(call).__call__
+            if call is not None and not inspect.iscoroutinefunction(fn):
+                found.append(f"{route}: {getattr(call, '__qualname__', call)}")
+            found += walk(sub, route)
+        return found
+
+    return [f for r in _routes(app.routes) for f in walk(r.dependant, getattr(r, "path", "?"))]
+
+
+def _routes(routes: Any) -> list[Any]:
+    """Every route with a dependant, through included routers and mounts (FastAPI keeps an
+    included router as such since 0.16x, older ones copy its routes)."""
+    found = []
+    for r in routes:
+        if hasattr(r, "dependant"):
+            found.append(r)
+        elif hasattr(r, "original_router"):
+            found += _routes(r.original_router.routes)
+        elif hasattr(r, "routes"):
+            found += _routes(r.routes)
+    return found
+
+
+def test_no_route_of_the_ledger_hands_a_dependency_to_the_thread_pool() -> None:
+    """A `def` dependency costs each request a hand-off to a worker thread and back: on the
+    submit, three of them. The API's and the console's are all `async def`."""
+    from effectledger_ledger.api.assembly import create_app
+
+    async def ready() -> dict[str, Any]:
+        return {}
+
+    app = create_app(FakeService(), ready=ready)  # type: ignore[arg-type]
+    assert len(_routes(app.routes)) > 20
+    assert _sync_dependencies(app) == []
+
+    # The check sees one: a route with a plain `def` dependency.
+    sync_app = FastAPI()
+    sync_app.get("/x")(_with_a_sync_dependency)
+    assert _sync_dependencies(sync_app) == ["/x: _a_sync_dependency"]
+
+
+def _a_sync_dependency() -> int:
+    return 1
+
+
+async def _with_a_sync_dependency(v: Annotated[int, Depends(_a_sync_dependency)]) -> int:
+    return v
 
 
 async def test_a_console_route_alone_with_its_session_overridden(fake: FakeService) -> None:

@@ -2,7 +2,8 @@
 behind the request's token, and the ledger's settings for waits and probes.
 
 `create_app` puts one `ApiState` on `app.state`; the dependencies read it from there. A test
-replaces any of them with `app.dependency_overrides[deps.service] = ...`.
+replaces any of them with `app.dependency_overrides[deps.service] = ...` (an async function:
+see below).
 """
 
 # FastAPI reads these annotations at run time to build the dependency graph: the aliases
@@ -31,22 +32,29 @@ class ApiState:
     before_scrape: Callable[[], Awaitable[None]] | None = None  # refreshes database gauges
 
 
-def api_state(request: Request) -> ApiState:
+def _state(request: Request) -> ApiState:
     state: ApiState = request.app.state.effectledger_api
     return state
 
 
-def service(request: Request) -> LedgerService:
-    return api_state(request).service
+# Every dependency is `async def`, though none awaits anything: FastAPI runs a plain `def`
+# dependency in its thread pool, a hand-off to a worker thread and back for each one of each
+# request, on the path every agent's call waits on (tests/unit/test_api_routers.py keeps it).
+async def api_state(request: Request) -> ApiState:
+    return _state(request)
 
 
-def authenticator(request: Request) -> Authenticator:
-    return api_state(request).authenticator
+async def service(request: Request) -> LedgerService:
+    return _state(request).service
 
 
-def wait_cap(request: Request) -> float:
+async def authenticator(request: Request) -> Authenticator:
+    return _state(request).authenticator
+
+
+async def wait_cap(request: Request) -> float:
     """The longest wait a request may ask for (EFFECTLEDGER_WAIT_MAX_S)."""
-    return api_state(request).max_wait_s
+    return _state(request).max_wait_s
 
 
 # Declares the bearer scheme in the OpenAPI document; the Authenticator does the checking

@@ -25,7 +25,7 @@ from ..auth import Authenticator
 from ..service import LedgerService
 from .pages import ROUTERS
 from .sessions import PREFIX, SESSION_COOKIE
-from .state import HERE, Console, SignInRequired, console_state
+from .state import HERE, Console, SignInRequired, console_of
 
 STATIC = HERE / "static"
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -60,7 +60,7 @@ async def sign_in_required(request: Request, _: SignInRequired) -> Response:
 
 
 def _error_page(request: Request, status: int, title: str, message: str) -> HTMLResponse:
-    console = console_state(request)
+    console = console_of(request)
     session = console.sessions.get(request.cookies.get(SESSION_COOKIE))
     return console.render(request, "error.html", session, status_code=status,
                           title=title, message=message)

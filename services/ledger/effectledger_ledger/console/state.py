@@ -126,16 +126,21 @@ class Console:
 
 
 # ---- dependencies ---------------------------------------------------------------------------
+# `async def`, as the API's (api/deps.py): a plain `def` would run in FastAPI's thread pool.
 
-def console_state(request: Request) -> Console:
+def console_of(request: Request) -> Console:
     console: Console = request.app.state.console
     return console
+
+
+async def console_state(request: Request) -> Console:
+    return console_of(request)
 
 
 ConsoleDep = Annotated[Console, Depends(console_state)]
 
 
-def current_session(request: Request, console: ConsoleDep) -> Session:
+async def current_session(request: Request, console: ConsoleDep) -> Session:
     """The signed-in session, or SignInRequired (a redirect to sign-in; 401 for fetches)."""
     return console.session(request)
 
