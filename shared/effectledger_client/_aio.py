@@ -19,6 +19,7 @@ The environment is read once, when the session opens: aiohttp's own `trust_env` 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import ssl
 from typing import TYPE_CHECKING, Any
@@ -34,20 +35,26 @@ if TYPE_CHECKING:
 class AioHttp:
     """Sends a `Call` with aiohttp. The session is made on the first request, inside the
     running event loop (aiohttp binds a session to the loop it was made in), so a client can
-    be built anywhere."""
+    be built anywhere; a client used from another event loop later (a sync wrapper running
+    each call in `asyncio.run`) gets a session of that loop."""
 
     def __init__(self, base_url: str, headers: dict[str, str], timeout_s: float) -> None:
         self.base_url = base_url.rstrip("/")
         self.headers = headers
         self.timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._proxy: str | None = None
 
     def _open(self) -> aiohttp.ClientSession:
         # Imported when first used: the CLI and the services that never send pay nothing.
         import aiohttp
 
-        if self._session is None or self._session.closed:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            # A session of a finished loop cannot be closed from this one; its connections
+            # went with that loop.
+            self._loop = loop
             self._proxy = env_proxy(self.base_url)
             self._session = aiohttp.ClientSession(
                 headers=self.headers, connector=aiohttp.TCPConnector(ssl=_tls()),
@@ -70,9 +77,9 @@ class AioHttp:
             return Answer(resp.status, body, resp.headers.get("Retry-After"))
 
     async def aclose(self) -> None:
-        if self._session is not None:
+        if self._session is not None and self._loop is asyncio.get_running_loop():
             await self._session.close()
-            self._session = None
+        self._session = None
 
 
 def transport_errors() -> tuple[type[Exception], ...]:

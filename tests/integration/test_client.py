@@ -293,3 +293,39 @@ async def test_a_base_url_with_a_path_prefixes_every_request() -> None:
     finally:
         server.close()
     assert seen == [b"GET /ledger/v1/operations/op1 HTTP/1.1"]
+
+
+def test_one_client_serves_calls_from_successive_event_loops() -> None:
+    """A sync wrapper that runs each call in its own `asyncio.run` (as some agent frameworks
+    do) keeps working with one AsyncClient: each loop gets its own connections."""
+    import http.server
+    import threading
+
+    class NotFoundJson(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b'{"error": {"code": "not_found", "message": "no such operation"}}'
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFoundJson)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = AsyncClient(f"http://127.0.0.1:{server.server_address[1]}", token="")
+
+    async def one() -> str:
+        try:
+            await client.get("op1")
+        except NotFound as exc:
+            return exc.code
+        return "answered"
+
+    try:
+        assert [asyncio.run(one()) for _ in range(3)] == ["not_found"] * 3
+        asyncio.run(client.aclose())
+    finally:
+        server.shutdown()
