@@ -3,28 +3,24 @@
 Why not httpx, as the sync client: an agent's call is one request that waits for its outcome,
 and on that path the client's own work is latency. httpx (with httpcore and anyio under it)
 spent 0.69 ms of CPU per request where aiohttp spent 0.19 ms, measured side by side against
-one loopback server; an agent's submit-and-wait took 1.7 ms less at p50, and `effectledger
-mcp`, which calls the ledger once per tool call, 1.3 ms less CPU per call (docs/benchmark.md,
+one loopback server; an agent's submit-and-wait took about 2 ms less at p50, and `effectledger
+mcp`, which calls the ledger once per tool call, 0.7 ms less CPU per call (docs/benchmark.md,
 issue 30 round seven). An async client given its own `httpx.AsyncClient` (a custom transport,
 a proxy, an app served in process) still uses it.
 
-What httpx's defaults gave, this keeps: redirects are not followed; the proxy comes from the
-environment (HTTP_PROXY, HTTPS_PROXY, NO_PROXY) and the CA bundle from SSL_CERT_FILE or
-SSL_CERT_DIR, else certifi's; a waiting request's read timeout grows with its wait. The base
+What httpx's defaults gave, this keeps: redirects are not followed; the proxy and the CA
+bundle come from the environment, read once per session (`effectledger_bus.httpenv`, as the
+provider session reads them); a waiting request's read timeout grows with its wait. The base
 URL may carry a path (a ledger behind a prefix): each request's path is appended to it.
-
-The environment is read once, when the session opens: aiohttp's own `trust_env` reads it, and
-~/.netrc, again on every request, which cost 0.4 ms of CPU per request, twice the request.
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
-import ssl
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
-from urllib.request import getproxies, proxy_bypass
+
+from effectledger_bus.httpenv import env_proxies, ssl_context
 
 from ._calls import Answer, Call
 
@@ -55,9 +51,10 @@ class AioHttp:
             # A session of a finished loop cannot be closed from this one; its connections
             # went with that loop.
             self._loop = loop
-            self._proxy = env_proxy(self.base_url)
+            parts = urlsplit(self.base_url)
+            self._proxy = env_proxies()(parts.scheme, parts.hostname or "")
             self._session = aiohttp.ClientSession(
-                headers=self.headers, connector=aiohttp.TCPConnector(ssl=_tls()),
+                headers=self.headers, connector=aiohttp.TCPConnector(ssl=ssl_context()),
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout_s,
                                               sock_read=self.timeout_s))
         return self._session
@@ -87,22 +84,3 @@ def transport_errors() -> tuple[type[Exception], ...]:
     import aiohttp
 
     return (aiohttp.ClientError, TimeoutError)
-
-
-def env_proxy(url: str) -> str | None:
-    """The proxy the environment names for `url`: <scheme>_proxy unless no_proxy covers its
-    host (either case, as curl and httpx read them)."""
-    parts = urlsplit(url)
-    proxy = getproxies().get(parts.scheme)
-    if not proxy or proxy_bypass(parts.hostname or ""):
-        return None
-    return proxy
-
-
-def _tls() -> ssl.SSLContext:
-    cafile, capath = os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR")
-    if not cafile and not capath:
-        import certifi
-
-        cafile = certifi.where()
-    return ssl.create_default_context(cafile=cafile, capath=capath)

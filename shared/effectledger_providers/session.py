@@ -27,9 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
-import ssl
-import urllib.request
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
 from contextvars import ContextVar
@@ -37,7 +34,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import aiohttp
-import certifi
 import httpx
 from aiohttp.abc import AbstractStreamWriter
 from aiohttp.client_reqrep import ClientRequest
@@ -45,6 +41,8 @@ from aiohttp.connector import Connection
 from aiohttp.payload import BytesPayload
 from aiohttp.tracing import Trace
 from yarl import URL
+
+from effectledger_bus.httpenv import env_proxies, ssl_context
 
 __all__ = ["CONNECT_SHARE", "Answer", "PoolTimeout", "ProviderSession"]
 
@@ -144,36 +142,6 @@ class _CheckedBody(BytesPayload):
         await super().write_with_length(writer, content_length)
 
 
-def _ssl_context() -> ssl.SSLContext:
-    # The CA bundle httpx used (certifi), or the operator's, as httpx honoured SSL_CERT_FILE.
-    return ssl.create_default_context(cafile=os.environ.get("SSL_CERT_FILE") or certifi.where(),
-                                      capath=os.environ.get("SSL_CERT_DIR"))
-
-
-class _Proxies:
-    """The proxy for a URL, from the environment as it was when the session was built."""
-
-    def __init__(self, env: dict[str, str]) -> None:
-        self._env = env
-        self._by_host: dict[tuple[str, str], str | None] = {}
-
-    def __call__(self, url: URL) -> str | None:
-        if not self._env:  # the usual case: one dict check per request
-            return None
-        key = (url.scheme, url.host or "")
-        if key not in self._by_host:
-            proxy = self._env.get(url.scheme)
-            if proxy and urllib.request.proxy_bypass(key[1]):  # NO_PROXY, once per host
-                proxy = None
-            self._by_host[key] = proxy
-        return self._by_host[key]
-
-
-def _env_proxies() -> _Proxies:
-    found = urllib.request.getproxies_environment()
-    return _Proxies({k: v for k, v in found.items() if k in ("http", "https")})
-
-
 class ProviderSession:
     """A bounded pool of keep-alive connections to providers; built lazily inside the loop."""
 
@@ -181,13 +149,13 @@ class ProviderSession:
         self.max_connections = max_connections
         self._slots = asyncio.Semaphore(max_connections)
         self._http: aiohttp.ClientSession | None = None
-        self._proxy = _env_proxies()
+        self._proxy = env_proxies()
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None:
             connector = _CheckedConnector(
                 limit=self.max_connections, limit_per_host=0, keepalive_timeout=KEEPALIVE_S,
-                ssl=_ssl_context(),
+                ssl=ssl_context(),
                 # aiohttp rounds timeouts of 5 s and more up to whole seconds; the split of
                 # the deadline between connect and the rest should stay as computed.
                 timeout_ceil_threshold=math.inf)
@@ -230,8 +198,9 @@ class ProviderSession:
             token = _before_write.set(before_write)
             try:
                 response = await self._session().request(
-                    request.method, url, headers=headers, proxy=self._proxy(url),
-                    data=data, allow_redirects=False,
+                    request.method, url, headers=headers,
+                    proxy=self._proxy(url.scheme, url.host or ""), data=data,
+                    allow_redirects=False,
                     timeout=aiohttp.ClientTimeout(total=None, connect=share,
                                                   sock_connect=share, sock_read=timeout_s))
             except Exception:
