@@ -17,6 +17,7 @@ URL may carry a path (a ledger behind a prefix): each request's path is appended
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
@@ -48,8 +49,7 @@ class AioHttp:
 
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._loop is not loop:
-            # A session of a finished loop cannot be closed from this one; its connections
-            # went with that loop.
+            self._forget()
             self._loop = loop
             parts = urlsplit(self.base_url)
             self._proxy = env_proxies()(parts.scheme, parts.hostname or "")
@@ -73,10 +73,35 @@ class AioHttp:
             body = await resp.read()
             return Answer(resp.status, body, resp.headers.get("Retry-After"))
 
+    def _forget(self) -> None:
+        """Let go of a session whose event loop has finished. Its connections went with that
+        loop and it cannot be closed from this one; marked closed, it is not reported as an
+        unclosed session (an asyncio ERROR line for each loop) when collected. A session of
+        a loop still running (another thread's) is left to that loop."""
+        old, self._session = self._session, None
+        if old is None or old.closed or self._loop is None or not self._loop.is_closed():
+            return
+        connector = old.connector
+        old.detach()
+        if connector is not None:
+            _run_to_end(connector.close())
+
     async def aclose(self) -> None:
         if self._session is not None and self._loop is asyncio.get_running_loop():
             await self._session.close()
-        self._session = None
+        self._forget()  # a session of a finished loop: marked closed
+
+
+def _run_to_end(closing: Awaitable[Any]) -> None:
+    """Run a connector's close without an event loop: with its loop closed, aiohttp only
+    marks the connector closed (its kept-alive connections counted as gone) and awaits
+    nothing. Should it wait for something after all, that part is abandoned."""
+    steps = closing.__await__()
+    try:
+        next(steps)
+    except StopIteration:
+        return
+    steps.close()
 
 
 def transport_errors() -> tuple[type[Exception], ...]:
