@@ -17,6 +17,7 @@ as long as it likes. Here:
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from typing import Any
@@ -84,6 +85,7 @@ class TimedH11Protocol(HeaderDeadline, H11Protocol):
     """h11 with a deadline for the request line and headers."""
 
 
+@functools.cache  # one class, however many servers a process builds
 def _httptools() -> type[Any] | None:
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol

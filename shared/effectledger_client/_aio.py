@@ -59,6 +59,13 @@ class AioHttp:
                                               sock_read=self.timeout_s))
         return self._session
 
+    @property
+    def errors(self) -> tuple[type[Exception], ...]:
+        """What aiohttp raises when the ledger cannot be reached or does not answer in time."""
+        import aiohttp
+
+        return (aiohttp.ClientError, TimeoutError)
+
     async def send(self, call: Call[Any], wait_s: float) -> Answer:
         import aiohttp
 
@@ -77,7 +84,8 @@ class AioHttp:
         """Let go of a session whose event loop has finished. Its connections went with that
         loop and it cannot be closed from this one; marked closed, it is not reported as an
         unclosed session (an asyncio ERROR line for each loop) when collected. A session of
-        a loop still running (another thread's) is left to that loop."""
+        a loop still running (another thread's) is only dropped: closing it from here is not
+        safe."""
         old, self._session = self._session, None
         if old is None or old.closed or self._loop is None or not self._loop.is_closed():
             return
@@ -102,10 +110,3 @@ def _run_to_end(closing: Awaitable[Any]) -> None:
     except StopIteration:
         return
     steps.close()
-
-
-def transport_errors() -> tuple[type[Exception], ...]:
-    """What aiohttp raises when the ledger cannot be reached or does not answer in time."""
-    import aiohttp
-
-    return (aiohttp.ClientError, TimeoutError)

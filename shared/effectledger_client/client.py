@@ -28,7 +28,7 @@ from effectledger_core.views import (
 
 from . import _calls as c
 from . import localtokens
-from ._aio import AioHttp, transport_errors
+from ._aio import AioHttp
 from ._calls import Submitted
 from .errors import Unavailable
 
@@ -175,6 +175,22 @@ class Client:
         return self._send(c.stats())
 
 
+class _Httpx:
+    """The async client's transport when the caller gives an `httpx.AsyncClient`."""
+
+    errors: tuple[type[Exception], ...] = (httpx.TransportError,)
+
+    def __init__(self, http: httpx.AsyncClient, timeout_s: float) -> None:
+        self.http, self.timeout_s = http, timeout_s
+
+    async def send(self, call: c.Call[Any], wait_s: float) -> c.Answer:
+        request = call.request(self.http, timeout_s=self.timeout_s, wait_s=wait_s)
+        return c.Answer.of(await self.http.send(request))
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
 class AsyncClient:
     """The same methods as `Client`, awaitable. It sends with aiohttp (`_aio`: a quarter of
     httpx's CPU per request); given `http`, an `httpx.AsyncClient` of the caller's own (a
@@ -184,8 +200,9 @@ class AsyncClient:
                  timeout_s: float = 10.0, http: httpx.AsyncClient | None = None) -> None:
         self.base_url, headers = _settings(base_url, token)
         self.timeout_s = timeout_s
-        self._http = http
-        self._aio = AioHttp(self.base_url, headers, timeout_s) if http is None else None
+        self._transport: AioHttp | _Httpx = (
+            AioHttp(self.base_url, headers, timeout_s) if http is None
+            else _Httpx(http, timeout_s))
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -194,25 +211,14 @@ class AsyncClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        if self._aio is not None:
-            await self._aio.aclose()
-        if self._http is not None:
-            await self._http.aclose()
+        await self._transport.aclose()
 
     async def _send(self, call: c.Call[T], wait_s: float = 0.0) -> T:
-        if self._aio is not None:
-            try:
-                answer = await self._aio.send(call, wait_s)
-            except transport_errors() as exc:
-                raise _unreachable(self.base_url, exc) from exc
-            return call.read(answer)
-        assert self._http is not None
-        request = call.request(self._http, timeout_s=self.timeout_s, wait_s=wait_s)
         try:
-            resp = await self._http.send(request)
-        except httpx.TransportError as exc:
+            answer = await self._transport.send(call, wait_s)
+        except self._transport.errors as exc:
             raise _unreachable(self.base_url, exc) from exc
-        return call.read(c.Answer.of(resp))
+        return call.read(answer)
 
     async def submit(self, tool: str, arguments: dict[str, Any] | None = None, *,
                      idempotency_key: str | None = None, task_id: str | None = None,

@@ -39,6 +39,7 @@ from tests.integration.test_api_auth import (  # noqa: F401 - svc is a fixture
     OPERATORS,
     svc,
 )
+from tests.support import rawhttp
 
 
 async def _ready() -> dict[str, bool]:
@@ -194,18 +195,10 @@ async def test_a_ledger_that_does_not_answer_in_time_is_unavailable() -> None:
 
 async def test_a_proxy_page_that_is_not_json_is_still_a_typed_error() -> None:
     """A 502 HTML page from something in front of the ledger: Unavailable, by its status."""
-    async def page(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        await r.readuntil(b"\r\n\r\n")
-        body = b"<html>bad gateway</html>"
-        w.write(b"HTTP/1.1 502 Bad Gateway\r\nContent-Type: text/html\r\nContent-Length: "
-                + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
-        await w.drain()
-        w.close()
-
-    server = await asyncio.start_server(page, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
+    server = await rawhttp.answering([], rawhttp.response(
+        b"502 Bad Gateway", b"<html>bad gateway</html>", b"text/html"))
     try:
-        async with AsyncClient(f"http://127.0.0.1:{port}", token="") as c:
+        async with AsyncClient(rawhttp.url_of(server), token="") as c:
             with pytest.raises(Unavailable) as exc:
                 await c.get("x")
         assert exc.value.code == "http_502" and "bad gateway" in exc.value.message
@@ -246,26 +239,14 @@ async def test_identical_calls_join_through_the_api(agent: AsyncClient) -> None:
     assert repeat.created and repeat.operation.id != first.operation.id
 
 
-async def _answering(seen: list[bytes], status: bytes = b"404 Not Found"
-                     ) -> asyncio.Server:
-    """A loopback server that records each request's first line and answers `status`."""
-    async def answer(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        seen.append((await r.readuntil(b"\r\n\r\n")).split(b"\r\n", 1)[0])
-        w.write(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-        await w.drain()
-        w.close()
-
-    return await asyncio.start_server(answer, "127.0.0.1", 0)
-
-
 async def test_the_environments_proxy_is_used_and_no_proxy_is_honoured(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """As httpx did: HTTP_PROXY carries the request (absolute URI), NO_PROXY skips it."""
     via_proxy: list[bytes] = []
     direct: list[bytes] = []
-    proxy, ledger = await _answering(via_proxy), await _answering(direct)
-    ledger_url = f"http://127.0.0.1:{ledger.sockets[0].getsockname()[1]}"
-    monkeypatch.setenv("HTTP_PROXY", f"http://127.0.0.1:{proxy.sockets[0].getsockname()[1]}")
+    proxy, ledger = await rawhttp.answering(via_proxy), await rawhttp.answering(direct)
+    ledger_url = rawhttp.url_of(ledger)
+    monkeypatch.setenv("HTTP_PROXY", rawhttp.url_of(proxy))
     monkeypatch.delenv("http_proxy", raising=False)
     try:
         for no_proxy in ("", "127.0.0.1"):
@@ -277,6 +258,7 @@ async def test_the_environments_proxy_is_used_and_no_proxy_is_honoured(
     finally:
         proxy.close()
         ledger.close()
+    via_proxy, direct = rawhttp.first_lines(via_proxy), rawhttp.first_lines(direct)
     assert via_proxy == [f"GET {ledger_url}/v1/operations/op1 HTTP/1.1".encode()]
     assert direct == [b"GET /v1/operations/op1 HTTP/1.1"]
 
@@ -284,14 +266,15 @@ async def test_the_environments_proxy_is_used_and_no_proxy_is_honoured(
 async def test_a_base_url_with_a_path_prefixes_every_request() -> None:
     """A ledger behind a path prefix (a proxy's route): the prefix stays, as with httpx."""
     seen: list[bytes] = []
-    server = await _answering(seen)
+    server = await rawhttp.answering(seen)
     try:
-        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/ledger/"
+        url = rawhttp.url_of(server) + "/ledger/"
         async with AsyncClient(url, token="") as c:
             with pytest.raises(NotFound):
                 await c.get("op1")
     finally:
         server.close()
+    seen = rawhttp.first_lines(seen)
     assert seen == [b"GET /ledger/v1/operations/op1 HTTP/1.1"]
 
 

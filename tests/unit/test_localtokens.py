@@ -11,6 +11,7 @@ import pytest
 
 from effectledger_cli import api_tokens
 from effectledger_client import AsyncClient, Client, LedgerError, localtokens
+from tests.support import rawhttp
 
 
 @pytest.fixture
@@ -28,26 +29,15 @@ def _sent(client: Client) -> str | None:
 
 async def _sent_async(token: str | None) -> str | None:
     """The Authorization header the async client puts on the wire, to a loopback ledger."""
-    seen: list[str | None] = []
-
-    async def ledger(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
-        head = (await r.readuntil(b"\r\n\r\n")).decode()
-        auth = [line.split(":", 1)[1].strip() for line in head.split("\r\n")
-                if line.lower().startswith("authorization:")]
-        seen.append(auth[0] if auth else None)
-        w.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
-        await w.drain()
-        w.close()
-
-    server = await asyncio.start_server(ledger, "127.0.0.1", 0)
+    heads: list[bytes] = []
+    server = await rawhttp.answering(heads)
     try:
-        async with AsyncClient(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}",
-                               token=token) as client:
+        async with AsyncClient(rawhttp.url_of(server), token=token) as client:
             with pytest.raises(LedgerError):
                 await client.get("x")
     finally:
         server.close()
-    return seen[0]
+    return rawhttp.header(heads[0], "Authorization")
 
 
 def test_up_writes_private_tokens_kept_across_restarts(data: Path) -> None:
