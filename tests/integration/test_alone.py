@@ -1,6 +1,6 @@
 """A call alone in its transaction is one statement: a claim or a success
 (`transitions.apply_alone`; db/claims.py `_claim_alone`, db/outcomes.py `_success_alone`) and
-a new intent with a caller key (db/intents.py `_created_alone`).
+a new intent with a caller key or joining identical calls (db/intents.py `_created_alone`).
 
 The statement only ever grants a claim, applies a success or creates an operation, and only
 where the locked (or batch) path would do the same: every other case (a key already taken, a
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 import pytest
@@ -364,6 +365,92 @@ async def test_alone_and_batched_intents_answer_and_write_the_same(
     assert [x if isinstance(x, str) else x[0] for x in alone] == [
         True, False, "IdempotencyConflict", True, True, True, "UnknownTool", True, True]
     assert alone[4][2] is not None  # the leased command, for the direct publisher
+
+
+async def _joins_one_at_a_time(store: Store) -> list[Any]:
+    """Intents that join identical calls (every MCP call), of every kind, one at a time."""
+    a, b = {"title": "a"}, {"title": "b"}
+
+    def join(n: int, arguments: dict[str, Any] = a, *, tool: str = "create_ticket",
+             now: datetime = NOW, leased: bool = True, **intent: Any) -> SubmitCall:
+        return SubmitCall(catalog=CATALOG, intent=SubmitIntent(
+            tool=tool, arguments=arguments, join_identical=True, **intent), subjects=SUBJECTS,
+            operation_id=f"op{n}", outbox_id=f"ob{n}", now=now,
+            lease_until=LATER if leased else None)
+
+    out: list[Any] = []
+
+    async def run(call: SubmitCall) -> None:
+        try:
+            got = await store.run(call.one)
+        except Exception as exc:  # a refusal, compared by kind
+            out.append(type(exc).__name__)
+            return
+        out.append((got.created, got.operation, got.command))
+
+    await run(join(1))  # a new identity
+    await run(join(2))  # the same call again: joins op1
+    await run(join(3, b, leased=False))  # other arguments; its command left to the relays
+    await run(join(4, repeat="again"))  # a deliberate repeat
+    await run(join(5, tenant="other"))  # another tenant
+    await run(join(6, idempotency_key="k6"))  # a key: new, and takes op1's identity over
+    await run(join(7))  # joins op6, the identity's holder now
+    await run(join(8, idempotency_key="k6"))  # the key again: op6
+    await run(join(9, tool="wire_money"))  # awaiting approval
+    await run(join(10, tool="no_such_tool"))  # refused
+    # A holder that succeeded longer ago than the tool's window is not joined: a new operation
+    # takes its identity over.
+    await store.run(_claim("op3", "c3", *await _digest(store, "op3")).one)
+    await store.run(_outcome(_success("op3", "c3"), "m3").one)
+    await run(join(11, b, now=NOW + timedelta(hours=2)))
+    await run(join(12, b, now=NOW + timedelta(hours=2)))  # joins op11
+    return out
+
+
+async def test_alone_and_batched_joining_intents_answer_and_write_the_same(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    _postgres_only(store)
+    alone, _rows = await _both_ways(store, monkeypatch, _joins_one_at_a_time)
+    created = [x if isinstance(x, str) else x[0] for x in alone]
+    assert created == [True, False, True, True, True, True, False, False, True,
+                       "UnknownTool", True, False]
+    ids = [None if isinstance(x, str) else x[1]["id"] for x in alone]
+    assert (ids[1], ids[6], ids[7], ids[11]) == ("op1", "op6", "op6", "op11")
+
+
+async def test_concurrent_identical_calls_make_one_operation(store: Store) -> None:
+    """An agent's host sending the same key-less call four times at once: one operation, the
+    others joined to it (the call identity's unique key stops each later INSERT)."""
+    _postgres_only(store)
+    for n in range(3):
+        answers = await asyncio.gather(*(store.run(SubmitCall(
+            catalog=CATALOG, intent=SubmitIntent(tool="create_ticket", arguments={"n": n},
+                                                 join_identical=True),
+            subjects=SUBJECTS, operation_id=f"op{n}-{k}", outbox_id=f"ob{n}-{k}", now=NOW,
+            lease_until=LATER).one) for k in range(4)))
+        assert sorted(a.created for a in answers) == [False, False, False, True], answers
+        assert len({a.operation["id"] for a in answers}) == 1
+    async with store.transaction() as conn:
+        n_ops = (await conn.execute(sa.select(sa.func.count()).select_from(operations))).scalar()
+    assert n_ops == 3
+
+
+async def test_a_new_joining_intent_alone_is_one_statement(store: Store) -> None:
+    """An MCP call's intent: one statement when its call identity is new; the same call
+    again writes nothing by it, then reads the holder and joins it."""
+    _postgres_only(store)
+    first = SubmitCall(catalog=CATALOG, intent=SubmitIntent(
+        tool="create_ticket", arguments={"t": 1}, join_identical=True), subjects=SUBJECTS,
+        operation_id="op1", outbox_id="ob1", now=NOW, lease_until=LATER)
+    [sent] = await _sent_alone(store, first)
+    assert "INSERT INTO operations" in sent and "ON CONFLICT DO NOTHING" in sent
+    rows = await _as_printed(store)
+    assert (len(rows["operations"]), len(rows["journal"]), len(rows["outbox"])) == (1, 1, 1)
+    again = await _sent_alone(store, SubmitCall(catalog=CATALOG, intent=SubmitIntent(
+        tool="create_ticket", arguments={"t": 1}, join_identical=True), subjects=SUBJECTS,
+        operation_id="op2", outbox_id="ob2", now=NOW, lease_until=LATER))
+    assert again[0].startswith("WITH new_op") and again[1].startswith("SELECT")
+    assert await _as_printed(store) == rows
 
 
 async def test_a_new_intent_with_a_key_alone_is_one_statement(store: Store) -> None:

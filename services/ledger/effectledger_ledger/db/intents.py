@@ -73,13 +73,9 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
             results[i] = exc
             continue
         valid[i] = (tool, args_digest)
-        given = intent.idempotency_key
-        if intent.join_identical:
-            calls[i] = call_identity(tenant=intent.tenant, task_id=intent.task_id,
-                                     tool=tool.name, arguments_digest=args_digest,
-                                     repeat=intent.repeat)
-            # A key-less call still runs under a key the caller can send again later: its own.
-            given = given or "auto-" + kw.operation_id
+        given, call_key = _names(kw, tool, args_digest)
+        if call_key is not None:
+            calls[i] = call_key
         caller[i] = given
         keys[i] = derive_operation_key(tenant=intent.tenant, task_id=intent.task_id,
                                        caller_key=given, operation_id=kw.operation_id)
@@ -152,6 +148,18 @@ async def _submit(conn: AsyncConnection, items: Sequence[SubmitCall]
     return [r for r in results if r is not None]
 
 
+def _names(kw: SubmitCall, tool: Tool, args_digest: str) -> tuple[str | None, str | None]:
+    """The caller key a new operation for `kw` carries, and its call identity (None unless
+    it joins identical calls)."""
+    intent = kw.intent
+    if not intent.join_identical:
+        return intent.idempotency_key, None
+    call_key = call_identity(tenant=intent.tenant, task_id=intent.task_id, tool=tool.name,
+                             arguments_digest=args_digest, repeat=intent.repeat)
+    # A key-less call still runs under a key the caller can send again later: its own.
+    return intent.idempotency_key or "auto-" + kw.operation_id, call_key
+
+
 def _checked(kw: SubmitCall) -> tuple[Tool, str]:
     """The intent's tool and arguments digest; EffectLedgerError when it is refused."""
     tool = kw.catalog.get(kw.intent.tool)
@@ -205,15 +213,17 @@ def _new_operation(kw: SubmitCall, tool: Tool, args_digest: str, *, caller_key: 
                 Submitted(columns, created=True, command=command))
 
 
-# ---- an intent alone with a caller key: one statement -----------------------------------------
+# ---- a new intent alone: one statement -------------------------------------------------------
 #
-# An intent with a caller key read the key (lockless), then wrote its three rows (fused): two
-# round trips, each its own transaction. Alone in its transaction (an agent's call, one at a
-# time) it is one statement instead: the operation's INSERT with ON CONFLICT on the key,
-# and the journal entry and the dispatch command inserted from the row it inserted. A key
-# already taken writes nothing, and is read and compared as before (the same call again, or
-# a conflict). Only for an intent that goes straight to dispatch and does not join identical
-# calls (those read and release call identities).
+# An intent with a caller key read the key (lockless), then wrote its three rows (fused); one
+# that joins identical calls read its call identity's holder instead: two round trips, each its
+# own transaction. Alone in its transaction (an agent's call, one at a time; every MCP call is
+# one that joins) it is one statement instead: the operation's INSERT with ON CONFLICT DO
+# NOTHING, and the journal entry and the dispatch command inserted from the row it inserted.
+# The conflict is any unique key: the operation key (a caller key already taken) or the call
+# identity (a holder exists, which the call may join or take over). Either writes nothing, and
+# the intent is decided as a batch of one, which reads the key or the holder as before. Only
+# for an intent that goes straight to dispatch (not one awaiting approval).
 
 def _bound(prefix: str, table: sa.Table, names: Sequence[str]) -> list[sa.BindParameter[Any]]:
     return [sa.bindparam(f"{prefix}{n}", type_=table.c[n].type) for n in names]
@@ -229,7 +239,7 @@ def _new_alone() -> sa.Insert:
     new_op = (postgresql.insert(operations)
               .values(dict(zip(_OP_COLUMNS, _bound("op_", operations, _OP_COLUMNS),
                                strict=True)))
-              .on_conflict_do_nothing(index_elements=[operations.c.operation_key])
+              .on_conflict_do_nothing()
               .returning(operations.c.id).cte("new_op"))
     inserted = sa.select(new_op.c.id).exists()
     entry = journal.insert().from_select(
@@ -247,19 +257,19 @@ _NEW_ALONE = _new_alone()
 async def _created_alone(conn: AsyncConnection, kw: SubmitCall) -> Submitted | None:
     """The intent created by one statement (see above); None: decide as a batch of one."""
     intent = kw.intent
-    if intent.idempotency_key is None or intent.join_identical or not hot.direct(conn):
-        return None
+    if (intent.idempotency_key is None and not intent.join_identical) or not hot.direct(conn):
+        return None  # a key-less intent that joins nothing has no key to conflict on
     try:
         tool, args_digest = _checked(kw)
     except EffectLedgerError:
         return None  # refused: the batch path says why
     if tool.commit_policy == "approval":
         return None
+    given, call_key = _names(kw, tool, args_digest)
     op_key = derive_operation_key(tenant=intent.tenant, task_id=intent.task_id,
-                                  caller_key=intent.idempotency_key,
-                                  operation_id=kw.operation_id)
-    new = _new_operation(kw, tool, args_digest, caller_key=intent.idempotency_key,
-                         op_key=op_key, call_key=None)
+                                  caller_key=given, operation_id=kw.operation_id)
+    new = _new_operation(kw, tool, args_digest, caller_key=given, op_key=op_key,
+                         call_key=call_key)
     assert new.command_row is not None
     params = {**{f"op_{k}": v for k, v in new.columns.items()},
               **{f"j_{k}": v for k, v in new.entry.items()},
@@ -267,7 +277,7 @@ async def _created_alone(conn: AsyncConnection, kw: SubmitCall) -> Submitted | N
     written = bool(await hot.fetch(conn, _NEW_ALONE, params, lockless=True))
     metrics.child(metrics.DB_ALONE, "intent", "written" if written else "declined").inc()
     if not written:
-        return None  # the key is taken: read it
+        return None  # the key or the call identity is taken: read it
     note_transitions(conn, [new.entry])
     if new.command is None:
         await notify_outbox(conn)  # left to the relays
