@@ -258,7 +258,7 @@ async def _created_alone(conn: AsyncConnection, kw: SubmitCall) -> Submitted | N
     """The intent created by one statement (see above); None: decide as a batch of one."""
     intent = kw.intent
     if (intent.idempotency_key is None and not intent.join_identical) or not hot.direct(conn):
-        return None  # a key-less intent that joins nothing has no key to conflict on
+        return None  # key-less and joining nothing: its batch path reads nothing, one statement
     try:
         tool, args_digest = _checked(kw)
     except EffectLedgerError:
