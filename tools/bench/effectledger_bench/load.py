@@ -21,9 +21,12 @@ reported figure comes from the ledger's own timestamps, read from the database a
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,13 +48,46 @@ class LoadResult:
     wall_s: float = 0.0
     op_ids: list[str] = field(default_factory=list)
     error_samples: list[str] = field(default_factory=list)
+    # Open loop: how far behind its schedule each intent was sent (ms), and the generator's
+    # own full collections meanwhile (ms). A generator behind schedule sends what is due at
+    # once: a burst the system did not cause, which the tail would blame on it.
+    send_lag_ms: list[float] = field(default_factory=list)
+    gc_pauses_ms: list[float] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
-        return {"tag": self.tag, "mode": self.mode, "submitted": self.submitted,
-                "rejected": self.rejected, "errors": self.errors, "late": self.late,
-                "outcomes_seen": self.outcomes, "wall_s": round(self.wall_s, 3),
-                "submit_rate": round(self.submitted / self.wall_s, 1) if self.wall_s else None,
-                "error_samples": self.error_samples[:5]}
+        out = {"tag": self.tag, "mode": self.mode, "submitted": self.submitted,
+               "rejected": self.rejected, "errors": self.errors, "late": self.late,
+               "outcomes_seen": self.outcomes, "wall_s": round(self.wall_s, 3),
+               "submit_rate": round(self.submitted / self.wall_s, 1) if self.wall_s else None,
+               "error_samples": self.error_samples[:5]}
+        if self.send_lag_ms:
+            lags = sorted(self.send_lag_ms)
+            out["send_lag_ms"] = {
+                "p50": round(lags[len(lags) // 2], 2), "p99": round(lags[int(len(lags) * .99)], 2),
+                "max": round(lags[-1], 2), "over_5ms": sum(1 for x in lags if x > 5.0)}
+            out["generator_gc_ms"] = {"count": len(self.gc_pauses_ms),
+                                      "max": round(max(self.gc_pauses_ms, default=0.0), 2)}
+        return out
+
+
+@contextmanager
+def _collections(pauses_ms: list[float]) -> Iterator[None]:
+    """Append the length of every full collection (generation 2) of this process, in ms."""
+    started: list[float] = []
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            started[:] = [time.perf_counter()]
+        elif started:
+            pauses_ms.append((time.perf_counter() - started.pop()) * 1000)
+
+    gc.callbacks.append(timed)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(timed)
 
 
 class Progress:
@@ -144,14 +180,26 @@ class LoadGenerator:
         result = LoadResult(tag, f"open@{rate:g}/s")
         total = max(1, int(rate * duration_s))
         prog = Progress(tag, self.progress)
-        in_flight: set[asyncio.Task[None]] = set()
         t0 = time.monotonic()
+        seen0 = self.seen
+        with _collections(result.gc_pauses_ms):
+            await self._open_loop(tag, rate, total, t0, result, prog, max_in_flight)
+        result.wall_s = time.monotonic() - t0
+        result.outcomes = self.seen - seen0
+        prog.show(f"sent {total} in {result.wall_s:.1f}s", force=True)
+        prog.done()
+        return result
+
+    async def _open_loop(self, tag: str, rate: float, total: int, t0: float,
+                         result: LoadResult, prog: Progress, max_in_flight: int) -> None:
+        in_flight: set[asyncio.Task[None]] = set()
         seen0 = self.seen
         for i in range(total):
             due = t0 + i / rate
             delay = due - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)  # the schedule of an open-loop generator
+            result.send_lag_ms.append(max(0.0, (time.monotonic() - due) * 1000))
             if len(in_flight) >= max_in_flight:
                 result.late += 1
                 await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
@@ -162,11 +210,6 @@ class LoadGenerator:
                       f"  outcomes {self.seen - seen0}  outstanding {len(self.waiting)}")
         if in_flight:
             await asyncio.wait(in_flight)
-        result.wall_s = time.monotonic() - t0
-        result.outcomes = self.seen - seen0
-        prog.show(f"sent {total} in {result.wall_s:.1f}s", force=True)
-        prog.done()
-        return result
 
     async def closed_loop(self, tag: str, window: int, duration_s: float, *,
                           submitters: int = 32) -> LoadResult:
