@@ -5,6 +5,7 @@ never as a crash of the report."""
 from __future__ import annotations
 
 from effectledger_bench import pauses
+from effectledger_bench.pg import slow_statements
 from effectledger_bench.tail import clusters, section
 
 
@@ -23,13 +24,27 @@ def test_a_phase_row_carries_every_piece_of_evidence() -> None:
                                "gc_gen0": {"over_10ms": 1}, "gc_gen2": {"over_10ms": 0}},
              "dispatcher_stalls": {"loop_lag": {"samples": 50, "over_25ms": 1},
                                    "gc_gen1": {"over_10ms": 2}},
-             "pg": {"checkpoints": 1},
+             "pg": {"checkpoints": 1, "slow": {"over_ms": 15, "commits": 2,
+                                               "commit_max_ms": 36.6, "others": 0}},
              "machine_cpu_share": {"idle": 0.5, "iowait": 0.012, "steal": 0.031}}
     row = next(line for line in "\n".join(section([phase])).splitlines()
                if line.startswith("| half"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells == ["half", "1", "37.0", "119.8", "3", "2 at 1.36, 1 at 3.00",
-                     "265.0 / 4.0 / 1.5", "2 of 54 / 1 of 50", "1 / 2", "1", "3.1 / 1.2"]
+                     "265.0 / 4.0 / 1.5", "2 of 54 / 1 of 50", "1 / 2", "2, max 36.6", "1",
+                     "3.1 / 1.2"]
+
+
+def test_slow_commits_are_read_from_the_servers_log() -> None:
+    log = (
+        "2026-12-06 07:55:20.885 UTC [27669] LOG:  duration: 36.612 ms  statement: COMMIT;\n"
+        "2026-12-06 07:55:20.924 UTC [27669] LOG:  duration: 26.3 ms  statement: COMMIT;\n"
+        "2026-12-06 07:55:21.100 UTC [27670] LOG:  duration: 22.4 ms  execute "
+        "__asyncpg_stmt_1a__: WITH inserted AS (INSERT INTO inbox ...\n"
+        "2026-12-06 07:55:22.000 UTC [27670] LOG:  checkpoint starting: time\n")
+    assert slow_statements(log) == {"over_ms": 15, "commits": 2, "commit_max_ms": 36.6,
+                                    "others": 1}
+    assert slow_statements("")["commits"] == 0
 
 
 def test_a_phase_without_the_records_shows_dashes() -> None:

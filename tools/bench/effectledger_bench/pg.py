@@ -15,6 +15,8 @@ from typing import Any
 
 from effectledger_testkit.postgres import PrivatePostgres
 
+SLOW_STATEMENT_MS = 15
+
 DURABLE_SETTINGS = {
     "fsync": "on",
     "synchronous_commit": "on",
@@ -24,6 +26,9 @@ DURABLE_SETTINGS = {
     # Keep WAL between checkpoints so pg_waldump can count the commit records of a phase.
     "wal_keep_size": "4GB",
     "max_wal_size": "4GB",
+    # Statements slower than this go to the server's log: the tail section counts the slow
+    # COMMITs of each phase (a WAL flush that stalled holds every call queued behind it).
+    "log_min_duration_statement": str(SLOW_STATEMENT_MS),
     "listen_addresses": "127.0.0.1",
 }
 
@@ -51,6 +56,42 @@ class PgCounters:
         return {"xact_commit": later.xact_commit - self.xact_commit,
                 "wal_bytes": later.lsn - self.lsn,
                 "checkpoints": later.checkpoints - self.checkpoints}
+
+
+# A statement the server logged for its duration (`log_min_duration_statement`): a simple
+# query ("statement: COMMIT;") or an extended-protocol one ("execute <name>: ...").
+_SLOW_RE = re.compile(r"duration: ([0-9.]+) ms\s+(?:statement|execute [^:]*): (.*)")
+
+
+def slow_statements(log_text: str) -> dict[str, Any]:
+    """The slow statements in a stretch of the server's log: how many COMMITs and others, and
+    the longest COMMIT (ms)."""
+    commits: list[float] = []
+    others = 0
+    for m in _SLOW_RE.finditer(log_text):
+        if m.group(2).strip().upper().startswith("COMMIT"):
+            commits.append(float(m.group(1)))
+        else:
+            others += 1
+    return {"over_ms": SLOW_STATEMENT_MS, "commits": len(commits),
+            "commit_max_ms": round(max(commits), 1) if commits else None, "others": others}
+
+
+def log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def log_since(path: Path, offset: int) -> str:
+    """What the server logged after `offset` bytes ("" if the log is gone)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def read_counters(dsn_postgres: str, db: str, psql: str) -> PgCounters:

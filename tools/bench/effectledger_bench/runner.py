@@ -30,7 +30,7 @@ from .measure import (
     latency_stats,
     stage_latencies,
 )
-from .pg import PgCounters, read_counters, wal_commit_records
+from .pg import PgCounters, log_since, log_size, read_counters, slow_statements, wal_commit_records
 from .procs import CpuSample, machine_shares, machine_ticks, self_cpu, self_wakeups
 from .sqlcapture import extract, pgbench_script
 from .stack import TOOL, Stack
@@ -187,6 +187,8 @@ class Runner:
         log(f"{scenario} {params} (rep {rep + 1})")
         c0, me0, t0 = self.counters(), self_cpu(), time.monotonic()
         w0, m0 = self_wakeups(), machine_ticks()
+        pg_log = self.stack.pg.log if self.stack.pg is not None else None
+        log0 = log_size(pg_log) if pg_log is not None else 0
         s0, r0 = self.stack.samples_by_pid(), len(self.stack.retired)
         stalls0 = await pauses.scrape(self.stack.ledger_url)
         dstalls0 = await pauses.scrape_many(self.stack.dispatcher_metrics())
@@ -229,6 +231,8 @@ class Runner:
                                          if wal_commits is not None else None),
                   "wal_bytes_per_op": round(d["wal_bytes"] / n),
                   "checkpoints": d["checkpoints"]}
+            if pg_log is not None:
+                pg["slow"] = slow_statements(log_since(pg_log, log0))
         result = {
             "scenario": scenario, "params": params, "rep": rep, "tags": tags,
             "wall_s": round(t1 - t0, 2), "still_moving": moving, **stats, "stages_ms": stages,

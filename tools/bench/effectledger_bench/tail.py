@@ -3,9 +3,10 @@
 A p99 far above the p95 means a few operations waited for something rare. Per phase this puts
 side by side: when the slowest 1 % were accepted (together, in one stall, or spread out), which
 of their stages grew, the ledger's and the dispatchers' event-loop lag and garbage collections
-(`pauses.py`), the PostgreSQL checkpoints begun, and the machine's own share of stolen and
-disk-wait time (`procs.machine_shares`): enough to tell a stall of the code from one of the
-machine."""
+(`pauses.py`), the COMMITs PostgreSQL logged as slow (a stalled WAL flush holds the one
+writer and everything queued behind it), the PostgreSQL checkpoints begun, and the machine's
+own share of stolen and disk-wait time (`procs.machine_shares`): enough to tell a stall of
+the code from one of the machine."""
 
 from __future__ import annotations
 
@@ -42,9 +43,19 @@ def _row(p: Phase) -> list[str]:
             f"{fmt(slow.get('claimed_to_outcome_p50'))} / "
             f"{fmt(slow.get('outcome_to_recorded_p50'))}",
             f"{_lag(ledger)} / {_lag(dispatchers)}", f"{_gc(ledger)} / {_gc(dispatchers)}",
+            _slow((p.get("pg") or {}).get("slow")),
             str((p.get("pg") or {}).get("checkpoints", "-")),
             f"{fmt(100 * mach['steal'], 1)} / {fmt(100 * mach['iowait'], 1)}"
             if "steal" in mach and "iowait" in mach else "-"]
+
+
+def _slow(slow: dict[str, Any] | None) -> str:
+    """The phase's COMMITs the server logged as slow: how many, and the longest."""
+    if not slow:
+        return "-"
+    if not slow.get("commits"):
+        return "0"
+    return f"{slow['commits']}, max {fmt(slow.get('commit_max_ms'))}"
 
 
 def _lag(stalls: dict[str, Any]) -> str:
@@ -72,9 +83,11 @@ def section(phases: list[Phase]) -> list[str]:
             "all); "
             "their stage medians (accepted → claimed / claimed → outcome / outcome → recorded); "
             "the event-loop lag samples over 25 ms and the garbage collections over 10 ms of "
-            "the ledger / the dispatchers (summed); PostgreSQL checkpoints begun; the "
+            "the ledger / the dispatchers (summed); the COMMITs PostgreSQL logged as slower "
+            "than 15 ms (each a WAL flush that held every call queued behind it), and the "
+            "longest; PostgreSQL checkpoints begun; the "
             "machine's stolen / disk-wait share of CPU time (%).", "",
             table(rows, ["scenario", "rep", "p95 ms", "p99 ms", "slowest n", "accepted at",
                          "their stages p50 ms", "loop lag > 25 ms (ledger / dispatchers)",
-                         "GC > 10 ms (ledger / dispatchers)",
+                         "GC > 10 ms (ledger / dispatchers)", "slow COMMITs (ms)",
                          "checkpoints", "steal / iowait %"]), ""]
