@@ -347,15 +347,17 @@ async def _intents_one_at_a_time(store: Store) -> list[Any]:
         submit_call(SubmitIntent(tool="create_ticket", arguments=a, idempotency_key="k9",
                                  join_identical=True), 9),
     ]
-    out: list[Any] = []
-    for call in calls:
-        try:
-            got = await store.run(call.one)
-        except Exception as exc:  # a refusal, compared by kind
-            out.append(type(exc).__name__)
-            continue
-        out.append((got.created, got.operation, got.command))
-    return out
+    return [await _submitted(store, call) for call in calls]
+
+
+async def _submitted(store: Store, call: SubmitCall) -> Any:
+    """An intent alone in its transaction, as the service runs it: its answer, or the kind of
+    its refusal."""
+    try:
+        got = await store.run(call.one)
+    except Exception as exc:  # a refusal, compared by kind
+        return type(exc).__name__
+    return (got.created, got.operation, got.command)
 
 
 async def test_alone_and_batched_intents_answer_and_write_the_same(
@@ -367,26 +369,25 @@ async def test_alone_and_batched_intents_answer_and_write_the_same(
     assert alone[4][2] is not None  # the leased command, for the direct publisher
 
 
+def _join(n: int | str, arguments: dict[str, Any], *, tool: str = "create_ticket",
+          now: datetime = NOW, leased: bool = True, **intent: Any) -> SubmitCall:
+    """An intent that joins identical calls (what the MCP server sends), as operation `op<n>`."""
+    return SubmitCall(catalog=CATALOG, intent=SubmitIntent(
+        tool=tool, arguments=arguments, join_identical=True, **intent), subjects=SUBJECTS,
+        operation_id=f"op{n}", outbox_id=f"ob{n}", now=now,
+        lease_until=LATER if leased else None)
+
+
 async def _joins_one_at_a_time(store: Store) -> list[Any]:
     """Intents that join identical calls (every MCP call), of every kind, one at a time."""
     a, b = {"title": "a"}, {"title": "b"}
-
-    def join(n: int, arguments: dict[str, Any] = a, *, tool: str = "create_ticket",
-             now: datetime = NOW, leased: bool = True, **intent: Any) -> SubmitCall:
-        return SubmitCall(catalog=CATALOG, intent=SubmitIntent(
-            tool=tool, arguments=arguments, join_identical=True, **intent), subjects=SUBJECTS,
-            operation_id=f"op{n}", outbox_id=f"ob{n}", now=now,
-            lease_until=LATER if leased else None)
-
     out: list[Any] = []
 
     async def run(call: SubmitCall) -> None:
-        try:
-            got = await store.run(call.one)
-        except Exception as exc:  # a refusal, compared by kind
-            out.append(type(exc).__name__)
-            return
-        out.append((got.created, got.operation, got.command))
+        out.append(await _submitted(store, call))
+
+    def join(n: int, arguments: dict[str, Any] = a, **kw: Any) -> SubmitCall:
+        return _join(n, arguments, **kw)
 
     await run(join(1))  # a new identity
     await run(join(2))  # the same call again: joins op1
@@ -423,11 +424,8 @@ async def test_concurrent_identical_calls_make_one_operation(store: Store) -> No
     others joined to it (the call identity's unique key stops each later INSERT)."""
     _postgres_only(store)
     for n in range(3):
-        answers = await asyncio.gather(*(store.run(SubmitCall(
-            catalog=CATALOG, intent=SubmitIntent(tool="create_ticket", arguments={"n": n},
-                                                 join_identical=True),
-            subjects=SUBJECTS, operation_id=f"op{n}-{k}", outbox_id=f"ob{n}-{k}", now=NOW,
-            lease_until=LATER).one) for k in range(4)))
+        answers = await asyncio.gather(*(store.run(_join(f"{n}-{k}", {"n": n}).one)
+                                         for k in range(4)))
         assert sorted(a.created for a in answers) == [False, False, False, True], answers
         assert len({a.operation["id"] for a in answers}) == 1
     async with store.transaction() as conn:
@@ -439,16 +437,11 @@ async def test_a_new_joining_intent_alone_is_one_statement(store: Store) -> None
     """An MCP call's intent: one statement when its call identity is new; the same call
     again writes nothing by it, then reads the holder and joins it."""
     _postgres_only(store)
-    first = SubmitCall(catalog=CATALOG, intent=SubmitIntent(
-        tool="create_ticket", arguments={"t": 1}, join_identical=True), subjects=SUBJECTS,
-        operation_id="op1", outbox_id="ob1", now=NOW, lease_until=LATER)
-    [sent] = await _sent_alone(store, first)
+    [sent] = await _sent_alone(store, _join(1, {"t": 1}))
     assert "INSERT INTO operations" in sent and "ON CONFLICT DO NOTHING" in sent
     rows = await _as_printed(store)
     assert (len(rows["operations"]), len(rows["journal"]), len(rows["outbox"])) == (1, 1, 1)
-    again = await _sent_alone(store, SubmitCall(catalog=CATALOG, intent=SubmitIntent(
-        tool="create_ticket", arguments={"t": 1}, join_identical=True), subjects=SUBJECTS,
-        operation_id="op2", outbox_id="ob2", now=NOW, lease_until=LATER))
+    again = await _sent_alone(store, _join(2, {"t": 1}))
     assert again[0].startswith("WITH new_op") and again[1].startswith("SELECT")
     assert await _as_printed(store) == rows
 
