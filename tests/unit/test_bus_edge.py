@@ -79,6 +79,19 @@ async def test_heartbeat_sends_in_progress_while_the_work_runs_and_stops_after()
     assert d.beats == beats
 
 
+async def test_a_beat_that_ends_as_the_body_ends_arms_no_further_beat() -> None:
+    # The body leaves right after a beat: the beat's task is done, but its callback (which
+    # arms the next timer) has not run yet. It must not arm one for a finished body.
+    d = FakeDelivery(b"")
+    async with heartbeat(d, 0.01):
+        await d.beaten.wait()
+    beats = d.beats
+    d.beaten.clear()
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(d.beaten.wait(), 0.1)
+    assert d.beats == beats
+
+
 async def test_publish_retries_an_outage_under_one_message_id() -> None:
     publisher = FakePublisher()
     publisher.failures = 2

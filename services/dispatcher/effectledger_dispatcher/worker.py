@@ -143,11 +143,14 @@ class Dispatcher:
         # Before the claim request: the ledger's claimed_at is later, so this never
         # under-counts the time that the reconciler's horizon counts.
         window = SendWindow.for_horizon(self.monotonic(), tool.horizon_s)
+        # Computed from the arguments this process would send, never copied from the
+        # command's own `arguments_digest` field, which a forger writes as easily.
+        digest = arguments_digest(cmd.arguments)
         with tracing.span("claim", attributes={"effectledger.attempt_id": attempt_id}):
-            reply = await self._claim(cmd, attempt_id, d)
+            reply = await self._claim(cmd, attempt_id, digest, d)
         step = decision.decide(reply, attempt_id=attempt_id, deliveries=d.deliveries,
                                tool_timeout_s=tool.timeout_s, skip_claim=self.skip_claim,
-                               tool=cmd.tool, arguments_digest=arguments_digest(cmd.arguments))
+                               tool=cmd.tool, arguments_digest=digest)
         self._note_claim(key, attempt_id, reply)
         if isinstance(step, decision.Nak):
             await d.nak(delay=step.delay_s)
@@ -238,14 +241,12 @@ class Dispatcher:
         crash_point("dispatcher.after_response")
         return outcome
 
-    async def _claim(self, cmd: DispatchAttempt, attempt_id: str,
+    async def _claim(self, cmd: DispatchAttempt, attempt_id: str, digest: str,
                      d: Delivery) -> ClaimReply | None:
         """The ledger's claim reply; None if it did not answer or refused the request."""
-        # The digest is computed from the arguments this process would send, never copied from
-        # the command's own `arguments_digest` field, which a forger writes as easily.
         request = ClaimAttempt(operation_id=cmd.operation_id, epoch=cmd.epoch,
                                attempt_id=attempt_id, dispatcher_id=self.dispatcher_id,
-                               tool=cmd.tool, arguments_digest=arguments_digest(cmd.arguments))
+                               tool=cmd.tool, arguments_digest=digest)
         # Retrying with the same attempt id is safe: the ledger re-grants the same attempt.
         for tries in range(CLAIM_TRIES):
             if tries:
