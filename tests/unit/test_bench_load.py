@@ -11,7 +11,8 @@ def test_send_lag_is_summarised_with_the_sends_over_5_ms() -> None:
     result = LoadResult("t", "open@100/s", submitted=100, wall_s=1.0,
                         send_lag_ms=[0.1] * 97 + [6.0, 40.0, 120.0])
     out = result.to_json()
-    assert out["send_lag_ms"] == {"p50": 0.1, "p99": 120.0, "max": 120.0, "over_5ms": 3}
+    # Nearest rank, as every other percentile of the report: p99 of 100 sends is the 99th.
+    assert out["send_lag_ms"] == {"p50": 0.1, "p99": 40.0, "max": 120.0, "over_5ms": 3}
     assert out["generator_gc_ms"] == {"count": 0, "max": 0.0}
 
 
