@@ -76,6 +76,10 @@ class Stack:
     provider_timeout_s: float = 2.0
     ledger_env: dict[str, str] = field(default_factory=dict)
     dispatcher_env: dict[str, str] = field(default_factory=dict)
+    # A command each service of a kind runs under (e.g. valgrind for `instructions.py`), and
+    # how many times longer such a service may take to become ready.
+    wrappers: dict[str, list[str]] = field(default_factory=dict)
+    slow_start: float = 1.0
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -161,7 +165,8 @@ class Stack:
     def _spawn(self, name: str, kind: str, args: list[str], env: dict[str, str]) -> Service:
         log = self.logs / f"{name}.log"
         with open(log, "ab") as out:
-            popen = subprocess.Popen([sys.executable, "-m", self.launcher(), *args], env=env,
+            popen = subprocess.Popen([*self.wrappers.get(kind, []), sys.executable, "-m",
+                                      self.launcher(), *args], env=env,
                                      cwd=self.workdir, stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
         svc = Service(name, kind, popen, popen.pid, log)
@@ -182,7 +187,7 @@ class Stack:
         svc = self._spawn("ledger", "ledger", ["ledger"], self.env(self.ledger_env))
         # /readyz/relay: the bench submits over NATS request-reply, which the ledger serves
         # only once its NATS side runs (plain /readyz holds as soon as the database answers).
-        self._wait_http(svc, f"{self.ledger_url}/readyz/relay", timeout=90)
+        self._wait_http(svc, f"{self.ledger_url}/readyz/relay", timeout=90 * self.slow_start)
 
     def start_dispatcher(self, index: int) -> None:
         name = f"dispatcher-{index}"
@@ -193,12 +198,13 @@ class Stack:
         svc = self._spawn(name, "dispatcher", ["dispatcher"], env)
         svc.metrics_url = f"http://127.0.0.1:{port}"
         marker = f"dispatcher ready: {name}".encode()
-        deadline = time.monotonic() + 60
+        limit_s = 60 * self.slow_start
+        deadline = time.monotonic() + limit_s
         assert svc.log is not None
         while marker not in svc.log.read_bytes():
             self._check(svc)
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{name} not ready in 60 s; see {svc.log}")
+                raise TimeoutError(f"{name} not ready in {limit_s:.0f} s; see {svc.log}")
             time.sleep(0.05)  # polling the process's log for its readiness line
 
     def dispatcher_metrics(self) -> list[str]:
