@@ -38,6 +38,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from effectledger_obs import metrics
 
 from .calls import BatchCall
+from .pgtx import Pinned
 from .store import Store
 
 log = logging.getLogger(__name__)
@@ -150,21 +151,28 @@ class GroupCommit:
     async def _work(self) -> None:
         assert self._ready is not None
         ready = self._ready
-        while True:
-            batch = self._take()
-            if not batch:
-                ready.clear()
-                await ready.wait()
-                continue
-            # Urgent calls arriving now need not wait for this batch's commit (`_express`).
-            express = len(batch) >= EXPRESS_AFTER and not any(_is_urgent(c) for c in batch)
-            self._express_open += express
-            try:
-                if express and self._urgent and self._urgent_ready is not None:
-                    self._urgent_ready.set()
-                await self._run_guarded(batch)
-            finally:
-                self._express_open -= express
+        # A worker runs one transaction at a time: it keeps its connection between them
+        # (pgtx.Pinned) instead of a pool checkout and check-in for each.
+        pinned = self.store.pinned()
+        try:
+            while True:
+                batch = self._take()
+                if not batch:
+                    ready.clear()
+                    await ready.wait()
+                    continue
+                # Urgent calls arriving now need not wait for this batch's commit (`_express`).
+                express = len(batch) >= EXPRESS_AFTER and not any(_is_urgent(c) for c in batch)
+                self._express_open += express
+                try:
+                    if express and self._urgent and self._urgent_ready is not None:
+                        self._urgent_ready.set()
+                    await self._run_guarded(batch, pinned)
+                finally:
+                    self._express_open -= express
+        finally:
+            if pinned is not None:
+                await pinned.release()
 
     async def _express(self, urgent_ready: asyncio.Event) -> None:
         """Urgent calls beside a large batch of background calls, in a transaction of their own.
@@ -187,9 +195,10 @@ class GroupCommit:
             if batch:
                 await self._run_guarded(batch)
 
-    async def _run_guarded(self, batch: list[_Call[Any]]) -> None:
+    async def _run_guarded(self, batch: list[_Call[Any]], pinned: Pinned | None = None
+                           ) -> None:
         try:
-            await self._run_batch(batch)
+            await self._run_batch(batch, pinned)
         except BaseException as exc:  # cancelled while running: nobody may wait forever
             for call in batch:
                 if not call.future.done():
@@ -197,19 +206,19 @@ class GroupCommit:
                         exc if isinstance(exc, Exception) else RuntimeError("ledger stopping"))
             raise
 
-    async def _run_batch(self, batch: list[_Call[Any]]) -> None:
+    async def _run_batch(self, batch: list[_Call[Any]], pinned: Pinned | None) -> None:
         self.stats.batches += 1
         self.stats.calls += len(batch)
         self.stats.largest = max(self.stats.largest, len(batch))
         metrics.child(metrics.DB_BATCH_SIZE, self.name).observe(len(batch))
         started = time.perf_counter()
         if len(batch) == 1:
-            await self._run_alone(batch[0])
+            await self._run_alone(batch[0], pinned)
             metrics.child(metrics.DB_TRANSACTION_DURATION, self.name).observe(
                 time.perf_counter() - started)
             return
         try:
-            async with self.store.transaction() as conn:
+            async with self.store.transaction(pinned) as conn:
                 results = await _run_in(conn, batch)
             metrics.child(metrics.DB_TRANSACTION_DURATION, self.name).observe(
                 time.perf_counter() - started)
@@ -228,9 +237,10 @@ class GroupCommit:
             else:
                 call.future.set_result(result)
 
-    async def _run_alone(self, call: _Call[Any]) -> None:
+    async def _run_alone(self, call: _Call[Any], pinned: Pinned | None = None) -> None:
+        # A batch's fallback replays its calls at once, each on a checkout of its own (no pin).
         try:
-            result = await self.store.run(call.fn, *call.args, **call.kwargs)
+            result = await self.store.run(call.fn, *call.args, pinned=pinned, **call.kwargs)
         except Exception as exc:
             if not call.future.done():
                 call.future.set_exception(exc)

@@ -125,12 +125,18 @@ class Store:
     def is_postgres(self) -> bool:
         return self.dialect == "postgresql"
 
+    def pinned(self) -> pgtx.Pinned | None:
+        """A connection a writer may keep between its transactions (`pgtx.Pinned`); None on
+        SQLite, whose one connection is the pool."""
+        return pgtx.Pinned(self._autocommit, self._guard) if self.is_postgres else None
+
     @asynccontextmanager
-    async def transaction(self) -> AsyncIterator[AsyncConnection]:
+    async def transaction(self, pinned: pgtx.Pinned | None = None
+                          ) -> AsyncIterator[AsyncConnection]:
         changed: list[JournalRow] | None = None
         try:
-            begin = (pgtx.transaction(self._autocommit, self._guard) if self.is_postgres
-                     else self.engine.begin())
+            begin = (pgtx.transaction(self._autocommit, self._guard, pinned)
+                     if self.is_postgres else self.engine.begin())
             async with begin as conn:
                 conn.info.pop(NOTIFY_FLAG, None)  # info outlives a checkout: start clean
                 conn.info.pop(TRANSITIONS_KEY, None)
@@ -173,8 +179,10 @@ class Store:
             raise unavailable from exc
 
     async def run(self, fn: Callable[..., Awaitable[T]], *args: Any, attempts: int = RETRY_ATTEMPTS,
-                  **kwargs: Any) -> T:
-        """Run `fn(conn, *args)` in a fresh transaction, retrying retryable failures.
+                  pinned: pgtx.Pinned | None = None, **kwargs: Any) -> T:
+        """Run `fn(conn, *args)` in a fresh transaction, retrying retryable failures (on the
+        connection `pinned` holds, if given: a failed try gives it back, so a retry draws a
+        fresh one).
 
         Waits of 0.05, 0.1, 0.2, 0.4 s, then 0.5 s each (plus up to 0.05 s of jitter): about
         3.3 s in all, so a database restart of a few seconds is ridden out, and once it is back
@@ -190,7 +198,7 @@ class Store:
         )
         async for attempt in retrying:
             with attempt:
-                async with self.transaction() as conn:
+                async with self.transaction(pinned) as conn:
                     return await fn(conn, *args, **kwargs)
         raise AssertionError("unreachable")  # pragma: no cover
 
