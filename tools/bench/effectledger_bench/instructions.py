@@ -7,13 +7,15 @@ ops/s in two quick runs). An instruction count does not: callgrind counts what t
 executed, whatever else the machine is doing.
 
 The stack is the benchmark's own (stack.py), with one service (the dispatcher or the ledger)
-run under `valgrind --tool=callgrind`. N operations are submitted and awaited, four at a time,
-and the service is stopped; valgrind reports the instructions it executed. Start-up and
-shutdown are the same for any N, so two counts give the figure per operation:
+run under `valgrind --tool=callgrind`. N operations are submitted and awaited, C at a time
+(four by default; one is an agent's calls one after another), and the service is stopped;
+valgrind reports the instructions it executed. Start-up and shutdown are the same for any N,
+so two counts give the figure per operation:
 
     (instructions at N2 - instructions at N1) / (N2 - N1)
 
-    python -m effectledger_bench.instructions dispatcher [--n 50 250] [--out FILE.json]
+    python -m effectledger_bench.instructions dispatcher [--n 50 250] [--concurrency 4]
+                                                         [--out FILE.json]
 
 Under valgrind a service runs 30-60 times slower: the provider's timeout is raised so that no
 call ends ambiguous, and the counts include whatever the service's timers do meanwhile (its
@@ -61,7 +63,7 @@ def per_operation(counts: dict[int, int]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den
 
 
-def count(service: str, n: int, workdir: Path) -> int:
+def count(service: str, n: int, workdir: Path, concurrency: int = CONCURRENCY) -> int:
     """Instructions `service` executed in a stack that ran `n` operations."""
     from .stack import Stack
 
@@ -73,7 +75,7 @@ def count(service: str, n: int, workdir: Path) -> int:
                                       "--callgrind-out-file=/dev/null", f"--log-file={log}"]})
     try:
         stack.start()
-        asyncio.run(_drive(stack.ledger_url, n))
+        asyncio.run(_drive(stack.ledger_url, n, concurrency))
         name = "dispatcher-1" if service == "dispatcher" else "ledger"
         if service == "ledger":
             stack.stop("dispatcher-1")
@@ -83,13 +85,13 @@ def count(service: str, n: int, workdir: Path) -> int:
     return collected(log.read_text(errors="replace"))
 
 
-async def _drive(ledger_url: str, n: int) -> None:
+async def _drive(ledger_url: str, n: int, concurrency: int) -> None:
     from effectledger_client import AsyncClient
 
     from .stack import TOOL
 
     tag = f"ins{time.time_ns()}"
-    slots = asyncio.Semaphore(CONCURRENCY)
+    slots = asyncio.Semaphore(concurrency)
     async with AsyncClient(ledger_url, token="") as client:
         async def one(i: int) -> None:
             async with slots:
@@ -102,14 +104,16 @@ async def _drive(ledger_url: str, n: int) -> None:
         await asyncio.gather(*(one(i) for i in range(n)))
 
 
-def measure(service: str, ns: list[int]) -> dict[str, Any]:
+def measure(service: str, ns: list[int], concurrency: int = CONCURRENCY) -> dict[str, Any]:
     if len(set(ns)) < 2:
         raise ValueError("--n needs two different counts, e.g. 50 250")
+    if concurrency < 1:
+        raise ValueError("--concurrency must be at least 1")
     counts: dict[int, int] = {}
     for n in ns:
         with tempfile.TemporaryDirectory(prefix="effectledger-instructions-") as tmp:
-            counts[n] = count(service, n, Path(tmp))
-    return {"service": service, "concurrency": CONCURRENCY,
+            counts[n] = count(service, n, Path(tmp), concurrency)
+    return {"service": service, "concurrency": concurrency,
             "instructions": {str(n): c for n, c in counts.items()},
             "per_operation": round(per_operation(counts))}
 
@@ -120,12 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("service", choices=SERVICES)
     ap.add_argument("--n", type=int, nargs="+", default=[50, 250],
                     help="operations per run, two or more different counts")
+    ap.add_argument("--concurrency", type=int, default=CONCURRENCY,
+                    help="operations in flight at once (1: one after another)")
     ap.add_argument("--out", type=Path, help="also write the JSON document here")
     args = ap.parse_args(argv)
     if shutil.which("valgrind") is None:
         print("valgrind is not on PATH (Debian: apt-get install valgrind)", file=sys.stderr)
         return 2
-    result = measure(args.service, args.n)
+    result = measure(args.service, args.n, args.concurrency)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out:
