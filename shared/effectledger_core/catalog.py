@@ -96,6 +96,8 @@ class Readback(_Strict):
 
 
 class Tool(_Strict):
+    """One catalog entry (docs/catalog.md)."""
+
     name: str
     endpoint: str
     method: Literal["POST", "PUT", "PATCH", "DELETE", "GET"] = "POST"
@@ -206,13 +208,22 @@ class Tool(_Strict):
         return self
 
     def digest(self) -> str:
+        # Every intent records its tool's digest: computed once per Tool object (a frozen
+        # model, loaded once per catalog), not per intent (20 us each on a slow machine).
+        hit = _DIGESTS.get(id(self))
+        if hit is not None and hit[0] is self:
+            return hit[1]
         data = self.model_dump(mode="json")
         # Fields added after entries were first digested count only when set, so an entry
         # that does not use them keeps the digest its receipts already carry.
         for name, default in _LATER_FIELDS.items():
             if data.get(name) == default:
                 del data[name]
-        return digest(data)
+        value = digest(data)
+        if len(_DIGESTS) >= 1024:  # catalogs are few and long-lived; reloads may fill it
+            _DIGESTS.clear()
+        _DIGESTS[id(self)] = (self, value)
+        return value
 
     def public_view(self) -> dict[str, Any]:
         """The entry as agents may see it: header values (which may name secrets) withheld."""
@@ -274,6 +285,7 @@ def tool_input_schema(tool: Tool) -> dict[str, Any]:
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **root}
 
 
+_DIGESTS: dict[int, tuple[Tool, str]] = {}  # Tool.digest's, by the Tool object itself
 _LATER_FIELDS: dict[str, Any] = {"max_result_bytes": MAX_RESULT_BYTES, "result_path": None,
                                  "dedupe_window_s": DEFAULT_DEDUPE_WINDOW_S, "title": "",
                                  "reversibility": None}

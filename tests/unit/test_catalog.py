@@ -194,6 +194,18 @@ def test_digest_is_stable_across_dict_order() -> None:
             == Catalog.from_mapping({"tools": dict(reversed(two.items()))}).digest())
 
 
+def test_a_digest_remembered_for_another_tool_object_is_not_taken() -> None:
+    """Tool.digest is remembered by the object's id; an id reused by a new object (the old
+    one gone) must not hand it the old tool's digest."""
+    from effectledger_core import catalog as catalog_module
+
+    a, b = _load(_tool(contract_revision="r1")), _load(_tool(contract_revision="r2"))
+    tool_a, tool_b = a.get("make_thing"), b.get("make_thing")
+    expected = tool_b.digest()
+    catalog_module._DIGESTS[id(tool_b)] = (tool_a, tool_a.digest())  # as after an id reuse
+    assert tool_b.digest() == expected != tool_a.digest()
+
+
 def test_digest_changes_when_contract_revision_changes() -> None:
     """A new contract revision is a different contract: tool and catalog digests change."""
     a, b = _load(_tool(contract_revision="r1")), _load(_tool(contract_revision="r2"))
