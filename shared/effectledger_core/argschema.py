@@ -14,7 +14,7 @@ from typing import Any
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError
 
-from .catalog import Tool, tool_input_schema
+from .catalog import PerTool, Tool, tool_input_schema
 from .digest import canonical_json
 from .errors import InvalidArguments
 
@@ -32,20 +32,9 @@ def _compile(schema_json: str) -> Draft202012Validator:
 
 
 # Admission is the ledger's hot path: the validator is found by the Tool object itself, so the
-# schema is not rebuilt and serialised per intent. Catalogs are few and long-lived; the map is
-# cleared if reloads ever fill it.
-_by_tool: dict[int, tuple[Tool, Draft202012Validator]] = {}
-
-
-def _validator(tool: Tool) -> Draft202012Validator:
-    hit = _by_tool.get(id(tool))
-    if hit is not None and hit[0] is tool:
-        return hit[1]
-    if len(_by_tool) >= 1024:
-        _by_tool.clear()
-    validator = _compile(canonical_json(tool_input_schema(tool)))
-    _by_tool[id(tool)] = (tool, validator)
-    return validator
+# schema is not rebuilt and serialised per intent.
+_validator: PerTool[Draft202012Validator] = PerTool(
+    lambda tool: _compile(canonical_json(tool_input_schema(tool))))
 
 
 def _problems(error: ValidationError) -> list[dict[str, str]]:

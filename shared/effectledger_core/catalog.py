@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
@@ -208,22 +209,9 @@ class Tool(_Strict):
         return self
 
     def digest(self) -> str:
-        # Every intent records its tool's digest: computed once per Tool object (a frozen
-        # model, loaded once per catalog), not per intent (20 us each on a slow machine).
-        hit = _DIGESTS.get(id(self))
-        if hit is not None and hit[0] is self:
-            return hit[1]
-        data = self.model_dump(mode="json")
-        # Fields added after entries were first digested count only when set, so an entry
-        # that does not use them keeps the digest its receipts already carry.
-        for name, default in _LATER_FIELDS.items():
-            if data.get(name) == default:
-                del data[name]
-        value = digest(data)
-        if len(_DIGESTS) >= 1024:  # catalogs are few and long-lived; reloads may fill it
-            _DIGESTS.clear()
-        _DIGESTS[id(self)] = (self, value)
-        return value
+        # Every intent records its tool's digest: computed once per Tool object, not per
+        # intent (20 us each on a slow machine).
+        return _DIGESTS(self)
 
     def public_view(self) -> dict[str, Any]:
         """The entry as agents may see it: header values (which may name secrets) withheld."""
@@ -285,7 +273,40 @@ def tool_input_schema(tool: Tool) -> dict[str, Any]:
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **root}
 
 
-_DIGESTS: dict[int, tuple[Tool, str]] = {}  # Tool.digest's, by the Tool object itself
+V = TypeVar("V")
+
+
+class PerTool(Generic[V]):
+    """`compute(tool)` once per Tool object, remembered by the object itself (a Tool holds
+    dicts, so it is not hashable; an id reused by a new object is not taken for the old one).
+    Catalogs are few and long-lived; the memo is cleared if reloads ever fill it."""
+
+    def __init__(self, compute: Callable[[Tool], V], *, limit: int = 1024) -> None:
+        self.compute, self.limit = compute, limit
+        self.memo: dict[int, tuple[Tool, V]] = {}
+
+    def __call__(self, tool: Tool) -> V:
+        hit = self.memo.get(id(tool))
+        if hit is not None and hit[0] is tool:
+            return hit[1]
+        if len(self.memo) >= self.limit:
+            self.memo.clear()
+        value = self.compute(tool)
+        self.memo[id(tool)] = (tool, value)
+        return value
+
+
+def _tool_digest(tool: Tool) -> str:
+    data = tool.model_dump(mode="json")
+    # Fields added after entries were first digested count only when set, so an entry that
+    # does not use them keeps the digest its receipts already carry.
+    for name, default in _LATER_FIELDS.items():
+        if data.get(name) == default:
+            del data[name]
+    return digest(data)
+
+
+_DIGESTS: PerTool[str] = PerTool(_tool_digest)  # Tool.digest's
 _LATER_FIELDS: dict[str, Any] = {"max_result_bytes": MAX_RESULT_BYTES, "result_path": None,
                                  "dedupe_window_s": DEFAULT_DEDUPE_WINDOW_S, "title": "",
                                  "reversibility": None}

@@ -202,7 +202,7 @@ def test_a_digest_remembered_for_another_tool_object_is_not_taken() -> None:
     a, b = _load(_tool(contract_revision="r1")), _load(_tool(contract_revision="r2"))
     tool_a, tool_b = a.get("make_thing"), b.get("make_thing")
     expected = tool_b.digest()
-    catalog_module._DIGESTS[id(tool_b)] = (tool_a, tool_a.digest())  # as after an id reuse
+    catalog_module._DIGESTS.memo[id(tool_b)] = (tool_a, tool_a.digest())  # as after an id reuse
     assert tool_b.digest() == expected != tool_a.digest()
 
 

@@ -198,10 +198,6 @@ class Pinned:
         self._generation = 0
         self._since = 0.0
 
-    @property
-    def held(self) -> AsyncConnection | None:
-        return self._conn
-
     async def connection(self) -> AsyncConnection:
         conn = self._conn
         if conn is not None and (conn.closed or conn.invalidated

@@ -196,9 +196,12 @@ class Store:
         first attempt re-raising that error, so the tries, waits and stop are tenacity's as
         before.
         """
-        try:
+        async def once() -> T:
             async with self.transaction(pinned) as conn:
                 return await fn(conn, *args, **kwargs)
+
+        try:
+            return await once()
         except StoreUnavailable as exc:
             failed: StoreUnavailable | None = exc
         retrying = AsyncRetrying(
@@ -212,8 +215,7 @@ class Store:
                 if failed is not None:
                     first, failed = failed, None
                     raise first  # the first try, made above: tenacity counts it and waits
-                async with self.transaction(pinned) as conn:
-                    return await fn(conn, *args, **kwargs)
+                return await once()
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def ping(self) -> bool:
