@@ -19,6 +19,7 @@ import pytest
 
 from effectledger_chaos import ChaosConfig, run_chaos
 from effectledger_chaos.config import ALL_FAULTS
+from effectledger_chaos.metrics import DELIVERY_FAULTS
 from effectledger_chaos.procs import database_choice
 from effectledger_chaos.report import table
 
@@ -76,8 +77,22 @@ def test_every_fault_kind_was_injected(reports: dict[int, dict[str, Any]], seed:
     # test_chaos_cluster_ci.py).
     active = ChaosConfig.from_json(reports[seed]["config"]).active_faults
     assert set(active) | set(reports[seed]["config"]["faults_skipped"]) == set(ALL_FAULTS)
-    missing = [k for k in active if injected.get(k, {}).get("injected", 0) < 1]
+    # A webhook delivery fault waits for its operation's applied effect. When other faults
+    # sent every one of its operations to review before any request (the provider's own
+    # truth shows no effect for any of them), it had nothing to act on: excused here, once
+    # the truth proves it, and the test below wants it injected in another seed.
+    excused = set(reports[seed]["faults_never_triggered"])
+    missing = [k for k in active
+               if injected.get(k, {}).get("injected", 0) < 1 and k not in excused]
     assert not missing, {k: injected.get(k) for k in missing}
+
+
+def test_every_webhook_delivery_fault_was_injected_in_some_seed(
+        reports: dict[int, dict[str, Any]]) -> None:
+    """The excuse above never covers a kind in every seed: each delivery fault fired somewhere."""
+    for kind in DELIVERY_FAULTS:
+        fired = {seed: r["faults_injected"].get(kind, {}) for seed, r in reports.items()}
+        assert any(f.get("injected", 0) >= 1 for f in fired.values()), (kind, fired)
 
 
 @pytest.mark.parametrize("seed", SEEDS)

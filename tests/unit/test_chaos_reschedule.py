@@ -1,5 +1,6 @@
 """The proving ground cannot pass without its faults: a fault planned inside an outage runs
-after it, and a full run fails when a planned kind was never injected."""
+after it, a full run fails when a planned kind was never injected, and a webhook delivery
+fault counts as never triggered only when the provider never applied any of its effects."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from typing import Any, cast
 
 import pytest
 
-from effectledger_chaos import faults, report
+from effectledger_chaos import faults, metrics, report
 from effectledger_chaos.checker import INVARIANTS
 from effectledger_chaos.config import ChaosConfig
 from effectledger_chaos.faults import FaultRunner
-from effectledger_chaos.schedule import Schedule, TimedFault
+from effectledger_chaos.schedule import OpFault, OpPlan, Schedule, TimedFault
 from effectledger_chaos.stack import Stack
 
 
@@ -111,3 +112,46 @@ def test_an_unexpected_exit_fails_the_run_even_with_every_invariant_zero(
     out = report.build(ChaosConfig(ci=True), Schedule(seed=1, fault_phase_s=1.0, ops=[],
                                                       timed=[]), result, tmp_path)
     assert out["invariants_ok"] is True and out["ok"] is False
+
+
+def _op(i: int, *kinds: str) -> OpPlan:
+    return OpPlan(index=i, type="c", tool="plain_webhook", route="plainhook",
+                  caller_key=f"c{i}", operation_key=f"k{i}", submit_at=0.0, arguments={},
+                  faults=[OpFault(k) for k in kinds])
+
+
+def _hook_fault(key: str, fired: int) -> dict[str, Any]:
+    return {"match": {"route": "plainhook", "key": key, "type": "effect.applied"},
+            "action": {"kind": "duplicate", "copies": 2, "concurrent": 1}, "fired": fired}
+
+
+def test_a_delivery_fault_whose_effects_never_applied_is_untriggered_not_missing(
+        tmp_path: Path) -> None:
+    """Two duplicate faults armed, neither fired, and the provider applied neither effect:
+    never injected, and never triggered. With one of the two effects applied (so its
+    webhook was sent and the fault should have fired), it is not excused."""
+    schedule = Schedule(seed=1, fault_phase_s=1.0, timed=[],
+                        ops=[_op(0, "webhook_duplicate"), _op(1, "webhook_duplicate"),
+                             _op(2, "late_apply")])
+    hooks = {"provider": [], "webhook": [_hook_fault("k0", 0), _hook_fault("k1", 0)]}
+    unapplied = {"k0": {"applied": 0}, "k2": {"applied": 1}}
+    counted = metrics.injected(schedule, [], hooks, [], {}, unapplied)
+    assert counted["webhook_duplicate"] == {"planned": 2, "injected": 0, "untriggered": 2}
+    assert "untriggered" not in counted["late_apply"]
+    assert "webhook_concurrent" not in counted  # not planned: not listed
+    out = report.build(ChaosConfig(ci=True), schedule, _result(counted), tmp_path)
+    assert out["faults_never_injected"] == ["late_apply", "webhook_duplicate"]
+    assert out["faults_never_triggered"] == ["webhook_duplicate"]
+
+    applied_once = metrics.injected(schedule, [], hooks, [], {}, {"k1": {"applied": 1}})
+    assert applied_once["webhook_duplicate"]["untriggered"] == 1
+    assert report.never_triggered(applied_once) == []
+
+
+def test_a_fired_delivery_fault_is_injected() -> None:
+    schedule = Schedule(seed=1, fault_phase_s=1.0, timed=[],
+                        ops=[_op(0, "webhook_duplicate"), _op(1, "webhook_duplicate")])
+    hooks = {"provider": [], "webhook": [_hook_fault("k0", 1), _hook_fault("k1", 0)]}
+    counted = metrics.injected(schedule, [], hooks, [], {}, {"k0": {"applied": 1}})
+    assert counted["webhook_duplicate"] == {"planned": 2, "injected": 1, "untriggered": 1}
+    assert report.never_triggered(counted) == []

@@ -182,7 +182,7 @@ def check(*, cfg: ChaosConfig, schedule: Schedule, history: list[dict[str, Any]]
         "ok": all(inv[name]["count"] == 0 for name in INVARIANTS),
         "metrics": measured,
         "faults_injected": metrics.injected(schedule, fault_records, sandbox_faults,
-                                            bad_webhooks, bad_input),
+                                            bad_webhooks, bad_input, truth),
         "bad_input": _bad_input_checks(cfg, bad_input, db, fault_records),
         "process_exits": metrics.exits(exits, fault_records, phase_start_wall),
         "memory": _memory(services),

@@ -120,12 +120,30 @@ def metrics(cfg: ChaosConfig, schedule: Schedule, ops: list[dict[str, Any]],
     }
 
 
+# Webhook delivery faults act on the webhooks the provider sends for their operation's key;
+# an applied effect always sends one ("effect.applied"), which every one of them matches.
+DELIVERY_FAULTS = ("webhook_duplicate", "webhook_concurrent", "webhook_reorder",
+                   "webhook_resign")
+
+
 def injected(schedule: Schedule, records: list[dict[str, Any]],
-              sandbox_faults: dict[str, Any], bad_webhooks: list[dict[str, Any]],
-              bad_input: dict[str, Any]) -> dict[str, Any]:
+             sandbox_faults: dict[str, Any], bad_webhooks: list[dict[str, Any]],
+             bad_input: dict[str, Any],
+             truth: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Per fault kind: `planned`, `injected`, and for the webhook delivery kinds
+    `untriggered`, the planned operations whose effect the provider never applied (`truth`,
+    by key). Such an operation never got the webhook its fault waits for: other faults
+    (a dispatcher stopped holding its claim, say) sent it to review before any request, so
+    "armed, never fired" there says nothing against the injector."""
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"planned": 0, "injected": 0})
     for kind, n in schedule.planned_counts().items():
         out[kind]["planned"] = n
+    if truth is not None:
+        for kind in DELIVERY_FAULTS:
+            if kind in out:
+                out[kind]["untriggered"] = sum(
+                    1 for op in schedule.ops if any(f.kind == kind for f in op.faults)
+                    and truth.get(op.operation_key, {}).get("applied", 0) == 0)
     for r in records:
         res = r.get("result") or {}
         ok = "error" not in r and res.get("hit", True) is not False \

@@ -38,6 +38,7 @@ def build(cfg: ChaosConfig, schedule: Schedule, result: dict[str, Any],
     # still exited 0).
     return {**result, "ok": ok, "invariants_ok": result["ok"], "seed": cfg.seed,
             "faults_never_injected": never,
+            "faults_never_triggered": never_triggered(result["faults_injected"]),
             "config": cfg.to_json(), "workdir": str(workdir),
             "summary": summary_rows(result), "schedule": schedule.to_json()}
 
@@ -45,6 +46,13 @@ def build(cfg: ChaosConfig, schedule: Schedule, result: dict[str, Any],
 def never_injected(faults: dict[str, Any]) -> list[str]:
     """Fault kinds planned at least once and injected never."""
     return sorted(k for k, v in faults.items() if v["planned"] > 0 and v["injected"] == 0)
+
+
+def never_triggered(faults: dict[str, Any]) -> list[str]:
+    """Never-injected kinds whose every planned operation never reached the state the fault
+    acts on (a webhook delivery fault whose operations' effects were never applied)."""
+    return [k for k in never_injected(faults)
+            if faults[k].get("untriggered", 0) == faults[k]["planned"]]
 
 
 def summary_rows(result: dict[str, Any]) -> dict[str, Any]:
@@ -121,6 +129,9 @@ def table(reports: list[dict[str, Any]]) -> str:
         lines.append(row(f"  {'no fault' if kind == '(none)' else kind}", vals))
     lines.append(row("planned, never injected",
                      [", ".join(r.get("faults_never_injected", [])) or "none" for r in reports]))
+    lines.append(row("  of which never triggered",
+                     [", ".join(r.get("faults_never_triggered", [])) or "none"
+                      for r in reports]))
     skipped = sorted({k for r in reports for k in r["config"].get("faults_skipped", [])})
     if skipped:
         lines.append(f"skipped (no cluster in this run): {', '.join(skipped)}")
