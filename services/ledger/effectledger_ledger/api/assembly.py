@@ -11,8 +11,9 @@ from effectledger_obs.http import HttpObservability
 
 from .. import console
 from ..auth import Authenticator
+from ..openapi import document_bearer
 from ..service import LedgerService
-from . import errors, health, intents, operations, operators, overview
+from . import deps, errors, health, intents, operations, operators, overview
 from .deps import ApiState
 
 # In this order: the OpenAPI document lists the paths as the routers add them.
@@ -39,6 +40,7 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
     errors.install(app)
     for router in ROUTERS:
         app.include_router(router)
+    document_bearer(app, deps.bearer, deps.principal)
     # The operator console at /console, and /docs from its vendored Swagger UI (no CDN).
     console.mount(app, service, authenticator)
     return app
