@@ -58,10 +58,12 @@ def api(fake: FakeService, who: Principal) -> FastAPI:
     errors.install(app)
     app.include_router(operations.router)
     app.include_router(operators.router)
-    app.dependency_overrides[deps.service] = lambda: fake
-    app.dependency_overrides[deps.principal] = lambda: who
-    app.dependency_overrides[deps.wait_cap] = lambda: 0.0
+    app.dependency_overrides[deps.caller] = lambda: _caller(who, fake)
     return app
+
+
+def _caller(who: Principal, fake: FakeService) -> deps.Caller:
+    return deps.Caller(who, fake, 0.0)  # type: ignore[arg-type]  # the fake stands in
 
 
 @pytest.fixture
@@ -106,10 +108,10 @@ async def test_approve_alone_refuses_an_agent_and_journals_the_tokens_operator(
 
 
 async def test_a_route_function_is_called_by_name(fake: FakeService) -> None:
-    view = await operations.get_operation("op-1", AGENT, fake, 0.0)  # type: ignore[arg-type]
+    view = await operations.get_operation("op-1", _caller(AGENT, fake))
     assert view.id == "op-1"
     with pytest.raises(NotFound):
-        await operations.get_operation("op-2", AGENT, fake, 0.0)  # type: ignore[arg-type]
+        await operations.get_operation("op-2", _caller(AGENT, fake))
 
 
 class FakeConsole:

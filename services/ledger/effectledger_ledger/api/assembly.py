@@ -40,7 +40,7 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
     errors.install(app)
     for router in ROUTERS:
         app.include_router(router)
-    document_bearer(app, deps.bearer, deps.principal)
+    document_bearer(app, deps.bearer, deps.caller)
     # The operator console at /console, and /docs from its vendored Swagger UI (no CDN).
     console.mount(app, service, authenticator)
     return app

@@ -1,9 +1,10 @@
-"""What every route depends on, as FastAPI dependencies: the ledger service, the principal
-behind the request's token, and the ledger's settings for waits and probes.
+"""What every route depends on, as FastAPI dependencies: for an authenticated route one
+`Caller` (the principal behind the request's token, the ledger service, the longest wait);
+for the health routes the `ApiState`.
 
 `create_app` puts one `ApiState` on `app.state`; the dependencies read it from there. A test
-replaces any of them with `app.dependency_overrides[deps.service] = ...` (an async function:
-see below).
+replaces one with `app.dependency_overrides[deps.caller] = ...` (an async function: see
+below).
 """
 
 # FastAPI reads these annotations at run time to build the dependency graph: the aliases
@@ -44,30 +45,30 @@ async def api_state(request: Request) -> ApiState:
     return _state(request)
 
 
-async def service(request: Request) -> LedgerService:
-    return _state(request).service
+@dataclass(frozen=True)
+class Caller:
+    """What an authenticated route works with: who is asking (from the request's token), the
+    ledger service, and the longest wait a request may ask for (EFFECTLEDGER_WAIT_MAX_S)."""
+
+    principal: Principal
+    service: LedgerService
+    max_wait_s: float
 
 
-async def wait_cap(request: Request) -> float:
-    """The longest wait a request may ask for (EFFECTLEDGER_WAIT_MAX_S)."""
-    return _state(request).max_wait_s
+# One dependency, not three (principal, service, wait cap): FastAPI resolves each dependency
+# of each request anew, about 0.07 million instructions apiece (a route's own path, query,
+# header and cookie parameters are gathered for every dependency, even when it has none).
+async def caller(request: Request) -> Caller:
+    state = _state(request)
+    return Caller(state.authenticator.authenticate(request), state.service, state.max_wait_s)
 
 
 # The bearer scheme, for the OpenAPI document only: the Authenticator reads and checks the
-# token. openapi.document_bearer declares it on every route that depends on `principal`; as a
-# FastAPI `Security` parameter here it cost two more dependencies on every request (the
-# scheme's own header parsing and the authenticator), 30 of the 70 us FastAPI spent resolving a
-# submit's dependencies (about 3 % of the ledger's CPU on an agent's call).
+# token. openapi.document_bearer declares it on every route that depends on `caller`; as a
+# FastAPI `Security` parameter it was one more dependency resolved on every request.
 bearer = HTTPBearer(auto_error=False, description="an agent or operator token")
 
-
-async def principal(request: Request) -> Principal:
-    return _state(request).authenticator.authenticate(request)
-
-
-Service = Annotated[LedgerService, Depends(service)]
-Who = Annotated[Principal, Depends(principal)]
-WaitCap = Annotated[float, Depends(wait_cap)]
+Call = Annotated[Caller, Depends(caller)]
 State = Annotated[ApiState, Depends(api_state)]
 Wait = Annotated[str | None, Query(description=WAIT_DOC, examples=["10s"])]
 ChangedFrom = Annotated[str | None, Query(

@@ -11,7 +11,7 @@ from effectledger_core.waiting import parse_wait
 from ..auth import Forbidden
 from ..openapi import errors, submit_intent_body
 from .bodies import read_bounded
-from .deps import Service, Wait, WaitCap, Who
+from .deps import Call, Wait
 
 router = APIRouter()
 
@@ -23,9 +23,9 @@ router = APIRouter()
                               "description": "the existing operation for this key and "
                                              "arguments"},
                         **errors(401, 403, 409, 413, 422, 503)})
-async def submit_intent(request: Request, p: Who, service: Service, cap: WaitCap,
-                        wait: Wait = None) -> JSONResponse:
-    wait_s = parse_wait(wait, cap_s=cap)  # a bad wait is refused before submitting
+async def submit_intent(request: Request, c: Call, wait: Wait = None) -> JSONResponse:
+    p, service = c.principal, c.service
+    wait_s = parse_wait(wait, cap_s=c.max_wait_s)  # a bad wait is refused before submitting
     raw = await read_bounded(request)
     try:
         intent = parse(SubmitIntent, raw)

@@ -9,7 +9,7 @@ from effectledger_core.waiting import parse_wait, wait_over
 from ..auth import Principal, check_tenant
 from ..openapi import errors
 from ..service import LedgerService
-from .deps import ChangedFrom, Service, Wait, WaitCap, Who
+from .deps import Call, ChangedFrom, Wait
 
 router = APIRouter()
 
@@ -32,29 +32,29 @@ async def waited(service: LedgerService, op: OperationView, wait: str | None,
 @router.get("/v1/operations/{operation_id}", responses={
     200: {"model": OperationView}, **errors(401, 404, 422)},
     summary="An operation (optionally wait until it is settled)")
-async def get_operation(operation_id: str, p: Who, service: Service, cap: WaitCap,
-                        wait: Wait = None, changed_from: ChangedFrom = None) -> OperationView:
-    return await waited(service, await visible(service, p, operation_id), wait, changed_from,
-                        cap_s=cap)
+async def get_operation(operation_id: str, c: Call, wait: Wait = None,
+                        changed_from: ChangedFrom = None) -> OperationView:
+    return await waited(c.service, await visible(c.service, c.principal, operation_id), wait,
+                        changed_from, cap_s=c.max_wait_s)
 
 
 @router.get("/v1/operations/{operation_id}/journal",
             responses={200: {"model": Journal}, **errors(401, 404)})
-async def get_journal(operation_id: str, p: Who, service: Service) -> Journal:
-    await visible(service, p, operation_id)
-    return await service.journal(operation_id)
+async def get_journal(operation_id: str, c: Call) -> Journal:
+    await visible(c.service, c.principal, operation_id)
+    return await c.service.journal(operation_id)
 
 
 @router.get("/v1/operations/{operation_id}/receipt",
             responses={200: {"model": Receipt}, **errors(401, 404)})
-async def get_receipt(operation_id: str, p: Who, service: Service) -> Receipt:
-    await visible(service, p, operation_id)
-    return await service.receipt(operation_id)
+async def get_receipt(operation_id: str, c: Call) -> Receipt:
+    await visible(c.service, c.principal, operation_id)
+    return await c.service.receipt(operation_id)
 
 
 @router.get("/v1/operations", responses={200: {"model": OperationPage}, **errors(401, 422)})
-async def list_operations(p: Who, service: Service, state: str | None = None,
+async def list_operations(c: Call, state: str | None = None,
                           limit: int = Query(100, ge=1, le=1000),
                           cursor: str | None = None) -> OperationPage:
-    return await service.list_operations(state=state, limit=limit, cursor=cursor,
-                                         tenant=p.tenant)
+    return await c.service.list_operations(state=state, limit=limit, cursor=cursor,
+                                           tenant=c.principal.tenant)

@@ -19,7 +19,7 @@ from ..auth import operator_name
 from ..db import recovery as rec
 from ..openapi import errors
 from .bodies import ApproveBody, CancelBody, RejectBody, RetryBody, ReviewBody
-from .deps import Service, Who
+from .deps import Call
 from .errors import error_response
 from .operations import visible
 
@@ -28,8 +28,8 @@ router = APIRouter()
 
 @router.post("/v1/operations/{operation_id}/approve",
              responses={200: {"model": OperationView}, **errors(401, 403, 404, 409, 422)})
-async def approve(operation_id: str, body: ApproveBody, p: Who,
-                  service: Service) -> OperationView:
+async def approve(operation_id: str, body: ApproveBody, c: Call) -> OperationView:
+    p, service = c.principal, c.service
     await service.approve(operation_id, epoch=body.epoch,
                           arguments_digest=body.arguments_digest,
                           operator=operator_name(p, body.operator))
@@ -38,8 +38,8 @@ async def approve(operation_id: str, body: ApproveBody, p: Who,
 
 @router.post("/v1/operations/{operation_id}/reject",
              responses={200: {"model": OperationView}, **errors(401, 403, 404, 409, 422)})
-async def reject(operation_id: str, body: RejectBody, p: Who,
-                 service: Service) -> OperationView:
+async def reject(operation_id: str, body: RejectBody, c: Call) -> OperationView:
+    p, service = c.principal, c.service
     await service.reject(operation_id, epoch=body.epoch,
                          operator=operator_name(p, body.operator), reason=body.reason)
     return await service.operation(operation_id)
@@ -47,8 +47,8 @@ async def reject(operation_id: str, body: RejectBody, p: Who,
 
 @router.post("/v1/operations/{operation_id}/cancel",
              responses={200: {"model": OperationView}, **errors(401, 403, 404, 409, 422)})
-async def cancel(operation_id: str, body: CancelBody, p: Who,
-                 service: Service) -> OperationView:
+async def cancel(operation_id: str, body: CancelBody, c: Call) -> OperationView:
+    p, service = c.principal, c.service
     await service.cancel(operation_id, operator=operator_name(p, body.operator),
                          reason=body.reason)
     return await service.operation(operation_id)
@@ -56,7 +56,8 @@ async def cancel(operation_id: str, body: CancelBody, p: Who,
 
 @router.get("/v1/operations/{operation_id}/recovery",
             responses={200: {"model": RecoveryView}, **errors(401, 404)})
-async def recovery(operation_id: str, p: Who, service: Service) -> RecoveryView:
+async def recovery(operation_id: str, c: Call) -> RecoveryView:
+    p, service = c.principal, c.service
     await visible(service, p, operation_id)
     a = await service.inspect(operation_id)
     return RecoveryView(fact=a.fact.value, decision=a.decision.value, reason=a.reason)
@@ -64,7 +65,8 @@ async def recovery(operation_id: str, p: Who, service: Service) -> RecoveryView:
 
 @router.post("/v1/operations/{operation_id}/retry",
              responses={200: {"model": Admission}, **errors(401, 403, 404, 409, 422)})
-async def retry(operation_id: str, body: RetryBody, p: Who, service: Service) -> JSONResponse:
+async def retry(operation_id: str, body: RetryBody, c: Call) -> JSONResponse:
+    p, service = c.principal, c.service
     who = operator_name(p, body.operator)
     review = None
     if body.review is not None:
@@ -81,22 +83,23 @@ async def retry(operation_id: str, body: RetryBody, p: Who, service: Service) ->
 @router.post("/v1/retry-plans/{plan_id}/use",
              summary="Use a prepared single-use retry plan (operator)",
              responses={200: {"model": Admission}, **errors(401, 403, 404, 409)})
-async def use_plan(plan_id: str, p: Who, service: Service) -> JSONResponse:
+async def use_plan(plan_id: str, c: Call) -> JSONResponse:
+    p = c.principal
     operator_name(p, None if p.role == "operator" else "anonymous")
-    return _admission(plan_id, await service.use_plan(plan_id))
+    return _admission(plan_id, await c.service.use_plan(plan_id))
 
 
 @router.get("/v1/reviews", responses={200: {"model": ReviewQueue}, **errors(401, 403, 422)})
-async def review_queue(p: Who, service: Service,
-                       limit: int = Query(100, ge=1, le=1000)) -> ReviewQueue:
+async def review_queue(c: Call, limit: int = Query(100, ge=1, le=1000)) -> ReviewQueue:
+    p = c.principal
     operator_name(p, None if p.role == "operator" else "anonymous")
-    return ReviewQueue(items=await service.review_queue(limit))
+    return ReviewQueue(items=await c.service.review_queue(limit))
 
 
 @router.post("/v1/operations/{operation_id}/reviews",
              responses={200: {"model": OperationView}, **errors(401, 403, 404, 409, 422)})
-async def review(operation_id: str, body: ReviewBody, p: Who,
-                 service: Service) -> OperationView:
+async def review(operation_id: str, body: ReviewBody, c: Call) -> OperationView:
+    p, service = c.principal, c.service
     who = operator_name(p, body.operator)
     op = await service.operation(operation_id)
     await service.review(operation_id, Review(
