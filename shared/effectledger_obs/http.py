@@ -35,6 +35,18 @@ ASGIApp = Callable[[dict[str, Any], Callable[..., Awaitable[Any]],
                     Callable[..., Awaitable[None]]], Awaitable[None]]
 
 
+def without_fastapi_telemetry() -> dict[str, Any]:
+    """Keyword arguments for `FastAPI(...)` that turn FastAPI's own telemetry off.
+
+    From 0.165 FastAPI traces every request itself (a server span, and spans around
+    dependencies, endpoint and serialization) as soon as a tracer provider is set, which
+    `tracing.configure_tracing` does: beside `HttpObservability`'s span that made two server
+    spans per request, and its per-request check reads three providers even with tracing off.
+    `HttpObservability` stays the one source of request spans and metrics. An older FastAPI
+    keeps the argument in `app.extra` and ignores it."""
+    return {"telemetry": {"tracing": False, "metrics": False, "logs": False}}
+
+
 def metrics_response() -> Response:
     if not metrics.ENABLED:
         # An empty page would read as a process that exports nothing by mistake.

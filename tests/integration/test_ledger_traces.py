@@ -153,3 +153,30 @@ async def test_a_claim_without_trace_context_journals_no_ids(store: Store) -> No
 
 def _ticket() -> SubmitIntent:
     return SubmitIntent(tool="create_ticket", arguments={"title": "t"})
+
+
+async def test_a_request_makes_one_server_span_the_ledgers_own(
+        store: Store, spans: InMemorySpanExporter) -> None:
+    """FastAPI from 0.165 traces requests itself once a tracer provider is set; the ledger's
+    HttpObservability already does, so the ledger's app turns FastAPI's off: one server span
+    per request (the console's, mounted inside, included), not two, and no FastAPI internals."""
+    import httpx
+
+    from effectledger_ledger.api import create_app
+
+    async def ready() -> dict[str, object]:
+        return {"ready": True}
+
+    svc = LedgerService(store=store, catalog=CATALOG, subjects=SUBJECTS)
+    try:
+        app = create_app(svc, ready=ready)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://ledger.test") as client:
+            assert (await client.get("/v1/operations/nope")).status_code == 404
+            assert (await client.get("/console/login")).status_code == 200
+    finally:
+        await svc.close()
+    finished = spans.get_finished_spans()
+    assert [(s.name, s.instrumentation_scope.name if s.instrumentation_scope else None)
+            for s in finished] == [("GET /v1/operations/{operation_id}", "effectledger"),
+                                   ("GET /login", "effectledger")], finished

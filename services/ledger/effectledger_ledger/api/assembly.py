@@ -7,7 +7,7 @@ from fastapi import FastAPI
 
 from effectledger_bus.httpedge import NulFree
 from effectledger_core.waiting import DEFAULT_MAX_WAIT_S
-from effectledger_obs.http import HttpObservability
+from effectledger_obs.http import HttpObservability, without_fastapi_telemetry
 
 from .. import console
 from ..auth import Authenticator
@@ -26,7 +26,8 @@ def create_app(service: LedgerService, *, ready: Callable[[], Awaitable[dict[str
                max_wait_s: float = DEFAULT_MAX_WAIT_S,
                before_scrape: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
     app = FastAPI(title="effectledger ledger", version="1",
-                  description="Side-effecting tool calls, attempted at most once per decision.")
+                  description="Side-effecting tool calls, attempted at most once per decision.",
+                  **without_fastapi_telemetry())
     authenticator = auth or Authenticator({}, {})
     app.state.effectledger_api = ApiState(service=service, authenticator=authenticator,
                                           ready=ready, max_wait_s=max_wait_s,

@@ -20,6 +20,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from effectledger_core.errors import EffectLedgerError
+from effectledger_obs.http import without_fastapi_telemetry
 
 from ..auth import Authenticator
 from ..service import LedgerService
@@ -77,7 +78,8 @@ async def own_error(request: Request, exc: EffectLedgerError) -> HTMLResponse:
 
 
 def create_console(service: LedgerService, authenticator: Authenticator) -> FastAPI:
-    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None,
+                  **without_fastapi_telemetry())
     app.state.console = Console(service, authenticator)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.middleware("http")(security_headers)
