@@ -76,12 +76,12 @@ def _documented_routes(app: FastAPI) -> Iterator[tuple[str, set[str], Dependant]
     # with iter_route_contexts (the route as included: prefix, router dependencies); older
     # versions copy the routes in.
     flatten = getattr(fastapi.routing, "iter_route_contexts", None)
-    routes: Iterable[Any] = app.routes if flatten is None else (
-        c for c in flatten(app.routes) if isinstance(c.original_route, APIRoute))
+    routes: Iterable[Any] = (
+        [r for r in app.routes if isinstance(r, APIRoute)] if flatten is None
+        else [c for c in flatten(app.routes) if isinstance(c.original_route, APIRoute)])
     for r in routes:
-        if isinstance(r, APIRoute) or flatten is not None:
-            if r.include_in_schema:
-                yield r.path_format, set(r.methods or ()), r.dependant
+        if r.include_in_schema:
+            yield r.path_format, set(r.methods or ()), r.dependant
 
 
 def _depends_on(dependant: Dependant, call: Callable[..., Any]) -> bool:

@@ -138,12 +138,6 @@ def injected(schedule: Schedule, records: list[dict[str, Any]],
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"planned": 0, "injected": 0})
     for kind, n in schedule.planned_counts().items():
         out[kind]["planned"] = n
-    if truth is not None:
-        for kind in DELIVERY_FAULTS:
-            if kind in out:
-                out[kind]["untriggered"] = sum(
-                    1 for op in schedule.ops if any(f.kind == kind for f in op.faults)
-                    and truth.get(op.operation_key, {}).get("applied", 0) == 0)
     for r in records:
         res = r.get("result") or {}
         ok = "error" not in r and res.get("hit", True) is not False \
@@ -159,12 +153,14 @@ def injected(schedule: Schedule, records: list[dict[str, Any]],
         fired_kind = kind_of.get((sf["match"].get("key"), sf["action"]["kind"]))
         if fired_kind is not None and sf["fired"]:
             out[fired_kind]["injected"] += 1
-    webhook_kind = {}
-    for op in schedule.ops:
-        for f in op.faults:
-            if f.kind.startswith("webhook_") and f.kind not in ("webhook_forged",
-                                                                 "webhook_expired"):
-                webhook_kind[op.operation_key] = f.kind
+    # An operation carries at most one delivery fault (schedule._per_op_faults).
+    webhook_kind = {op.operation_key: f.kind for op in schedule.ops for f in op.faults
+                    if f.kind in DELIVERY_FAULTS}
+    if truth is not None:
+        for key, kind in webhook_kind.items():
+            out[kind].setdefault("untriggered", 0)
+            if truth.get(key, {}).get("applied", 0) == 0:
+                out[kind]["untriggered"] += 1
     for wf in sandbox_faults.get("webhook", []) or []:
         hook_kind = webhook_kind.get(wf["match"].get("key"))
         if hook_kind is not None and wf["fired"] and wf["action"]["kind"] != "resign":
