@@ -1,0 +1,166 @@
+"""Behind a backlog, every statement that moves an operation finds it by a key.
+
+The guards on `state` (a claim wants `pending`, an outcome `in_flight`) are indexable, and the
+planner weighs them by statistics that lag: a table with a history has few `pending` rows at
+its last ANALYZE. It then chose to scan every `pending` entry of a state index and filter them
+by id, so behind a backlog each claim read every queued row and the drain grew with the square
+of the backlog (`transitions.on_the_row`, docs/design.md). Checked here on what PostgreSQL would
+actually do: every statement that claims and outcomes send, alone and in a batch, is EXPLAINed
+with its own arguments behind 3,000 queued operations the statistics do not know of, and no
+plan may reach `operations` except through its primary key or a unique key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+
+from effectledger_core.messages import OutcomeAmbiguous
+from effectledger_ledger.db.calls import BatchCall
+from effectledger_ledger.db.schema import operations
+from effectledger_ledger.db.store import Store
+from tests.integration.test_alone import _claim, _digest, _outcome, _success
+from tests.integration.test_set_based import claim_call, failed, submit
+from tests.support.ledger import NOW
+
+QUEUED = 3_000
+HISTORY = 300
+# The ways into `operations` that find one row whatever its state.
+KEYS = {"pk_operations", "uq_operations_operation_key", "uq_operations_call_key"}
+
+
+@pytest.fixture
+async def backlog(store: Store) -> AsyncIterator[Store]:
+    """A settled history the statistics know (ANALYZE found nothing pending), then op1..op6
+    submitted and a queue of `pending` operations behind them that the statistics do not
+    know of (autovacuum off for the test, so no ANALYZE runs in between)."""
+    if not store.is_postgres:
+        pytest.skip("these are PostgreSQL's plans; SQLite's one writer has no such statistics")
+    await submit(store, 0)
+    async with store.transaction() as conn:
+        await conn.execute(sa.text("ALTER TABLE operations SET (autovacuum_enabled = false)"))
+        seed = dict((await conn.execute(
+            sa.select(operations).where(operations.c.id == "op0"))).mappings().one())
+
+        def clones(prefix: str, n: int, state: str) -> list[dict[str, Any]]:
+            return [{**seed, "id": f"{prefix}{i}", "state": state,
+                     "operation_key": f"{prefix}-key-{i}", "call_key": None}
+                    for i in range(n)]
+
+        await conn.execute(operations.insert(), clones("settled", HISTORY, "succeeded"))
+        await conn.execute(operations.update().where(operations.c.id == "op0")
+                           .values(state="succeeded"))
+    async with store.transaction() as conn:
+        await conn.execute(sa.text("ANALYZE operations"))  # nothing pending, as usual
+    for n in range(1, 7):
+        await submit(store, n)
+    async with store.transaction() as conn:
+        await conn.execute(operations.insert(), clones("queued", QUEUED, "pending"))
+    try:
+        yield store
+    finally:
+        async with store.transaction() as conn:
+            await conn.execute(sa.text("ALTER TABLE operations RESET (autovacuum_enabled)"))
+
+
+async def _sent(store: Store, calls: list[BatchCall[Any]]) -> list[tuple[str, tuple[Any, ...]]]:
+    """Each statement one transaction running `calls` sends (one call: alone, as
+    `BatchCall.one`; several: as a batch), with its arguments; BEGIN and COMMIT left out."""
+    seen: list[tuple[str, tuple[Any, ...]]] = []
+
+    def log(query: Any) -> None:
+        if query.args is not None and query.query.strip().upper() not in ("BEGIN;", "COMMIT;"):
+            seen.append((query.query, tuple(query.args)))
+
+    async with store.transaction() as conn:
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        driver.add_query_logger(log)
+        if len(calls) == 1:
+            await calls[0].one(conn)
+        else:
+            await type(calls[0]).many(conn, calls)
+    driver.remove_query_logger(log)
+    return [(q, a) for q, a in seen if "typeinfo_tree" not in q and "'jit'" not in q]
+
+
+def _indexes(plan: dict[str, Any]) -> list[str]:
+    """The indexes a bitmap heap scan reads: those of the bitmap index scans below it."""
+    found = [plan["Index Name"]] if "Index Name" in plan else []
+    for child in plan.get("Plans", ()):
+        found += _indexes(child)
+    return found
+
+
+def _scans(plan: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """(node type, index name or '') of every way `plan` reads `operations`."""
+    if plan.get("Relation Name") == "operations" and "Scan" in plan["Node Type"]:
+        if plan["Node Type"] == "Bitmap Heap Scan":
+            for index in _indexes(plan):
+                yield plan["Node Type"], index
+        else:
+            yield plan["Node Type"], plan.get("Index Name", "")
+    for child in plan.get("Plans", ()):
+        yield from _scans(child)
+
+
+async def _ways_in(store: Store, sent: list[tuple[str, tuple[Any, ...]]]
+                   ) -> list[tuple[str, str, str]]:
+    """How PostgreSQL would reach `operations` in each statement: (statement, node, index)."""
+    assert sent, "nothing was sent"
+    found = []
+    async with store.transaction() as conn:
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        for query, args in sent:
+            [row] = await driver.fetch(f"EXPLAIN (FORMAT JSON) {query}", *args)
+            # Decoded already where the connection has a JSON codec (SQLAlchemy's pool sets one).
+            [doc] = json.loads(row[0]) if isinstance(row[0], str) else row[0]
+            found += [(query[:60], node, index) for node, index in _scans(doc["Plan"])]
+    return found
+
+
+def _not_by_key(ways: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    return [w for w in ways if w[2] not in KEYS]
+
+
+async def test_claims_find_the_operation_by_its_key_behind_a_backlog(backlog: Store) -> None:
+    store = backlog
+    (t1, d1), (t2, d2), (t3, d3) = [await _digest(store, f"op{n}") for n in (1, 2, 3)]
+    alone = await _sent(store, [_claim("op1", "a1", t1, d1)])
+    batch = await _sent(store, [_claim("op2", "a2", t2, d2), _claim("op3", "a3", t3, d3)])
+    ways = await _ways_in(store, alone + batch)
+    assert any(index == "pk_operations" for _, _, index in ways)  # the claim's UPDATE
+    assert _not_by_key(ways) == []
+
+
+async def test_outcomes_find_the_operation_by_its_key_behind_a_backlog(backlog: Store) -> None:
+    store = backlog
+    for n in range(1, 7):
+        await store.run(claim_call(f"op{n}", f"a{n}").one)
+    lost = OutcomeAmbiguous(operation_id="op6", epoch=1, attempt_id="a6", dispatcher_id="d1",
+                            at=NOW, reason="timeout")
+    sent = [
+        *await _sent(store, [_outcome(_success("op1", "a1"), "m1")]),  # alone: one statement
+        *await _sent(store, [_outcome(_success("op2", "a2"), "m2"),
+                             _outcome(_success("op3", "a3"), "m3")]),
+        *await _sent(store, [_outcome(failed("op4", "a4", "retry_me"), "m4")]),  # retried
+        *await _sent(store, [_outcome(failed("op5", "a5", "no"), "m5"),
+                             _outcome(lost, "m6")]),
+    ]
+    ways = await _ways_in(store, sent)
+    assert any(index == "pk_operations" for _, _, index in ways)
+    assert _not_by_key(ways) == []
+
+
+async def test_the_check_sees_a_plan_that_scans_the_backlog(backlog: Store) -> None:
+    """The check itself can fail: the guard written plainly, as it was, is planned as a scan
+    of the state index behind this backlog."""
+    store = backlog
+    plain = ("UPDATE operations SET updated_at = $1 WHERE operations.id = $2 AND "
+             "operations.epoch = $3 AND operations.state = $4 AND operations.state IN "
+             "('pending')")
+    ways = await _ways_in(store, [(plain, (NOW, "op1", 1, "pending"))])
+    assert _not_by_key(ways), ways
