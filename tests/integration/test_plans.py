@@ -12,16 +12,19 @@ plan may reach `operations` except through its primary key or a unique key.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.messages import OutcomeAmbiguous
 from effectledger_ledger.db.calls import BatchCall
-from effectledger_ledger.db.schema import operations
+from effectledger_ledger.db.outbox import MarkPublished, mark_published_txn, release_txn
+from effectledger_ledger.db.schema import operations, outbox
 from effectledger_ledger.db.store import Store
 from tests.integration.test_alone import _claim, _digest, _outcome, _success
 from tests.integration.test_set_based import claim_call, failed, submit
@@ -29,8 +32,10 @@ from tests.support.ledger import NOW
 
 QUEUED = 3_000
 HISTORY = 300
-# The ways into `operations` that find one row whatever its state.
-KEYS = {"pk_operations", "uq_operations_operation_key", "uq_operations_call_key"}
+TABLES = ("operations", "outbox")
+# The ways into them that find a row, or an operation's rows, whatever its state or status.
+KEYS = {"pk_operations", "uq_operations_operation_key", "uq_operations_call_key", "pk_outbox",
+        "ix_outbox_operation"}
 
 
 @pytest.fixture
@@ -42,7 +47,8 @@ async def backlog(store: Store) -> AsyncIterator[Store]:
         pytest.skip("these are PostgreSQL's plans; SQLite's one writer has no such statistics")
     await submit(store, 0)
     async with store.transaction() as conn:
-        await conn.execute(sa.text("ALTER TABLE operations SET (autovacuum_enabled = false)"))
+        for table in ("operations", "outbox"):
+            await conn.execute(sa.text(f"ALTER TABLE {table} SET (autovacuum_enabled = false)"))
         seed = dict((await conn.execute(
             sa.select(operations).where(operations.c.id == "op0"))).mappings().one())
 
@@ -54,37 +60,73 @@ async def backlog(store: Store) -> AsyncIterator[Store]:
         await conn.execute(operations.insert(), clones("settled", HISTORY, "succeeded"))
         await conn.execute(operations.update().where(operations.c.id == "op0")
                            .values(state="succeeded"))
-    async with store.transaction() as conn:
-        await conn.execute(sa.text("ANALYZE operations"))  # nothing pending, as usual
+        command = dict((await conn.execute(
+            sa.select(outbox).where(outbox.c.operation_id == "op0"))).mappings().one())
+        await conn.execute(outbox.insert(), [
+            {**command, "id": f"settled-ob{i}", "operation_id": f"settled{i}",
+             "status": "consumed"} for i in range(HISTORY)])
+        await conn.execute(outbox.update().where(outbox.c.operation_id == "op0")
+                           .values(status="consumed"))
+    async with store.transaction() as conn:  # nothing pending or publishing, as usual
+        await conn.execute(sa.text("ANALYZE operations"))
+        await conn.execute(sa.text("ANALYZE outbox"))
     for n in range(1, 7):
         await submit(store, n)
     async with store.transaction() as conn:
         await conn.execute(operations.insert(), clones("queued", QUEUED, "pending"))
+        await conn.execute(outbox.insert(), [
+            {**command, "id": f"queued-ob{i}", "operation_id": f"queued{i}",
+             "status": "publishing"} for i in range(QUEUED)])
     try:
         yield store
     finally:
         async with store.transaction() as conn:
-            await conn.execute(sa.text("ALTER TABLE operations RESET (autovacuum_enabled)"))
+            for table in ("operations", "outbox"):
+                await conn.execute(sa.text(f"ALTER TABLE {table} RESET (autovacuum_enabled)"))
 
 
 async def _sent(store: Store, calls: list[BatchCall[Any]]) -> list[tuple[str, tuple[Any, ...]]]:
     """Each statement one transaction running `calls` sends (one call: alone, as
     `BatchCall.one`; several: as a batch), with its arguments; BEGIN and COMMIT left out."""
+    if len(calls) == 1:
+        return await _sent_by(store, calls[0].one)
+    return await _sent_by(store, lambda conn: type(calls[0]).many(conn, calls))
+
+
+async def _sent_by(store: Store, work: Callable[[AsyncConnection], Awaitable[Any]]
+                   ) -> list[tuple[str, tuple[Any, ...]]]:
+    """Each statement `work` sends in one transaction, with its arguments: what goes straight
+    to asyncpg (`db/hot.py`, seen by asyncpg's query logger) and what goes through
+    SQLAlchemy's execution layer (seen by its `before_cursor_execute`)."""
     seen: list[tuple[str, tuple[Any, ...]]] = []
 
-    def log(query: Any) -> None:
-        if query.args is not None and query.query.strip().upper() not in ("BEGIN;", "COMMIT;"):
+    def direct(query: Any) -> None:
+        if query.args and "typeinfo_tree" not in query.query and "'jit'" not in query.query:
             seen.append((query.query, tuple(query.args)))
 
-    async with store.transaction() as conn:
-        driver: Any = (await conn.get_raw_connection()).driver_connection
-        driver.add_query_logger(log)
-        if len(calls) == 1:
-            await calls[0].one(conn)
-        else:
-            await type(calls[0]).many(conn, calls)
-    driver.remove_query_logger(log)
-    return [(q, a) for q, a in seen if "typeinfo_tree" not in q and "'jit'" not in q]
+    def through_sqlalchemy(conn: Any, cursor: Any, statement: str, parameters: Any,
+                           context: Any, executemany: bool) -> None:
+        for args in (parameters if executemany else [parameters]):
+            if args:
+                seen.append((statement, tuple(args)))
+
+    sync_engine = store.engine.sync_engine
+    sa.event.listen(sync_engine, "before_cursor_execute", through_sqlalchemy)
+    try:
+        async with store.transaction() as conn:
+            driver: Any = (await conn.get_raw_connection()).driver_connection
+            driver.add_query_logger(direct)
+            await work(conn)
+        # asyncpg hands each query to its loggers with `call_soon`; the loop runs callbacks in
+        # the order they were scheduled, so once this one has run, all of theirs have.
+        loop = asyncio.get_running_loop()
+        logged = loop.create_future()
+        loop.call_soon(logged.set_result, None)
+        await logged
+        driver.remove_query_logger(direct)
+    finally:
+        sa.event.remove(sync_engine, "before_cursor_execute", through_sqlalchemy)
+    return seen
 
 
 def _indexes(plan: dict[str, Any]) -> list[str]:
@@ -96,8 +138,8 @@ def _indexes(plan: dict[str, Any]) -> list[str]:
 
 
 def _scans(plan: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    """(node type, index name or '') of every way `plan` reads `operations`."""
-    if plan.get("Relation Name") == "operations" and "Scan" in plan["Node Type"]:
+    """(node type, index name or '') of every way `plan` reads `operations` or `outbox`."""
+    if plan.get("Relation Name") in TABLES and "Scan" in plan["Node Type"]:
         if plan["Node Type"] == "Bitmap Heap Scan":
             for index in _indexes(plan):
                 yield plan["Node Type"], index
@@ -109,7 +151,8 @@ def _scans(plan: dict[str, Any]) -> Iterator[tuple[str, str]]:
 
 async def _ways_in(store: Store, sent: list[tuple[str, tuple[Any, ...]]]
                    ) -> list[tuple[str, str, str]]:
-    """How PostgreSQL would reach `operations` in each statement: (statement, node, index)."""
+    """How PostgreSQL would reach `operations` and `outbox` in each statement: (statement,
+    node, index)."""
     assert sent, "nothing was sent"
     found = []
     async with store.transaction() as conn:
@@ -164,3 +207,24 @@ async def test_the_check_sees_a_plan_that_scans_the_backlog(backlog: Store) -> N
              "('pending')")
     ways = await _ways_in(store, [(plain, (NOW, "op1", 1, "pending"))])
     assert _not_by_key(ways), ways
+
+
+async def test_the_relays_marks_find_their_rows_by_key_behind_a_backlog(backlog: Store) -> None:
+    """The relay marks what it published, or hands it back, by outbox id; behind 3,000 rows
+    being published that the statistics do not know of, neither may scan them."""
+    store = backlog
+    async with store.transaction() as conn:
+        ids = list((await conn.execute(
+            outbox.update().where(outbox.c.operation_id.in_(["op1", "op2", "op3"]))
+            .values(status="publishing").returning(outbox.c.id))).scalars())
+    sent = [
+        *await _sent_by(store, lambda conn: mark_published_txn(
+            conn, ids[:1], now=NOW, seqs={ids[0]: 7})),
+        *await _sent(store, [MarkPublished(ids=ids[1:2], now=NOW),
+                             MarkPublished(ids=ids[2:], now=NOW)]),
+        *await _sent_by(store, lambda conn: release_txn(conn, ids, now=NOW, error="down",
+                                                      retry_after_s=1.0)),
+    ]
+    ways = await _ways_in(store, sent)
+    assert any(index == "pk_outbox" for _, _, index in ways)
+    assert _not_by_key(ways) == []

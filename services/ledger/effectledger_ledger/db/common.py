@@ -17,6 +17,24 @@ from .rows import JournalRow
 from .schema import attempts, journal, operations
 
 
+def on_the_row(*guard: sa.ColumnElement[bool]) -> sa.ColumnElement[bool]:
+    """`guard` checked on the row that a key found, never used to find it.
+
+    A guard on a status column (`operations.state`, `outbox.status`) is indexable: by the state
+    indexes and by the partial indexes on live rows. PostgreSQL's planner weighs it by
+    statistics that lag: a table with a history has next to nothing `pending` (or
+    `publishing`) at its last ANALYZE, so the planner scanned every such entry of a partial
+    index and filtered them by id instead of using the key. Behind a backlog, each claim read
+    every queued operation and each publish mark every unpublished row: the drain grew with
+    the square of the backlog (24,000 queued: one claim's UPDATE 16.9 ms instead of 0.4, one
+    mark 14.6 ms). `(...) IS TRUE` is no index condition on a column that is not boolean and
+    proves no partial index's predicate, so the key is the only way in. In a WHERE it keeps
+    the same rows: NULL and false are both left out. `tests/integration/test_plans.py`
+    EXPLAINs the statements behind a backlog.
+    """
+    return sa.and_(*guard).is_(sa.true())
+
+
 async def insert_ignore(conn: AsyncConnection, table: sa.Table, values: dict[str, Any]) -> bool:
     """INSERT ... ON CONFLICT DO NOTHING; True when the row was inserted."""
     dialect = postgresql if conn.dialect.name == "postgresql" else sqlite

@@ -25,7 +25,7 @@ from effectledger_core.states import UNRESOLVED, JournalKind, OutboxKind, State
 from effectledger_core.subjects import Subjects
 
 from .calls import BatchCall
-from .common import append_journal
+from .common import append_journal, on_the_row
 from .rows import OperationRow
 from .schema import (
     OUTBOX_CONSUMED,
@@ -122,7 +122,7 @@ async def mark_published_txn(conn: AsyncConnection, ids: list[str], *, now: date
     and it is published again under the same Nats-Msg-Id, which JetStream deduplicates.
     """
     ours = (sa.select(outbox.c.id)
-            .where(outbox.c.id.in_(ids), outbox.c.status == OUTBOX_PUBLISHING)
+            .where(outbox.c.id.in_(ids), on_the_row(outbox.c.status == OUTBOX_PUBLISHING))
             .with_for_update(skip_locked=True))
     # An audit command is answered by nothing: once JetStream holds it, its row is done.
     status = sa.case((outbox.c.kind == OutboxKind.AUDIT.value, OUTBOX_CONSUMED),
@@ -132,7 +132,7 @@ async def mark_published_txn(conn: AsyncConnection, ids: list[str], *, now: date
         values["stream_seq"] = sa.case(seqs, value=outbox.c.id, else_=outbox.c.stream_seq)
     result = await conn.execute(
         outbox.update().where(outbox.c.id.in_(ours.scalar_subquery()),
-                              outbox.c.status == OUTBOX_PUBLISHING)
+                              on_the_row(outbox.c.status == OUTBOX_PUBLISHING))
         .values(**values))
     return int(result.rowcount)
 
@@ -155,7 +155,8 @@ async def release_txn(conn: AsyncConnection, ids: list[str], *, now: datetime, e
                       retry_after_s: float) -> None:
     """Give rows back after a failed publish, to be retried after a pause."""
     await conn.execute(
-        outbox.update().where(outbox.c.id.in_(ids), outbox.c.status == OUTBOX_PUBLISHING)
+        outbox.update().where(outbox.c.id.in_(ids),
+                              on_the_row(outbox.c.status == OUTBOX_PUBLISHING))
         .values(status=OUTBOX_PENDING, lease_until=None, last_error=error[:1024],
                 available_at=now + timedelta(seconds=retry_after_s)))
 
@@ -191,7 +192,8 @@ async def sweep_unclaimed_txn(conn: AsyncConnection, *, now: datetime, older_tha
                                .values(status=OUTBOX_OBSOLETE))
             continue
         await conn.execute(
-            outbox.update().where(outbox.c.id == row.id, outbox.c.status == OUTBOX_PUBLISHED)
+            outbox.update().where(outbox.c.id == row.id,
+                                  on_the_row(outbox.c.status == OUTBOX_PUBLISHED))
             .values(status=OUTBOX_PENDING, available_at=now,
                     publish_count=outbox.c.publish_count + 1))
         await append_journal(conn, operation_id=row.operation_id, at=now,

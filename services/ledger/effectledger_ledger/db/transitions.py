@@ -46,7 +46,14 @@ from effectledger_core.subjects import Subjects
 from effectledger_obs import metrics
 
 from . import hot
-from .common import execute_rows, insert_journal, journal_row, note_transitions, notify_outbox
+from .common import (
+    execute_rows,
+    insert_journal,
+    journal_row,
+    note_transitions,
+    notify_outbox,
+    on_the_row,
+)
 from .outbox import dispatch_row
 from .rows import JournalRow, OperationRow, Recorded
 from .schema import attempts, journal, operations, outbox
@@ -187,23 +194,6 @@ def _check(change: Change) -> tuple[Step, Causes]:
     if Effect.RECONCILE in causes.effects and (change.reconcile is None or change.row is None):
         raise TransitionError(f"{change.event.value} needs the row and a reconcile command")
     return step, causes
-
-
-def on_the_row(*guard: sa.ColumnElement[bool]) -> sa.ColumnElement[bool]:
-    """`guard` checked on the row that the operation's primary key found, never used to find it.
-
-    A guard on `state` is indexable (`ix_operations_state_created`, and the partial
-    `ix_operations_active_state`), and PostgreSQL's planner weighs it by statistics that lag.
-    When `pending` rows were rare at the table's last ANALYZE (always so once it holds a
-    history), it scanned every `pending` entry of the partial index and filtered them by id
-    instead of using the primary key: behind a backlog, each claim read every queued row, and
-    the drain grew with the square of the backlog (24,000 queued: one claim's UPDATE 16.9 ms
-    instead of 0.4). `(...) IS TRUE` is no index condition on a column that is not boolean and
-    proves no partial index's predicate, so the id is the only way in. In a WHERE it keeps the
-    same rows: NULL and false are both left out. `tests/integration/test_plans.py` EXPLAINs
-    the statements behind a backlog.
-    """
-    return sa.and_(*guard).is_(sa.true())
 
 
 # One statement per (event, other columns), built once: statement construction and cache-key
@@ -438,12 +428,12 @@ async def _simple_effects(conn: AsyncConnection, items: Sequence[tuple[Change, C
             await conn.execute(outbox.update().where(
                 outbox.c.operation_id == change.operation_id, outbox.c.epoch == change.epoch,
                 outbox.c.kind == OutboxKind.RECONCILE.value,
-                outbox.c.status == OutboxStatus.PUBLISHED.value)
+                on_the_row(outbox.c.status == OutboxStatus.PUBLISHED.value))
                 .values(status=OutboxStatus.CONSUMED.value))
         if Effect.OBSOLETE_COMMANDS in causes.effects:
             await conn.execute(outbox.update().where(
                 outbox.c.operation_id == change.operation_id,
-                outbox.c.status.in_([s.value for s in OUTBOX_LIVE]))
+                on_the_row(outbox.c.status.in_([s.value for s in OUTBOX_LIVE])))
                 .values(status=OutboxStatus.OBSOLETE.value))
     await execute_rows(conn, _CONSUME_DISPATCH, consume, row_key=("b_id", "b_epoch"))
 
