@@ -13,6 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from effectledger_ledger.db import hot, pgtx
 from effectledger_ledger.db.batch import GroupCommit
 from effectledger_ledger.db.common import append_journal
 from effectledger_ledger.db.store import Store
@@ -122,3 +123,78 @@ async def test_closing_the_group_gives_the_connection_back(pg: Store) -> None:
     assert pg.engine.sync_engine.pool.checkedout() == 1  # type: ignore[attr-defined]
     await group.close()
     assert pg.engine.sync_engine.pool.checkedout() == 0  # type: ignore[attr-defined]
+
+
+# ---- the writer's connection plans its one-statement transactions once ---------------------
+
+async def plan_modes(conn: AsyncConnection) -> tuple[str, str]:
+    """(outside a BEGIN, inside one) on `conn`: a lockless read first, as a call alone's one
+    statement is sent, then a read inside the transaction that BEGIN opens."""
+    show = sa.text("SELECT current_setting('plan_cache_mode') AS mode")
+    [alone] = await hot.fetch(conn, show, {}, lockless=True)
+    await hot.begin(conn)
+    [inside] = await hot.fetch(conn, show, {})
+    return alone["mode"], inside["mode"]
+
+
+async def session_mode(store: Store) -> str:
+    async with store.read() as conn:
+        return str((await conn.execute(sa.text("SHOW plan_cache_mode"))).scalar_one())
+
+
+async def test_the_writers_statements_alone_are_planned_once_the_others_each_time(
+        pg: Store) -> None:
+    group = GroupCommit(pg, name="t", max_batch=64)
+    try:
+        assert await group.run(plan_modes) == ("force_generic_plan", "force_custom_plan")
+        assert await group.run(plan_modes) == ("force_generic_plan", "force_custom_plan")
+        # Every other connection of the store plans each execution.
+        assert await session_mode(pg) == "force_custom_plan"
+        async with pg.transaction() as conn:
+            assert await plan_modes(conn) == ("force_custom_plan", "force_custom_plan")
+    finally:
+        await group.close()
+
+
+async def test_a_connection_given_back_plans_each_time_again(pg: Store) -> None:
+    group = GroupCommit(pg, name="t", max_batch=64)
+    try:
+        pid = await group.run(backend)
+        with pytest.raises(ValueError, match="refused"):
+            await group.run(fail, 1)  # gives the connection back to the pool
+    finally:
+        await group.close()
+    async with pg.read() as conn:  # the pool's only idle connection: the writer's
+        assert await backend(conn) == pid
+        assert (await conn.execute(sa.text("SHOW plan_cache_mode"))).scalar_one() == (
+            "force_custom_plan")
+
+
+async def test_a_connection_that_could_not_be_reset_never_serves_again(
+        pg: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def unreachable(conn: AsyncConnection) -> None:
+        raise OSError("the server went away")
+
+    monkeypatch.setattr(pgtx, "_plan_each_time", unreachable)
+    group = GroupCommit(pg, name="t", max_batch=64)
+    try:
+        pid = await group.run(backend)
+    finally:
+        await group.close()  # gives it back: the reset fails, so it is closed for good
+    async with pg.read() as conn:
+        assert await backend(conn) != pid
+        assert (await conn.execute(sa.text("SHOW plan_cache_mode"))).scalar_one() == (
+            "force_custom_plan")
+
+
+async def test_the_pool_refuses_a_connection_that_came_back_unreset(pg: Store) -> None:
+    """Should a writer's connection reach the pool still planning once (its reset skipped),
+    the pool's checkout replaces it rather than hand it out."""
+    pinned = pg.pinned()
+    assert pinned is not None
+    conn = await pinned.connection()
+    pid = await backend(conn)
+    await conn.close()  # to the pool without `Pinned.release`: not reset
+    assert await session_mode(pg) == "force_custom_plan"
+    async with pg.read() as again:
+        assert await backend(again) != pid

@@ -21,13 +21,13 @@ import pytest
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from effectledger_core.messages import OutcomeAmbiguous
+from effectledger_core.messages import OutcomeAmbiguous, SubmitIntent
 from effectledger_ledger.db.calls import BatchCall
 from effectledger_ledger.db.outbox import MarkPublished, mark_published_txn, release_txn
 from effectledger_ledger.db.schema import operations, outbox
 from effectledger_ledger.db.store import Store
 from tests.integration.test_alone import _claim, _digest, _outcome, _success
-from tests.integration.test_set_based import claim_call, failed, submit
+from tests.integration.test_set_based import claim_call, failed, submit, submit_call
 from tests.support.ledger import NOW
 
 QUEUED = 3_000
@@ -149,16 +149,27 @@ def _scans(plan: dict[str, Any]) -> Iterator[tuple[str, str]]:
         yield from _scans(child)
 
 
-async def _ways_in(store: Store, sent: list[tuple[str, tuple[Any, ...]]]
-                   ) -> list[tuple[str, str, str]]:
+async def _ways_in(store: Store, sent: list[tuple[str, tuple[Any, ...]]], *,
+                   generic: bool = False) -> list[tuple[str, str, str]]:
     """How PostgreSQL would reach `operations` and `outbox` in each statement: (statement,
-    node, index)."""
+    node, index). The plan for its own arguments (a custom plan, as the store's connections
+    make); with `generic`, the plan made once for any arguments, as the writer's connection
+    makes for what it sends outside a BEGIN (`pgtx.Pinned`)."""
     assert sent, "nothing was sent"
     found = []
-    async with store.transaction() as conn:
+    async with store.read() as conn:
         driver: Any = (await conn.get_raw_connection()).driver_connection
         for query, args in sent:
-            [row] = await driver.fetch(f"EXPLAIN (FORMAT JSON) {query}", *args)
+            if generic:
+                await driver.execute(f"PREPARE probe AS {query}")
+                try:
+                    await driver.execute("SET plan_cache_mode = force_generic_plan")
+                    nulls = ", ".join(["NULL"] * len(args))  # a generic plan sees no values
+                    [row] = await driver.fetch(f"EXPLAIN (FORMAT JSON) EXECUTE probe({nulls})")
+                finally:
+                    await driver.execute("DEALLOCATE probe; RESET plan_cache_mode")
+            else:
+                [row] = await driver.fetch(f"EXPLAIN (FORMAT JSON) {query}", *args)
             # Decoded already where the connection has a JSON codec (SQLAlchemy's pool sets one).
             [doc] = json.loads(row[0]) if isinstance(row[0], str) else row[0]
             found += [(query[:60], node, index) for node, index in _scans(doc["Plan"])]
@@ -227,4 +238,37 @@ async def test_the_relays_marks_find_their_rows_by_key_behind_a_backlog(backlog:
     ]
     ways = await _ways_in(store, sent)
     assert any(index == "pk_outbox" for _, _, index in ways)
+    assert _not_by_key(ways) == []
+
+
+async def _calls_alone(store: Store, n: int) -> list[tuple[str, tuple[Any, ...]]]:
+    """What an agent's call sends when it is alone in its transactions (the writer's idle
+    path): a new intent with a caller key, one joining identical calls, the first one's claim
+    and its success. `n`: a number no operation of the test uses yet."""
+    keyed = submit_call(SubmitIntent(tool="create_ticket", arguments={"n": n},
+                                     idempotency_key=f"key-{n}"), n)
+    joined = submit_call(SubmitIntent(tool="create_ticket", arguments={"n": n + 1},
+                                      join_identical=True), n + 1)
+    sent = [*await _sent(store, [keyed]), *await _sent(store, [joined])]
+    tool, digest = await _digest(store, f"op{n}")
+    sent += await _sent(store, [_claim(f"op{n}", f"a{n}", tool, digest)])
+    sent += await _sent(store, [_outcome(_success(f"op{n}", f"a{n}"), f"m{n}")])
+    return sent
+
+
+async def test_what_the_writer_plans_once_finds_rows_by_key_on_an_empty_database(
+        store: Store) -> None:
+    """A generic plan is made at a statement's first execution on the writer's connection and
+    kept; after a deploy that is on empty tables, whose statistics say nothing."""
+    if not store.is_postgres:
+        pytest.skip("these are PostgreSQL's plans")
+    ways = await _ways_in(store, await _calls_alone(store, 100), generic=True)
+    assert any(index == "pk_operations" for _, _, index in ways)
+    assert _not_by_key(ways) == []
+
+
+async def test_what_the_writer_plans_once_finds_rows_by_key_behind_a_backlog(
+        backlog: Store) -> None:
+    ways = await _ways_in(backlog, await _calls_alone(backlog, 100), generic=True)
+    assert any(index == "pk_operations" for _, _, index in ways)
     assert _not_by_key(ways) == []

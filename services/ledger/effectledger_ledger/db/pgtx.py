@@ -31,6 +31,13 @@ TX_KEY = "effectledger_pg_transaction"  # conn.info: the open PgTransaction (hot
 # conn.info on a `Store.read()` connection: a PgTransaction that never begins (`hot.read_rows`
 # sends each read as a statement of its own, as the AUTOCOMMIT connection would).
 READ_KEY = "effectledger_pg_read"
+# conn.info on a writer's `Pinned` connection: its session plans statements once (generic
+# plans); its transactions begin with `BEGIN_CUSTOM`. See `Pinned`.
+GENERIC_KEY = "effectledger_generic_plans"
+BEGIN = "BEGIN;"
+# One simple-query message, so no round trip more than a BEGIN; SET LOCAL ends with the
+# transaction, whether it commits or rolls back.
+BEGIN_CUSTOM = "BEGIN; SET LOCAL plan_cache_mode = force_custom_plan;"
 
 # asyncpg's errors as SQLAlchemy's, the same classes its asyncpg dialect maps them to (most
 # specific first): IntegrityError is what makes the service retry a lost race, and the
@@ -58,10 +65,11 @@ def translated(error: Exception, sql: str, *, lost: bool) -> Exception:
 class PgTransaction:
     """One transaction, begun only when a statement needs it (see `execute`)."""
 
-    __slots__ = ("_on_lost", "began", "driver", "lost", "pending")
+    __slots__ = ("_begin", "_on_lost", "began", "driver", "lost", "pending")
 
-    def __init__(self, driver: Any, on_lost: Callable[[], None]) -> None:
+    def __init__(self, driver: Any, on_lost: Callable[[], None], *, begin: str = BEGIN) -> None:
         self.driver = driver  # the asyncpg Connection
+        self._begin = begin
         self.began = False
         self.lost = False
         self.pending: list[Any] = []  # hot.py's writes waiting to be sent (hot._Write)
@@ -70,7 +78,7 @@ class PgTransaction:
     async def begin(self) -> None:
         if not self.began:
             self.began = True  # first: a BEGIN cut short is still rolled back (or invalidated)
-            await self._guarded("BEGIN;", self.driver.execute("BEGIN;"))
+            await self._guarded(self._begin, self.driver.execute(self._begin))
 
     async def execute(self, sql: str, args: Sequence[Any], *, begin: bool = True) -> None:
         """Run one statement; with `begin=False` before anything else, as its own
@@ -161,9 +169,10 @@ async def transaction(engine: AsyncEngine, guard: PoolGuard, pinned: Pinned | No
 @asynccontextmanager
 async def _begun(conn: AsyncConnection, guard: PoolGuard) -> AsyncIterator[None]:
     driver = (await conn.get_raw_connection()).driver_connection
-    tx = PgTransaction(driver, guard.lost)
     # Kept, not looked up again: an invalidated connection's `info` would reconnect.
     info = conn.info
+    tx = PgTransaction(driver, guard.lost,
+                       begin=BEGIN_CUSTOM if info.get(GENERIC_KEY) else BEGIN)
     info[TX_KEY] = tx
     try:
         yield
@@ -188,6 +197,23 @@ class Pinned:
     invalidated as before, and the next one checks out afresh. It is given back, too, when a
     connection was lost anywhere since it was taken (the guard's generation: the pool is
     being replaced) and after `recycle_s`, as the pool itself recycles its connections.
+
+    **Its one-statement transactions are planned once.** The store's connections plan every
+    execution afresh (`plan_cache_mode=force_custom_plan`, `store.py`: generic plans of the
+    batch statements, chosen while the tables were small, grew costly as they filled). On an
+    agent's call alone, that planning was a third of PostgreSQL's work: about 0.12, 0.30 and
+    0.43 ms for the intent's, the claim's and the success's one statement, against 0.17-0.28
+    ms to execute each (`pg_stat_statements`, docs/benchmark.md). So the held connection's
+    session uses generic plans, built at a statement's first execution on it and kept, and
+    every transaction it begins (`BEGIN_CUSTOM`) returns to a custom plan for each statement
+    inside it: only what runs outside a BEGIN, a call alone's one statement, the intent's
+    lockless key reads and a lone deferred write, is planned once. Those find their rows by
+    keys only (a status guard is checked on the row, `common.on_the_row`), so the plan is the
+    same whatever the tables hold, an empty table included;
+    `tests/integration/test_plans.py` checks their generic plans on an empty database and
+    behind a backlog. Before the connection goes back to the pool its session is reset, and
+    one that cannot be is closed (`release`, and `PoolGuard` refuses one that comes back
+    unreset).
     """
 
     def __init__(self, engine: AsyncEngine, guard: PoolGuard, *, recycle_s: float = 1800.0,
@@ -205,16 +231,41 @@ class Pinned:
                                  or self._monotonic() - self._since > self._recycle_s):
             await self.release()
         if self._conn is None:
-            self._conn = await self._engine.connect()  # the guard's checkout event runs
+            conn = await self._engine.connect()  # the guard's checkout event runs
+            try:
+                driver: Any = (await conn.get_raw_connection()).driver_connection
+                await driver.execute("SET plan_cache_mode = force_generic_plan")
+                conn.info[GENERIC_KEY] = True
+            except BaseException:
+                with suppress(Exception):
+                    await _to_completion(conn.invalidate())
+                raise
+            self._conn = conn
             self._generation = self._guard.generation
             self._since = self._monotonic()
         return self._conn
 
     async def release(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is not None:
-            with suppress(Exception):  # a dead connection is closed all the same
-                await _to_completion(conn.close())
+        if conn is None:
+            return
+        try:
+            await _to_completion(_plan_each_time(conn))
+        except Exception:
+            # A session that may still plan once must not serve anyone else: closed for good.
+            with suppress(Exception):
+                await _to_completion(conn.invalidate())
+        with suppress(Exception):  # a dead connection is closed all the same
+            await _to_completion(conn.close())
+
+
+async def _plan_each_time(conn: AsyncConnection) -> None:
+    """Back to the store's default (`force_custom_plan`, the session's startup value)."""
+    if conn.closed or conn.invalidated:
+        return
+    driver: Any = (await conn.get_raw_connection()).driver_connection
+    await driver.execute("RESET plan_cache_mode")
+    conn.info.pop(GENERIC_KEY, None)
 
 
 @asynccontextmanager
@@ -257,6 +308,10 @@ class PoolGuard:
     def _checkout(self, dbapi_conn: Any, record: Any, _proxy: Any) -> None:
         record.info.pop(TX_KEY, None)
         record.info.pop(READ_KEY, None)
+        if record.info.pop(GENERIC_KEY, None):
+            # A writer's connection given back without its session reset (`Pinned.release`
+            # could not): it would plan everything once. Replaced, never handed out.
+            raise exc.DisconnectionError("a connection still planning once came back")
         if self._stale:
             self._stale = False
             raise exc.InvalidatePoolError("a connection was lost: replacing the pool's")
