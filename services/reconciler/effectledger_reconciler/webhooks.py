@@ -75,7 +75,7 @@ async def read_bounded(request: Request, limit: int) -> bytes:
     """The body, refused (413) as soon as it is known to exceed `limit`, before reading it all."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.strip().isdigit():
+        if not (declared.isascii() and declared.strip().isdigit()):  # not "\u00b2"
             raise WebhookRejected(400, "invalid_content_length", "invalid Content-Length")
         if int(declared) > limit:
             raise WebhookRejected(413, "payload_too_large", f"body exceeds {limit} bytes")

@@ -71,7 +71,7 @@ async def read_bounded(request: Request, limit: int = MAX_HTTP_BODY_BYTES) -> by
     """Read a request body, refusing it as soon as it exceeds `limit` (before reading it all)."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not (declared.isascii() and declared.isdigit()):  # isdigit() alone takes "\u00b2"
             raise InvalidRequest("invalid Content-Length")
         if int(declared) > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)

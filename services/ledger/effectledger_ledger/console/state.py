@@ -87,7 +87,7 @@ class Console:
     async def form(self, request: Request, session: Session | None) -> FormData:
         """The posted form, refused unless it carries this session's CSRF token."""
         declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > MAX_FORM_BYTES:
+        if declared.isascii() and declared.isdigit() and int(declared) > MAX_FORM_BYTES:
             raise InvalidRequest(f"form exceeds {MAX_FORM_BYTES} bytes")
         form = await request.form(max_files=0, max_fields=32, max_part_size=MAX_FORM_BYTES)
         token = form.get("csrf")
