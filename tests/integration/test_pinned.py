@@ -127,14 +127,21 @@ async def test_closing_the_group_gives_the_connection_back(pg: Store) -> None:
 
 # ---- the writer's connection plans its one-statement transactions once ---------------------
 
+SHOW = sa.text("SELECT current_setting('plan_cache_mode') AS mode")
+
+
 async def plan_modes(conn: AsyncConnection) -> tuple[str, str]:
-    """(outside a BEGIN, inside one) on `conn`: a lockless read first, as a call alone's one
-    statement is sent, then a read inside the transaction that BEGIN opens."""
-    show = sa.text("SELECT current_setting('plan_cache_mode') AS mode")
-    [alone] = await hot.fetch(conn, show, {}, lockless=True)
-    await hot.begin(conn)
-    [inside] = await hot.fetch(conn, show, {})
+    """(outside a BEGIN, inside one) on `conn`: a statement first that may be planned once,
+    sent as a call alone's one statement is, then a read inside the transaction."""
+    [alone] = await hot.fetch(conn, SHOW, {}, lockless=True, once=True)
+    [inside] = await hot.fetch(conn, SHOW, {})
     return alone["mode"], inside["mode"]
+
+
+async def lockless_mode(conn: AsyncConnection) -> str:
+    """A lockless read that does not say it may be planned once (an intent's key read)."""
+    [row] = await hot.fetch(conn, SHOW, {}, lockless=True)
+    return str(row["mode"])
 
 
 async def session_mode(store: Store) -> str:
@@ -148,6 +155,7 @@ async def test_the_writers_statements_alone_are_planned_once_the_others_each_tim
     try:
         assert await group.run(plan_modes) == ("force_generic_plan", "force_custom_plan")
         assert await group.run(plan_modes) == ("force_generic_plan", "force_custom_plan")
+        assert await group.run(lockless_mode) == "force_custom_plan"  # it began first
         # Every other connection of the store plans each execution.
         assert await session_mode(pg) == "force_custom_plan"
         async with pg.transaction() as conn:

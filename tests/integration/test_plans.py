@@ -22,7 +22,9 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.messages import OutcomeAmbiguous, SubmitIntent
+from effectledger_ledger.db import pgtx
 from effectledger_ledger.db.calls import BatchCall
+from effectledger_ledger.db.intents import SubmitCall
 from effectledger_ledger.db.outbox import MarkPublished, mark_published_txn, release_txn
 from effectledger_ledger.db.schema import operations, outbox
 from effectledger_ledger.db.store import Store
@@ -164,8 +166,9 @@ async def _ways_in(store: Store, sent: list[tuple[str, tuple[Any, ...]]], *,
                 await driver.execute(f"PREPARE probe AS {query}")
                 try:
                     await driver.execute("SET plan_cache_mode = force_generic_plan")
-                    nulls = ", ".join(["NULL"] * len(args))  # a generic plan sees no values
-                    [row] = await driver.fetch(f"EXPLAIN (FORMAT JSON) EXECUTE probe({nulls})")
+                    # A generic plan sees no values: NULLs for all.
+                    nulls = f"({', '.join(['NULL'] * len(args))})" if args else ""
+                    [row] = await driver.fetch(f"EXPLAIN (FORMAT JSON) EXECUTE probe{nulls}")
                 finally:
                     await driver.execute("DEALLOCATE probe; RESET plan_cache_mode")
             else:
@@ -270,5 +273,67 @@ async def test_what_the_writer_plans_once_finds_rows_by_key_on_an_empty_database
 async def test_what_the_writer_plans_once_finds_rows_by_key_behind_a_backlog(
         backlog: Store) -> None:
     ways = await _ways_in(backlog, await _calls_alone(backlog, 100), generic=True)
+    assert any(index == "pk_operations" for _, _, index in ways)
+    assert _not_by_key(ways) == []
+
+
+async def _sent_outside_a_begin(store: Store, monkeypatch: pytest.MonkeyPatch,
+                                batches: list[list[BatchCall[Any]]]
+                                ) -> list[tuple[str, tuple[Any, ...]]]:
+    """What the writer's held connection (`pgtx.Pinned`) sends outside a BEGIN, where it
+    plans once, while it runs `batches` (one call: alone; several: as a batch)."""
+    outside: list[tuple[str, tuple[Any, ...]]] = []
+    real_execute, real_fetch = pgtx.PgTransaction.execute, pgtx.PgTransaction.fetch
+
+    async def execute(tx: pgtx.PgTransaction, sql: str, args: Any, *,
+                      begin: bool = True) -> None:
+        if not (begin or tx.began):
+            outside.append((sql, tuple(args)))
+        await real_execute(tx, sql, args, begin=begin)
+
+    async def fetch(tx: pgtx.PgTransaction, sql: str, args: Any, *, begin: bool = True) -> Any:
+        if not (begin or tx.began):
+            outside.append((sql, tuple(args)))
+        return await real_fetch(tx, sql, args, begin=begin)
+
+    monkeypatch.setattr(pgtx.PgTransaction, "execute", execute)
+    monkeypatch.setattr(pgtx.PgTransaction, "fetch", fetch)
+    pinned = store.pinned()
+    assert pinned is not None
+    try:
+        for calls in batches:
+            async with store.transaction(pinned) as conn:
+                if len(calls) == 1:
+                    await calls[0].one(conn)
+                else:
+                    await type(calls[0]).many(conn, calls)
+    finally:
+        await pinned.release()
+    return outside
+
+
+async def test_the_writer_plans_once_only_what_finds_rows_by_key(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an empty database, where the writer's first plans are made after a deploy: an
+    intent with a key alone, keyed intents in a batch (whose key read, `= ANY($1)`, a generic
+    plan made on a small table would scan), a plain intent (its lone write), a claim and a
+    success alone. Everything the writer sends outside a BEGIN finds its rows by keys in a
+    plan made once, and the key read is not among them."""
+    if not store.is_postgres:
+        pytest.skip("these are PostgreSQL's plans")
+
+    def keyed(n: int) -> SubmitCall:
+        return submit_call(SubmitIntent(tool="create_ticket", arguments={"n": n},
+                                        idempotency_key=f"key-{n}"), n)
+
+    outside = await _sent_outside_a_begin(store, monkeypatch, [
+        [keyed(1)], [keyed(2), keyed(3)],
+        [submit_call(SubmitIntent(tool="create_ticket", arguments={"n": 4}), 4)]])
+    tool, digest = await _digest(store, "op1")
+    outside += await _sent_outside_a_begin(store, monkeypatch, [
+        [_claim("op1", "a1", tool, digest)], [_outcome(_success("op1", "a1"), "m1")]])
+    reads = [q for q, _ in outside if q.lstrip().upper().startswith("SELECT")]
+    assert all(q.startswith("SELECT pg_notify(") for q in reads), reads  # reads no table
+    ways = await _ways_in(store, outside, generic=True)
     assert any(index == "pk_operations" for _, _, index in ways)
     assert _not_by_key(ways) == []

@@ -253,6 +253,7 @@ def _fused(parts: tuple[tuple[str, int], ...]) -> str:
 
 def _take(tx: PgTransaction, tail: tuple[str, tuple[Any, ...]] | None = None
           ) -> tuple[str, tuple[Any, ...]] | None:
+    """What waits, with `tail`, as one statement (None: nothing waits)."""
     writes = [(w.sql, w.args) for w in tx.pending]
     tx.pending.clear()
     if tail is not None:
@@ -292,9 +293,12 @@ async def finish(conn: AsyncConnection, tail: sa.Executable | None = None) -> No
     if tail is not None:
         c = _compiled(tail, conn.dialect, ())
         end = (c.sql, _args(c, {}))
+    # Planned once where the connection plans outside a BEGIN once (`pgtx.Pinned`): only
+    # INSERTs, which read no table (the tail, a NOTIFY, reads none either).
+    inserts_only = all(w.insert for w in tx.pending)
     taken = _take(tx, end)
     if taken is not None:
-        await tx.execute(*taken, begin=False)
+        await tx.execute(*taken, begin=tx.plans_once and not inserts_only)
 
 
 def before_sqlalchemy(conn: sa.Connection, *_event: Any) -> None:
@@ -316,7 +320,7 @@ async def _ready(tx: PgTransaction) -> None:
 
 
 async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, Any], *,
-                lockless: bool = False) -> Sequence[Mapping[Any, Any]]:
+                lockless: bool = False, once: bool = False) -> Sequence[Mapping[Any, Any]]:
     """The rows `stmt` returns for `params`, as mappings of column name to value.
 
     On PostgreSQL the values are asyncpg's (timestamps come back aware, in UTC, which is what
@@ -331,14 +335,19 @@ async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, An
     Also a write that is all its transaction needs when it comes first
     (`transitions.apply_alone`): it commits when it returns; later, it is part of the
     transaction.
+
+    `once`: `stmt` finds its rows by keys only, so a plan made once for any arguments is as
+    good as one made for these. On the writer's connection, which plans once what it sends
+    outside a BEGIN (`pgtx.Pinned`), a lockless statement without it begins the transaction
+    first.
     """
     tx = _direct(conn)
     if not tx:
         return (await conn.execute(stmt, params)).mappings().all()
     await _flush(tx)  # a read sees the writes before it
     c = _compiled(stmt, conn.dialect, tuple(params))
-    rows: Sequence[Mapping[Any, Any]] = await tx.fetch(c.sql, _args(c, params),
-                                                        begin=not lockless)
+    alone = lockless and (once or not tx.plans_once)
+    rows: Sequence[Mapping[Any, Any]] = await tx.fetch(c.sql, _args(c, params), begin=not alone)
     return rows
 
 

@@ -274,7 +274,7 @@ async def _created_alone(conn: AsyncConnection, kw: SubmitCall) -> Submitted | N
     params = {**{f"op_{k}": v for k, v in new.columns.items()},
               **{f"j_{k}": v for k, v in new.entry.items()},
               **{f"o_{k}": new.command_row[k] for k in _COMMAND_COLUMNS}}
-    written = bool(await hot.fetch(conn, _NEW_ALONE, params, lockless=True))
+    written = bool(await hot.fetch(conn, _NEW_ALONE, params, lockless=True, once=True))
     metrics.child(metrics.DB_ALONE, "intent", "written" if written else "declined").inc()
     if not written:
         return None  # the key or the call identity is taken: read it

@@ -65,11 +65,14 @@ def translated(error: Exception, sql: str, *, lost: bool) -> Exception:
 class PgTransaction:
     """One transaction, begun only when a statement needs it (see `execute`)."""
 
-    __slots__ = ("_begin", "_on_lost", "began", "driver", "lost", "pending")
+    __slots__ = ("_begin", "_on_lost", "began", "driver", "lost", "pending", "plans_once")
 
     def __init__(self, driver: Any, on_lost: Callable[[], None], *, begin: str = BEGIN) -> None:
         self.driver = driver  # the asyncpg Connection
         self._begin = begin
+        # A statement sent outside a BEGIN gets a generic plan (`Pinned`): only those that
+        # say they may (`hot.fetch(once=True)`, an INSERT-only lone write) are sent so.
+        self.plans_once = begin == BEGIN_CUSTOM
         self.began = False
         self.lost = False
         self.pending: list[Any] = []  # hot.py's writes waiting to be sent (hot._Write)
@@ -206,14 +209,16 @@ class Pinned:
     ms to execute each (`pg_stat_statements`, docs/benchmark.md). So the held connection's
     session uses generic plans, built at a statement's first execution on it and kept, and
     every transaction it begins (`BEGIN_CUSTOM`) returns to a custom plan for each statement
-    inside it: only what runs outside a BEGIN, a call alone's one statement, the intent's
-    lockless key reads and a lone deferred write, is planned once. Those find their rows by
-    keys only (a status guard is checked on the row, `common.on_the_row`), so the plan is the
-    same whatever the tables hold, an empty table included;
-    `tests/integration/test_plans.py` checks their generic plans on an empty database and
-    behind a backlog. Before the connection goes back to the pool its session is reset, and
-    one that cannot be is closed (`release`, and `PoolGuard` refuses one that comes back
-    unreset).
+    inside it. Only two kinds of statement are sent outside a BEGIN there: a call alone's one
+    statement (`hot.fetch(once=True)`), which finds its rows by keys only (a status guard is
+    checked on the row, `common.on_the_row`), and a lone write made only of INSERTs, which
+    reads no table; so their plan is the same whatever the tables hold, an empty table
+    included (`tests/integration/test_plans.py` checks the generic plans on an empty
+    database and behind a backlog). Anything else that would go without a BEGIN (the intent's
+    lockless key reads, `= ANY($1)` whose generic plan, made on a small table, scanned it:
+    2.5 ms each in a quick benchmark run) begins the transaction first there. Before the
+    connection goes back to the pool its session is reset, and one that cannot be is closed
+    (`release`, and `PoolGuard` refuses one that comes back unreset).
     """
 
     def __init__(self, engine: AsyncEngine, guard: PoolGuard, *, recycle_s: float = 1800.0,

@@ -102,7 +102,9 @@ class Store:
             # PostgreSQL's generic plan for the hot statements, chosen while the tables were
             # small, cost more PostgreSQL CPU the more rows they held (a throwaway harness:
             # claims 0.31 -> 0.84 ms of backend CPU each over 5,000 operations; 0.26-0.38
-            # throughout with custom plans). Planning these small statements is cheap.
+            # throughout with custom plans). The group commit's held connection is the one
+            # exception: what it sends outside a BEGIN finds rows by keys only and is planned
+            # once (`pgtx.Pinned`).
             self.engine = create_async_engine(
                 parsed, echo=echo, pool_size=pool_size, max_overflow=pool_size,
                 pool_recycle=1800,

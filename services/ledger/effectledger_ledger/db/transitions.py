@@ -387,7 +387,7 @@ async def apply_alone(conn: AsyncConnection, change: Change,
               **params}
     first = hot.nothing_sent(conn)
     try:
-        rows = await hot.fetch(conn, stmt, values, lockless=True)
+        rows = await hot.fetch(conn, stmt, values, lockless=True, once=True)
     except IntegrityError:
         if not first:
             raise  # inside a transaction: it is aborted, and the batch is replayed
