@@ -242,8 +242,10 @@ class Pinned:
                 await driver.execute("SET plan_cache_mode = force_generic_plan")
                 conn.info[GENERIC_KEY] = True
             except BaseException:
-                with suppress(Exception):
+                with suppress(Exception):  # never to the pool with an unknown session
                     await _to_completion(conn.invalidate())
+                with suppress(Exception):
+                    await _to_completion(conn.close())
                 raise
             self._conn = conn
             self._generation = self._guard.generation
