@@ -46,6 +46,7 @@ from effectledger_bus.publish import Publisher
 from effectledger_core import unsafe
 from effectledger_core.errors import BrokerUnavailable
 from effectledger_core.ids import Clock, utcnow
+from effectledger_core.limits import declared_length
 from effectledger_core.messages import WebhookReceived, encode
 from effectledger_core.subjects import Subjects
 from effectledger_obs import metrics
@@ -75,9 +76,10 @@ async def read_bounded(request: Request, limit: int) -> bytes:
     """The body, refused (413) as soon as it is known to exceed `limit`, before reading it all."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not (declared.isascii() and declared.strip().isdigit()):  # not "\u00b2"
+        length = declared_length(declared.strip())
+        if length is None:
             raise WebhookRejected(400, "invalid_content_length", "invalid Content-Length")
-        if int(declared) > limit:
+        if length > limit:
             raise WebhookRejected(413, "payload_too_large", f"body exceeds {limit} bytes")
     chunks: list[bytes] = []
     size = 0

@@ -9,7 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, StringConstraints
 from starlette.requests import ClientDisconnect
 
 from effectledger_core.errors import InvalidRequest, PayloadTooLarge
-from effectledger_core.limits import MAX_HTTP_BODY_BYTES, MAX_IDENTIFIER_BYTES
+from effectledger_core.limits import MAX_HTTP_BODY_BYTES, MAX_IDENTIFIER_BYTES, declared_length
 from effectledger_core.recovery import Conclusion
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,10 @@ async def read_bounded(request: Request, limit: int = MAX_HTTP_BODY_BYTES) -> by
     """Read a request body, refusing it as soon as it exceeds `limit` (before reading it all)."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not (declared.isascii() and declared.isdigit()):  # isdigit() alone takes "\u00b2"
+        length = declared_length(declared)
+        if length is None:
             raise InvalidRequest("invalid Content-Length")
-        if int(declared) > limit:
+        if length > limit:
             raise PayloadTooLarge(f"request body exceeds {limit} bytes", limit=limit)
     chunks, size = [], 0
     try:

@@ -19,6 +19,7 @@ from starlette.datastructures import FormData
 
 from effectledger_core.errors import EffectLedgerError, InvalidRequest
 from effectledger_core.ids import utcnow
+from effectledger_core.limits import declared_length
 
 from ..auth import Authenticator, Forbidden, Principal, operator_name
 from ..db import console_reads as cr
@@ -87,7 +88,8 @@ class Console:
     async def form(self, request: Request, session: Session | None) -> FormData:
         """The posted form, refused unless it carries this session's CSRF token."""
         declared = request.headers.get("content-length", "")
-        if declared.isascii() and declared.isdigit() and int(declared) > MAX_FORM_BYTES:
+        length = declared_length(declared)
+        if length is not None and length > MAX_FORM_BYTES:
             raise InvalidRequest(f"form exceeds {MAX_FORM_BYTES} bytes")
         form = await request.form(max_files=0, max_fields=32, max_part_size=MAX_FORM_BYTES)
         token = form.get("csrf")

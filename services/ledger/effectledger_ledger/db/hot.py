@@ -295,10 +295,10 @@ async def finish(conn: AsyncConnection, tail: sa.Executable | None = None) -> No
         end = (c.sql, _args(c, {}))
     # Planned once where the connection plans outside a BEGIN once (`pgtx.Pinned`): only
     # INSERTs, which read no table (the tail, a NOTIFY, reads none either).
-    inserts_only = all(w.insert for w in tx.pending)
+    begin = tx.plans_once and not all(w.insert for w in tx.pending)
     taken = _take(tx, end)
     if taken is not None:
-        await tx.execute(*taken, begin=tx.plans_once and not inserts_only)
+        await tx.execute(*taken, begin=begin)
 
 
 def before_sqlalchemy(conn: sa.Connection, *_event: Any) -> None:
