@@ -212,6 +212,24 @@ async def test_outcomes_find_the_operation_by_its_key_behind_a_backlog(backlog: 
     assert _not_by_key(ways) == []
 
 
+async def test_a_large_batch_writes_its_rows_by_key_behind_a_backlog(backlog: Store) -> None:
+    """A batch larger than a VALUES list takes (`hot.FUSE_ROWS`): its rows are written over
+    arrays, one statement per table (`hot._unnested`), joined to the table by the same WHERE;
+    the join must still reach each row by its key. (At 64 calls against this test's 3,300
+    rows, a scan is the cheaper plan, for the batch's locking read too; a production table
+    holds the retention period's history.)"""
+    store = backlog
+    tool, digest = await _digest(store, "queued0")
+    ops = [f"queued{i}" for i in range(16)]
+    claims = await _sent(store, [_claim(op, f"qa{i}", tool, digest) for i, op in enumerate(ops)])
+    outcomes = await _sent(store, [_outcome(_success(op, f"qa{i}"), f"qm{i}")
+                                   for i, op in enumerate(ops)])
+    assert sum("FROM unnest(" in q for q, _ in claims + outcomes) >= 2
+    ways = await _ways_in(store, claims + outcomes)
+    assert any(index == "pk_operations" for _, _, index in ways)
+    assert _not_by_key(ways) == []
+
+
 async def test_the_check_sees_a_plan_that_scans_the_backlog(backlog: Store) -> None:
     """The check itself can fail: the guard written plainly, as it was, is planned as a scan
     of the state index behind this backlog."""

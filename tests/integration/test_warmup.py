@@ -1,7 +1,7 @@
 """A new ledger warms its connections and hot statements before it listens (db/warmup.py).
 
 The warm-up runs an intent, its claim and its outcome on each connection, alone and as a
-batch, and rolls them back:
+batch of two, and rolls them back:
 it must leave no row behind, leave the statements prepared on the pooled connections (on
 PostgreSQL, where asyncpg prepares per connection), and never stop a ledger from starting.
 """
@@ -54,6 +54,9 @@ async def test_each_pooled_connection_has_the_hot_statements_prepared(store: Sto
             assert sum(s.startswith("WITH new_op") for s in statements) == 1
             assert sum(s.startswith("WITH moved") for s in statements) == 2
             assert any("FOR UPDATE" in s for s in statements)
+            # A batch of several writes its rows over arrays (`hot._unnested`): prepared
+            # here, with their array types looked up, not in the first real batch.
+            assert any("FROM unnest(" in s for s in statements)
     finally:
         for conn in conns:
             await conn.close()

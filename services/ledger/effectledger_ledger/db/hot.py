@@ -50,6 +50,7 @@ class _Compiled(NamedTuple):
     fixed: dict[str, Any]  # values the statement carries itself (literals bound as parameters)
     target: tuple[str, bool] | None  # see `_written`
     stmt: sa.Executable  # kept alive, so its id is not reused by another statement
+    unnest: _Unnest | None  # the statement for many rows at once, see `_unnested`
 
 
 _COMPILED: dict[tuple[int, tuple[str, ...]], _Compiled] = {}
@@ -71,8 +72,9 @@ def _compiled(stmt: sa.Executable, dialect: Dialect, keys: tuple[str, ...]) -> _
                        for n in names)
     fixed = {n: binds[n].effective_value for n in names
              if n not in keys and not binds[n].required}
-    found = _Compiled(compiled.string, names, processors, fixed,
-                      _written(stmt, compiled.string), stmt)
+    target = _written(stmt, compiled.string)
+    found = _Compiled(compiled.string, names, processors, fixed, target, stmt,
+                      _unnested(compiled.string, names, keys, binds, dialect, target))
     _COMPILED[(id(stmt), keys)] = found
     return found
 
@@ -149,12 +151,17 @@ async def execute_rows(conn: AsyncConnection, stmt: sa.Executable, rows: Rows, *
 
 
 def _deferrable(c: _Compiled, rows: Rows, row_key: tuple[str, ...]) -> list[_Write]:
-    """`rows` as writes that may wait (none: send now): one statement for a single row or a
-    small INSERT; one part per row for a small UPDATE or DELETE whose rows each write a row
-    no other part writes (`_distinct`, see `_Write`)."""
-    if c.target is None or len(rows) > FUSE_ROWS:
+    """`rows` as writes that may wait (none: send now): one statement for a single row, for
+    an INSERT of many (`_unnested`) and for an UPDATE of many whose rows each write a row no
+    other writes (`_distinct`, see `_Write`); otherwise, small ones, one VALUES list for an
+    INSERT, one part per row for an UPDATE or DELETE of distinct rows."""
+    if c.target is None:
         return []
     table, insert = c.target
+    if len(rows) > 1 and c.unnest is not None and (insert or _distinct(rows, row_key)):
+        return [_Write(c.unnest.sql, _unnest_args(c, c.unnest, rows), table, insert)]
+    if len(rows) > FUSE_ROWS:
+        return []
     if len(rows) == 1 or insert:
         args = tuple(a for r in rows for a in _args(c, r))
         return [_Write(_rows_sql(c.sql, len(c.names), len(rows)), args, table, insert)]
@@ -236,6 +243,63 @@ def _rows_sql(sql: str, per_row: int, n: int) -> str:
     if not (values.startswith("(") and values.endswith(")")):
         raise ValueError(f"not a plain INSERT: {sql[:80]}")
     return head + sep + ", ".join(_shifted(values, i * per_row) for i in range(n))
+
+
+# ---- many rows, one statement ------------------------------------------------------------
+#
+# A write of many rows (a batch's journal entries, attempts, operations moved) was sent with
+# the driver's executemany: one Bind and Execute per row, and PostgreSQL planned and ran each
+# row as a statement of its own (the store plans every execution afresh). At saturation that
+# planning was about a third of the server's time in those statements. Written instead as one
+# statement over `unnest` of one array per column, the rows are one execution, planned once,
+# whatever their number, and the statement may wait to be fused like any other write.
+# An UPDATE joins its rows by the same WHERE, so it is only written so when no two rows pick
+# the same table row (`execute_rows`' `row_key`): the join would apply one of the two.
+
+
+class _Unnest(NamedTuple):
+    sql: str
+    scalars: tuple[int, ...]  # positions (in `_Compiled.names`) sent once, as before
+    arrays: tuple[int, ...]  # positions sent as one array of every row's value
+
+
+def _unnested(sql: str, names: tuple[str, ...], keys: tuple[str, ...], binds: Any,
+              dialect: Dialect, target: tuple[str, bool] | None) -> _Unnest | None:
+    """`sql` (one row's INSERT ... VALUES, or UPDATE ... WHERE) taking every row's values of
+    the parameters in `keys` as arrays: `INSERT INTO t (...) SELECT v.p1, ... FROM unnest(...)
+    AS v(p1, ...)`, `UPDATE t SET ... FROM unnest(...) AS v(...) WHERE ...`. Parameters the
+    statement carries itself stay single values. None: a shape this does not rewrite (a
+    DELETE, a subquery, an array parameter, a statement whose result someone reads)."""
+    if target is None or dialect.name != "postgresql":
+        return None
+    per_row = tuple(i for i, n in enumerate(names) if n in keys)
+    scalars = tuple(i for i, n in enumerate(names) if n not in keys)
+    types = [binds[names[i]].type for i in per_row]
+    if not per_row or any(isinstance(t, sa.ARRAY) for t in types):
+        return None
+    renamed = {i + 1: f"${j + 1}" for j, i in enumerate(scalars)}
+    renamed.update({i + 1: f"v.p{i + 1}" for i in per_row})
+    body = _PARAM.sub(lambda m: renamed[int(m[1])], sql)
+    arrays = ", ".join(f"${len(scalars) + k + 1}::{dialect.type_compiler_instance.process(t)}[]"
+                       for k, t in enumerate(types))
+    source = f"unnest({arrays}) AS v({', '.join(f'p{i + 1}' for i in per_row)})"
+    if "SELECT" in body or " FROM " in body.partition(" WHERE ")[0]:
+        return None
+    if target[1]:
+        head, sep, values = body.rpartition(" VALUES ")
+        values = values.partition(" RETURNING ")[0]  # the server-made key: nobody reads it
+        if not sep or not (values.startswith("(") and values.endswith(")")):
+            return None
+        return _Unnest(f"{head} SELECT {values[1:-1]} FROM {source}", scalars, per_row)
+    if not body.startswith("UPDATE ") or body.count(" WHERE ") != 1 or " RETURNING " in body:
+        return None
+    head, _, where = body.partition(" WHERE ")
+    return _Unnest(f"{head} FROM {source} WHERE {where}", scalars, per_row)
+
+
+def _unnest_args(c: _Compiled, u: _Unnest, rows: Rows) -> tuple[Any, ...]:
+    each = [_args(c, r) for r in rows]
+    return (*(each[0][i] for i in u.scalars), *([a[i] for a in each] for i in u.arrays))
 
 
 @functools.lru_cache(maxsize=512)

@@ -81,7 +81,7 @@ async def _dry_run(store: Store, catalog: Catalog, subjects: Subjects, tool: str
             await hot.begin(conn)
             # The shapes the service sends: an intent with a caller key and a lease (the
             # direct path), its claim, and a success outcome (which also writes the inbox row),
-            # each as a call alone (one statement) and as a batch (the locked path).
+            # each as a call alone (one statement) and as a batch of two (the locked path).
             for alone in (True, False):
                 await _operation(conn, catalog, subjects, tool, now, alone=alone)
             await hot.flush(conn)  # so the fused writes are prepared too
@@ -93,23 +93,30 @@ async def _dry_run(store: Store, catalog: Catalog, subjects: Subjects, tool: str
 
 async def _operation(conn: AsyncConnection, catalog: Catalog, subjects: Subjects, tool: str,
                      now: datetime, *, alone: bool) -> None:
-    async def run(call: BatchCall[T]) -> T:
+    """An intent, its claim and its success: as calls alone, or as batches of two (a batch's
+    rows are written over arrays, `hot._unnested`, whose types asyncpg looks up once per
+    connection: here, not in the first real batch)."""
+    async def run(calls: list[BatchCall[T]]) -> list[T]:
         if alone:
-            return await call.one(conn)
-        [result] = await type(call).many(conn, [call])
-        if isinstance(result, Exception):
-            raise result
-        return result
+            return [await calls[0].one(conn)]
+        results = []
+        for result in await type(calls[0]).many(conn, calls):
+            if isinstance(result, Exception):
+                raise result
+            results.append(result)
+        return results
 
-    intent = SubmitIntent(tool=tool, idempotency_key=new_id(), tenant=WARMUP_TENANT)
-    submitted = await run(SubmitCall(catalog, intent, subjects, new_id(), new_id(), now,
-                                     lease_until=now))
-    op = submitted.operation
-    attempt = new_id()
-    await run(ClaimCall(ClaimAttempt(
+    n = 1 if alone else 2
+    ops = [r.operation for r in await run([SubmitCall(
+        catalog, SubmitIntent(tool=tool, idempotency_key=new_id(), tenant=WARMUP_TENANT),
+        subjects, new_id(), new_id(), now, lease_until=now) for _ in range(n)])]
+    attempts = [new_id() for _ in ops]
+    await run([ClaimCall(ClaimAttempt(
         operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
-        tool=op["tool"], arguments_digest=op["arguments_digest"]), now))
-    await run(OutcomeCall(AttemptSucceeded(
+        tool=op["tool"], arguments_digest=op["arguments_digest"]), now)
+        for op, attempt in zip(ops, attempts, strict=True)])
+    await run([OutcomeCall(AttemptSucceeded(
         operation_id=op["id"], epoch=1, attempt_id=attempt, dispatcher_id="warmup",
         at=now, response_digest="warmup"), consumer="warmup", message_id=new_id(),
-        subjects=subjects, now=now, ambiguous_outbox_id=new_id()))
+        subjects=subjects, now=now, ambiguous_outbox_id=new_id())
+        for op, attempt in zip(ops, attempts, strict=True)])
