@@ -137,7 +137,12 @@ async def lock_with_attempts(conn: AsyncConnection, op_ids: list[str]) -> Locked
     in id order makes concurrent batches queue instead of deadlocking.
     """
     return locked_rows(await hot.fetch(conn, _LOCK_WITH_ATTEMPTS[conn.dialect.name],
-                                       {"ids": op_ids}))
+                                       {"ids": op_ids}, reads=hot.Reads(
+                                           LOCKED_TABLES, frozenset(op_ids))))
+
+
+# What `lock_with_attempts` reads: these tables, only rows of the operations it locks.
+LOCKED_TABLES = frozenset({"operations", "attempts"})
 
 
 def locked_rows(rows: Sequence[Any]) -> Locked:

@@ -51,6 +51,7 @@ class _Compiled(NamedTuple):
     target: tuple[str, bool] | None  # see `_written`
     stmt: sa.Executable  # kept alive, so its id is not reused by another statement
     unnest: _Unnest | None  # the statement for many rows at once, see `_unnested`
+    op_param: str | None  # the parameter naming the operation of each row written, if known
 
 
 _COMPILED: dict[tuple[int, tuple[str, ...]], _Compiled] = {}
@@ -74,7 +75,8 @@ def _compiled(stmt: sa.Executable, dialect: Dialect, keys: tuple[str, ...]) -> _
              if n not in keys and not binds[n].required}
     target = _written(stmt, compiled.string)
     found = _Compiled(compiled.string, names, processors, fixed, target, stmt,
-                      _unnested(compiled.string, names, keys, binds, dialect, target))
+                      _unnested(compiled.string, names, keys, binds, dialect, target),
+                      _operation_param(compiled.string, names, keys, target))
     _COMPILED[(id(stmt), keys)] = found
     return found
 
@@ -159,14 +161,16 @@ def _deferrable(c: _Compiled, rows: Rows, row_key: tuple[str, ...]) -> list[_Wri
         return []
     table, insert = c.target
     if len(rows) > 1 and c.unnest is not None and (insert or _distinct(rows, row_key)):
-        return [_Write(c.unnest.sql, _unnest_args(c, c.unnest, rows), table, insert)]
+        return [_Write(c.unnest.sql, _unnest_args(c, c.unnest, rows), table, insert,
+                       _operations(c, rows))]
     if len(rows) > FUSE_ROWS:
         return []
     if len(rows) == 1 or insert:
         args = tuple(a for r in rows for a in _args(c, r))
-        return [_Write(_rows_sql(c.sql, len(c.names), len(rows)), args, table, insert)]
+        return [_Write(_rows_sql(c.sql, len(c.names), len(rows)), args, table, insert,
+                       _operations(c, rows))]
     if _distinct(rows, row_key):
-        return [_Write(c.sql, _args(c, r), table, False) for r in rows]
+        return [_Write(c.sql, _args(c, r), table, False, _operations(c, [r])) for r in rows]
     return []
 
 
@@ -208,6 +212,7 @@ class _Write(NamedTuple):
     args: tuple[Any, ...]
     table: str
     insert: bool
+    operations: frozenset[str] | None  # whose rows it writes (None: not known), see `Reads`
 
 
 def _written(stmt: sa.Executable, sql: str) -> tuple[str, bool] | None:
@@ -243,6 +248,55 @@ def _rows_sql(sql: str, per_row: int, n: int) -> str:
     if not (values.startswith("(") and values.endswith(")")):
         raise ValueError(f"not a plain INSERT: {sql[:80]}")
     return head + sep + ", ".join(_shifted(values, i * per_row) for i in range(n))
+
+
+# ---- reads that carry the writes before them ----------------------------------------------
+#
+# A read flushes the writes that wait before it, so it sees them: one more round trip. In a
+# mixed group-commit batch that was two of its eight (the intents' writes before the claims'
+# locking read, the claims' writes before the outcomes' inbox-and-lock statement), on the one
+# writer whose round trips bound the ledger's throughput. A read that says which rows it reads
+# (`Reads`: its tables, and the operations whose rows it reads there) instead takes the
+# waiting writes along as CTEs of its own statement, when none of them writes a row it reads:
+# the read then sees the snapshot from before them, which holds the same rows it would have
+# seen after them. A write whose operations are not known (`_Write.operations` None) to a
+# table the read reads keeps the flush first.
+
+
+class Reads(NamedTuple):
+    """What a read reads: in these tables, only rows of these operations."""
+    tables: frozenset[str]
+    operations: frozenset[str]
+
+
+def _operation_param(sql: str, names: tuple[str, ...], keys: tuple[str, ...],
+                     target: tuple[str, bool] | None) -> str | None:
+    """The parameter holding the operation of each row the statement writes: an INSERT's
+    `id` (into operations) or `operation_id` column, an UPDATE's `= $n` on one of them in its
+    WHERE; None if the statement names its rows otherwise (an attempt by its own id)."""
+    if target is None:
+        return None
+    table, insert = target
+    column = "id" if table == "operations" else "operation_id"
+    if insert:
+        return column if column in keys else None
+    found = re.search(rf"\b{table}\.{column} = \$(\d+)", sql.partition(" WHERE ")[2])
+    name = names[int(found[1]) - 1] if found else None
+    return name if name in keys else None
+
+
+def _operations(c: _Compiled, rows: Sequence[Any]) -> frozenset[str] | None:
+    if c.op_param is None:
+        return None
+    values = {cast(Mapping[str, Any], r)[c.op_param] for r in rows}
+    return frozenset(values) if all(isinstance(v, str) for v in values) else None
+
+
+def _independent(pending: list[_Write], reads: Reads) -> bool:
+    """Whether no write in `pending` writes a row `reads` reads."""
+    return all(w.table not in reads.tables
+               or (w.operations is not None and w.operations.isdisjoint(reads.operations))
+               for w in pending)
 
 
 # ---- many rows, one statement ------------------------------------------------------------
@@ -305,14 +359,19 @@ def _unnest_args(c: _Compiled, u: _Unnest, rows: Rows) -> tuple[Any, ...]:
 @functools.lru_cache(maxsize=512)
 def _fused(parts: tuple[tuple[str, int], ...]) -> str:
     """One statement of several (their SQL and parameter counts): all but the last as
-    data-modifying CTEs, which PostgreSQL runs whether or not anything reads them."""
+    data-modifying CTEs, which PostgreSQL runs whether or not anything reads them. A last
+    statement with CTEs of its own (a read, `Reads`) gets them after these."""
     out, offset = [], 0
     for sql, n in parts:
         out.append(_shifted(sql, offset))
         offset += n
     if len(out) == 1:
         return out[0]
-    return "WITH " + ", ".join(f"w{i} AS ({s})" for i, s in enumerate(out[:-1])) + " " + out[-1]
+    ctes = ", ".join(f"w{i} AS ({s})" for i, s in enumerate(out[:-1]))
+    last = out[-1]
+    if last.startswith("WITH "):
+        return f"WITH {ctes}, {last.removeprefix('WITH ')}"
+    return f"WITH {ctes} {last}"
 
 
 def _take(tx: PgTransaction, tail: tuple[str, tuple[Any, ...]] | None = None
@@ -384,7 +443,8 @@ async def _ready(tx: PgTransaction) -> None:
 
 
 async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, Any], *,
-                lockless: bool = False, once: bool = False) -> Sequence[Mapping[Any, Any]]:
+                lockless: bool = False, once: bool = False, reads: Reads | None = None
+                ) -> Sequence[Mapping[Any, Any]]:
     """The rows `stmt` returns for `params`, as mappings of column name to value.
 
     On PostgreSQL the values are asyncpg's (timestamps come back aware, in UTC, which is what
@@ -404,14 +464,24 @@ async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, An
     good as one made for these. On the writer's connection, which plans once what it sends
     outside a BEGIN (`pgtx.Pinned`), a lockless statement without it begins the transaction
     first.
+
+    `reads`: which rows the read reads; given, the writes that wait may go in its statement
+    (see `Reads`), else they are sent first.
     """
     tx = _direct(conn)
     if not tx:
         return (await conn.execute(stmt, params)).mappings().all()
-    await _flush(tx)  # a read sees the writes before it
     c = _compiled(stmt, conn.dialect, tuple(params))
+    args = _args(c, params)
+    if (tx.pending and reads is not None and not c.sql.startswith("WITH RECURSIVE")
+            and _independent(tx.pending, reads)):
+        taken = _take(tx, (c.sql, args))
+        assert taken is not None
+        fused: Sequence[Mapping[Any, Any]] = await tx.fetch(*taken)
+        return fused
+    await _flush(tx)  # a read sees the writes before it
     alone = lockless and (once or not tx.plans_once)
-    rows: Sequence[Mapping[Any, Any]] = await tx.fetch(c.sql, _args(c, params), begin=not alone)
+    rows: Sequence[Mapping[Any, Any]] = await tx.fetch(c.sql, args, begin=not alone)
     return rows
 
 

@@ -36,6 +36,7 @@ from effectledger_core.subjects import Subjects
 from . import hot
 from .calls import BatchCall
 from .common import (
+    LOCKED_TABLES,
     Locked,
     LockedOp,
     append_journal,
@@ -284,7 +285,9 @@ async def _dedup_and_lock(conn: AsyncConnection, items: Sequence[OutcomeCall]
     if conn.dialect.name == "postgresql":
         params = _inbox_rows(items, first)
         params["ids"] = sorted({items[i].outcome.operation_id for i in first.values()})
-        rows = await hot.fetch(conn, _INBOX_THEN_LOCK, params)
+        # Reads the inbox (its INSERT ... ON CONFLICT) and the operations it locks.
+        rows = await hot.fetch(conn, _INBOX_THEN_LOCK, params, reads=hot.Reads(
+            LOCKED_TABLES | {"inbox"}, frozenset(params["ids"])))
         _mark_duplicates(results, first,
                          {(c, m) for c, m in (rows[0]["inserted"] or ())} if rows else set())
         return results, locked_rows(rows)
