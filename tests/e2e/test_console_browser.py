@@ -182,7 +182,8 @@ async def test_operator_approves_the_exact_arguments_and_watches_the_operation_s
 
 
 async def test_a_stale_approval_page_is_refused_with_a_clear_message(
-        make_cluster: Callable[..., Cluster], new_context: Callable[..., Any]) -> None:
+        make_cluster: Callable[..., Cluster], new_context: Callable[..., Any],
+        shots: Path) -> None:
     c = await _up(make_cluster)
     op = await _submit(c, AGENT_A, "fast_wire", {"amount": 10, "to": "acct-1"}, "wire-stale")
     ctx, _ = await new_context()
@@ -206,6 +207,16 @@ async def test_a_stale_approval_page_is_refused_with_a_clear_message(
         "el => el.value = '7'")
     await page.get_by_role("button", name="Approve these arguments").click()
     await expect(page.get_by_role("alert")).to_contain_text("it showed epoch 7")
+    assert (await c.operation(op2["id"]))["state"] == "awaiting_approval"
+
+    # An epoch that is not a number a person would type as one (a superscript two, which
+    # Python's isdigit accepts and int refuses) is a clear refusal, not a server error.
+    await page.goto(f"{c.ledger_url}/console/approvals/{op2['id']}")
+    await page.locator("form[action$='/approve'] input[name=epoch]").evaluate(
+        "el => el.value = '\u00b2'")
+    await page.get_by_role("button", name="Approve these arguments").click()
+    await expect(page.get_by_role("alert")).to_contain_text("must be a whole number of 32 bits")
+    await page.screenshot(path=shots / "bad-number.png", full_page=True)
     assert (await c.operation(op2["id"]))["state"] == "awaiting_approval"
 
 
