@@ -46,12 +46,16 @@ async def _in_one_transaction(store: Store, groups: list[list[Any]]) -> tuple[li
     the statements sent (asyncpg's own type lookups left out) and each group's results."""
     seen: list[str] = []
     results: list[Any] = []
+
+    def log(query: Any) -> None:
+        seen.append(query.query)
+
     async with store.transaction() as conn:
         driver: Any = (await conn.get_raw_connection()).driver_connection
-        driver.add_query_logger(lambda q: seen.append(q.query))
+        driver.add_query_logger(log)
         for calls in groups:
             results.append(await type(calls[0]).many(conn, calls))
-    driver.remove_query_logger(seen.append)
+    driver.remove_query_logger(log)  # after the block: its COMMIT is logged too
     return [q for q in seen if "typeinfo_tree" not in q and "'jit'" not in q], results
 
 
@@ -143,3 +147,13 @@ def test_a_write_of_unknown_operations_to_a_table_read_is_not_independent() -> N
                             reads)
     assert not hot._independent([write("attempts", None)], reads)
     assert not hot._independent([write("operations", frozenset({"op1", "op2"}))], reads)
+
+
+def test_a_read_with_ctes_of_its_own_gets_the_writes_first_in_its_with_list() -> None:
+    write = ("INSERT INTO t (a) VALUES ($1)", 1)
+    assert hot._fused((write, ("WITH x AS (SELECT $1) SELECT * FROM x", 1))) == (
+        "WITH w0 AS (INSERT INTO t (a) VALUES ($1)), x AS (SELECT $2) SELECT * FROM x")
+    # RECURSIVE qualifies the whole list; plain CTEs may stand in it.
+    assert hot._fused((write, ("WITH RECURSIVE r(n) AS (SELECT $1) SELECT n FROM r", 1))) == (
+        "WITH RECURSIVE w0 AS (INSERT INTO t (a) VALUES ($1)), r(n) AS (SELECT $2) "
+        "SELECT n FROM r")

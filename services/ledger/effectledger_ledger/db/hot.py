@@ -369,8 +369,10 @@ def _fused(parts: tuple[tuple[str, int], ...]) -> str:
         return out[0]
     ctes = ", ".join(f"w{i} AS ({s})" for i, s in enumerate(out[:-1]))
     last = out[-1]
-    if last.startswith("WITH "):
-        return f"WITH {ctes}, {last.removeprefix('WITH ')}"
+    # RECURSIVE belongs to the whole list, and plain CTEs may stand in a recursive one.
+    head = next((h for h in ("WITH RECURSIVE ", "WITH ") if last.startswith(h)), None)
+    if head is not None:
+        return f"{head}{ctes}, {last.removeprefix(head)}"
     return f"WITH {ctes} {last}"
 
 
@@ -472,16 +474,15 @@ async def fetch(conn: AsyncConnection, stmt: sa.Executable, params: dict[str, An
     if not tx:
         return (await conn.execute(stmt, params)).mappings().all()
     c = _compiled(stmt, conn.dialect, tuple(params))
-    args = _args(c, params)
-    if (tx.pending and reads is not None and not c.sql.startswith("WITH RECURSIVE")
-            and _independent(tx.pending, reads)):
-        taken = _take(tx, (c.sql, args))
-        assert taken is not None
-        fused: Sequence[Mapping[Any, Any]] = await tx.fetch(*taken)
-        return fused
-    await _flush(tx)  # a read sees the writes before it
+    sql, args = c.sql, _args(c, params)
     alone = lockless and (once or not tx.plans_once)
-    rows: Sequence[Mapping[Any, Any]] = await tx.fetch(c.sql, args, begin=not alone)
+    if tx.pending and reads is not None and _independent(tx.pending, reads):
+        taken = _take(tx, (sql, args))  # the writes that wait, as CTEs of this read
+        assert taken is not None  # a tail was given
+        (sql, args), alone = taken, False  # it writes: inside the transaction
+    else:
+        await _flush(tx)  # a read sees the writes before it
+    rows: Sequence[Mapping[Any, Any]] = await tx.fetch(sql, args, begin=not alone)
     return rows
 
 
