@@ -287,6 +287,30 @@ def test_wakeups_count_every_thread_that_slept() -> None:
         t.join(5)
 
 
+def test_writes_count_the_write_syscalls_of_every_thread(tmp_path: Path) -> None:
+    """Ten unbuffered writes from another thread of ours add at least ten write syscalls."""
+    import os
+    import threading
+
+    from effectledger_bench.procs import sample, self_writes
+
+    before, own = sample(os.getpid()), self_writes()
+
+    def writer() -> None:
+        with open(tmp_path / "out", "wb", buffering=0) as f:
+            for _ in range(10):
+                f.write(b"x")
+
+    t = threading.Thread(target=writer)
+    t.start()
+    t.join(5)
+    after = sample(os.getpid())
+    assert before is not None and after is not None
+    assert after.writes - before.writes >= 10
+    assert self_writes() - own >= 10
+    assert (tmp_path / "out").read_bytes() == b"x" * 10
+
+
 def test_wakeup_probe_reports_each_rate_in_a_fresh_process() -> None:
     from effectledger_bench import wakeprobe
 
@@ -312,5 +336,10 @@ def test_report_puts_wakeups_beside_the_probe(tmp_path: Path) -> None:
     assert "| half | 1 | 5.7 | n/a | n/a | 27.4 | n/a | n/a |" in text
     # Fastest rate first; the last column is the cost over the tight loop's
     assert text.index("| 20,000 | 31.1 | 0.29 | 1.6 |") < text.index("| 150 | 124.6 | 1.01 | 6.2 |")
+    assert "Write syscalls per operation" not in text  # a run from before they were counted
+    written = render({"phases": [{**phase, "writes_per_op": {"ledger": 1.3, "loadgen": 0.9}},
+                                 {**half, "writes_per_op": {"ledger": 4.9}}]}, tmp_path)
+    assert "| max | 1 | 1.3 | n/a | n/a | n/a | n/a | 0.9 |" in written
+    assert "| half | 1 | 4.9 | n/a | n/a | n/a | n/a | n/a |" in written
     failed = render({"phases": [phase], "wakeup_cost": {"error": "no fork"}}, tmp_path)
     assert "Wake-up probe failed: no fork" in failed

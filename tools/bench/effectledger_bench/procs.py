@@ -8,6 +8,12 @@
   how often the process went to sleep waiting for something and had to be woken again. On a
   virtual machine each wake-up of an idle process costs CPU of its own (`wakeprobe`), which is
   why a process that handles messages one at a time pays more per message than a busy one.
+- writes: the write syscalls of the whole process (`/proc/<pid>/io` `syscw`, threads that ended
+  included): every socket write to NATS, PostgreSQL or a provider is one, unless the process
+  gathered several messages into it. On loopback the sender's write also does the receiver's
+  side of TCP and wakes it, so a write costs far more than the bytes it copies. The counter
+  covers write(2) and writev(2) (uvloop, Go), not send(2): PostgreSQL's answers go by send(2),
+  so its figure is its WAL and data file writes.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ class CpuSample:
     hwm_bytes: int
     sys_s: float = 0.0  # the kernel's share of cpu_s (syscalls: sockets, fsync, ...)
     wakeups: int = 0  # voluntary context switches, all threads (and, for a tree, live processes)
+    writes: int = 0  # write syscalls (and, for a tree, its live processes'), see `_writes`
 
 
 def _stat(pid: int) -> tuple[int, list[str]] | None:
@@ -76,6 +83,16 @@ def _wakeups(pid: int) -> int:
     return total
 
 
+def _writes(pid: int) -> int:
+    """The write syscalls the process made (`syscw` of `/proc/<pid>/io`, which counts every
+    thread, ended ones too); 0 if it is gone or its io file cannot be read (another user's)."""
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/io") as f:
+        for line in f:
+            if line.startswith("syscw:"):
+                return int(line.split()[1])
+    return 0
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
@@ -97,7 +114,7 @@ def sample(pid: int, *, tree: bool = False) -> CpuSample | None:
         return None
     cpu, sys_s = _times(st[1], children=tree)
     rss, hwm = _status(pid)
-    wakeups = _wakeups(pid)
+    wakeups, writes = _wakeups(pid), _writes(pid)
     if tree:
         for child in _descendants(pid):
             cst = _stat(child)
@@ -107,7 +124,8 @@ def sample(pid: int, *, tree: bool = False) -> CpuSample | None:
                 sys_s += c_sys
                 rss += _status(child)[0]
                 wakeups += _wakeups(child)
-    return CpuSample(cpu, rss, hwm, sys_s, wakeups)
+                writes += _writes(child)
+    return CpuSample(cpu, rss, hwm, sys_s, wakeups, writes)
 
 
 def self_cpu() -> float:
@@ -118,6 +136,11 @@ def self_cpu() -> float:
 def self_wakeups() -> int:
     """This process's wake-ups (the load generator's, counted like the services')."""
     return _wakeups(os.getpid())
+
+
+def self_writes() -> int:
+    """This process's write syscalls (the load generator's, counted like the services')."""
+    return _writes(os.getpid())
 
 
 def machine() -> dict[str, object]:

@@ -64,6 +64,7 @@ COST: list[tuple[str, str, int]] = [
     ("WAL bytes/op", "pg.wal_bytes_per_op", 0),
 ]
 WAKEUPS = per_process("wakeups_per_op", 1)
+WRITES = per_process("writes_per_op", 1)
 
 
 def scenario_table(phases: list[Phase], scenario: str, key: str | None, label: str,
@@ -284,6 +285,14 @@ def wakeup_section(phases: list[Phase], probe: dict[str, Any] | None) -> list[st
              "had to be woken. A busy process finds its next message waiting; one that handles "
              "messages as they come sleeps and wakes for each.", "",
              multi_table(phases, ("max", "half", "failure_mix"), WAKEUPS), ""]
+    if any("writes_per_op" in p for p in phases):
+        parts += ["Write syscalls per operation by process (`syscw` of `/proc/<pid>/io`, all "
+                  "threads): each socket write to NATS, PostgreSQL or the provider is one unless "
+                  "several messages share it. On loopback a write also runs the receiver's side "
+                  "of TCP and wakes it, so fewer writes per operation is CPU saved on both "
+                  "sides. PostgreSQL answers with send(2), which this counter leaves out: its "
+                  "figure is its WAL and data file writes.", "",
+                  multi_table(phases, ("max", "half", "failure_mix"), WRITES), ""]
     probe = probe or {}
     rates = probe.get("rates")
     if rates:

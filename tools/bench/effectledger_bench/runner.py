@@ -31,7 +31,14 @@ from .measure import (
     stage_latencies,
 )
 from .pg import PgCounters, log_since, log_size, read_counters, slow_statements, wal_commit_records
-from .procs import CpuSample, machine_shares, machine_ticks, self_cpu, self_wakeups
+from .procs import (
+    CpuSample,
+    machine_shares,
+    machine_ticks,
+    self_cpu,
+    self_wakeups,
+    self_writes,
+)
 from .sqlcapture import extract, pgbench_script
 from .stack import TOOL, Stack
 
@@ -186,7 +193,7 @@ class Runner:
                     *, rep: int, settle_s: float = 300.0) -> dict[str, Any]:
         log(f"{scenario} {params} (rep {rep + 1})")
         c0, me0, t0 = self.counters(), self_cpu(), time.monotonic()
-        w0, m0 = self_wakeups(), machine_ticks()
+        w0, m0, y0 = self_wakeups(), machine_ticks(), self_writes()
         pg_log = self.stack.pg.log if self.stack.pg is not None else None
         log0 = log_size(pg_log) if pg_log is not None else 0
         s0, r0 = self.stack.samples_by_pid(), len(self.stack.retired)
@@ -196,7 +203,7 @@ class Runner:
         moving = await self.wait_rest(tags, settle_s)
         t1 = time.monotonic()
         s1, me1, c1 = self.stack.samples_by_pid(), self_cpu(), self.counters()
-        w1, m1 = self_wakeups(), machine_ticks()
+        w1, m1, y1 = self_wakeups(), machine_ticks(), self_writes()
         self.remember_peaks({name: smp for (name, _pid), (_k, smp) in s1.items()})
         for ld in loads:
             self.submitted_ids.extend(ld.op_ids)
@@ -210,6 +217,7 @@ class Runner:
         cpu: dict[str, float] = {}
         kernel: dict[str, float] = {}
         wakeups: dict[str, int] = {}
+        writes: dict[str, int] = {}
         ended = [((name, pid), (kind, smp)) for name, pid, kind, smp in self.stack.retired[r0:]]
         for key, (kind, smp) in [*s1.items(), *ended]:
             b = s0[key][1] if key in s0 else None  # started during the phase: count it all
@@ -217,8 +225,10 @@ class Runner:
             kernel[kind] = kernel.get(kind, 0.0) + (smp.sys_s - (b.sys_s if b else 0.0))
             # A PostgreSQL backend that ended during the phase takes its count with it.
             wakeups[kind] = wakeups.get(kind, 0) + max(0, smp.wakeups - (b.wakeups if b else 0))
+            writes[kind] = writes.get(kind, 0) + max(0, smp.writes - (b.writes if b else 0))
         cpu["loadgen"] = me1 - me0
         wakeups["loadgen"] = w1 - w0
+        writes["loadgen"] = y1 - y0
         system = sum(v for k, v in cpu.items()
                      if k in ("ledger", "dispatcher", "nats", "postgres", "reconciler"))
         pg: dict[str, Any] = {}
@@ -243,6 +253,7 @@ class Runner:
             "system_cpu_ms_per_op": round(1000 * system / n, 3),
             "kernel_share": {k: round(kernel[k] / cpu[k], 2) for k in kernel if cpu.get(k)},
             "wakeups_per_op": {k: round(v / n, 1) for k, v in sorted(wakeups.items())},
+            "writes_per_op": {k: round(v / n, 1) for k, v in sorted(writes.items())},
             "rss_mib": {name: round(smp.rss_bytes / 2**20, 1)
                         for (name, _pid), (_k, smp) in s1.items()},
             "pg": pg, "load": [ld.to_json() for ld in loads],
