@@ -4,6 +4,7 @@ connection is the pool)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -206,3 +207,143 @@ async def test_the_pool_refuses_a_connection_that_came_back_unreset(pg: Store) -
     assert await session_mode(pg) == "force_custom_plan"
     async with pg.read() as again:
         assert await backend(again) != pid
+
+
+# ---- a COMMIT that begins the next transaction (`Pinned.chain`) -----------------------------
+
+async def write_and_read(conn: AsyncConnection, n: int) -> int:
+    """A call that begins its transaction (a read through SQLAlchemy after its write)."""
+    await write(conn, n)
+    await backend(conn)
+    return n
+
+
+@contextmanager
+def messages(store: Store) -> Iterator[list[str]]:
+    """The statements the connections checked out of `store` meanwhile send, in order."""
+    seen: list[str] = []
+    drivers: dict[int, Any] = {}
+
+    def log(query: Any) -> None:
+        seen.append(query.query)
+
+    def on_checkout(dbapi_conn: Any, *_: Any) -> None:
+        driver = dbapi_conn.driver_connection
+        if id(driver) not in drivers:
+            drivers[id(driver)] = driver
+            driver.add_query_logger(log)
+
+    event.listen(store.engine.sync_engine, "checkout", on_checkout)
+    try:
+        yield seen
+    finally:
+        event.remove(store.engine.sync_engine, "checkout", on_checkout)
+        for driver in drivers.values():  # pooled connections outlive the test
+            driver.remove_query_logger(log)
+
+
+async def test_a_commit_begins_the_next_transaction_when_it_is_asked_to(pg: Store) -> None:
+    pinned = pg.pinned()
+    assert pinned is not None
+    chain = [True]
+    pinned.chain = lambda: chain[0]
+    with messages(pg) as seen:
+        try:
+            async with pg.transaction(pinned) as conn:
+                await write_and_read(conn, 1)
+            driver: Any = (await conn.get_raw_connection()).driver_connection
+            assert driver.is_in_transaction()  # begun by that COMMIT
+            chain[0] = False
+            async with pg.transaction(pinned) as conn:
+                await write_and_read(conn, 2)
+            assert not driver.is_in_transaction()
+        finally:
+            await pinned.release()
+    sent = [q for q in seen if "BEGIN" in q or "COMMIT" in q]
+    assert sent == [pgtx.BEGIN_CUSTOM, "COMMIT; " + pgtx.BEGIN_CUSTOM, "COMMIT;"]
+    assert await written(pg) == [1, 2]  # both committed, seen from another connection
+
+
+async def test_a_begun_transaction_never_used_is_rolled_back_before_the_reset(
+        pg: Store) -> None:
+    """Given back to the pool right after a COMMIT that began the next transaction: the
+    session is reset outside it (a RESET inside would be undone by the pool's rollback)."""
+    pinned = pg.pinned()
+    assert pinned is not None
+    pinned.chain = lambda: True
+    async with pg.transaction(pinned) as conn:
+        await write_and_read(conn, 1)
+        pid = await backend(conn)
+    await pinned.release()
+    async with pg.read() as conn:  # the pool's only idle connection: the writer's
+        assert await backend(conn) == pid
+        assert (await conn.execute(sa.text("SHOW plan_cache_mode"))).scalar_one() == (
+            "force_custom_plan")
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        assert not driver.is_in_transaction()
+    assert await written(pg) == [1]
+
+
+async def test_a_failed_commit_begins_nothing(pg: Store) -> None:
+    """A COMMIT that fails (a deferred constraint here) stops the message there: the
+    connection is outside any transaction, the next one begins afresh and commits."""
+    pinned = pg.pinned()
+    assert pinned is not None
+    pinned.chain = lambda: True
+
+    async def duplicate(conn: AsyncConnection) -> None:
+        await conn.execute(sa.text("CREATE TEMP TABLE t_chain "
+                                   "(n int UNIQUE DEFERRABLE INITIALLY DEFERRED)"))
+        await conn.execute(sa.text("INSERT INTO t_chain VALUES (1), (1)"))
+
+    try:
+        with pytest.raises(sa.exc.IntegrityError):
+            async with pg.transaction(pinned) as conn:
+                await duplicate(conn)  # fails only at its COMMIT
+        conn = await pinned.connection()
+        driver: Any = (await conn.get_raw_connection()).driver_connection
+        assert not driver.is_in_transaction()
+        async with pg.transaction(pinned) as conn:
+            await write_and_read(conn, 3)
+    finally:
+        await pinned.release()
+    assert await written(pg) == [3]
+
+
+async def test_the_worker_begins_the_next_batch_with_the_commit_while_calls_wait(
+        pg: Store) -> None:
+    group = GroupCommit(pg, name="t", max_batch=4)
+    with messages(pg) as seen:
+        try:
+            assert await asyncio.gather(*(group.run(write_and_read, n) for n in range(12))
+                                        ) == list(range(12))
+        finally:
+            await group.close()
+    sent = [q for q in seen if "BEGIN" in q or "COMMIT" in q]
+    chained = sent.count("COMMIT; " + pgtx.BEGIN_CUSTOM)
+    # Three batches of four: the first begins, its COMMIT begins the second and the second's
+    # the third; the last commits alone (nothing waits).
+    assert sent == [pgtx.BEGIN_CUSTOM] + ["COMMIT; " + pgtx.BEGIN_CUSTOM] * chained + ["COMMIT;"]
+    assert chained == 2
+    assert await written(pg) == list(range(12))
+
+
+async def test_the_next_batch_begins_with_the_commit_only_if_it_will_begin(pg: Store) -> None:
+    """Not for one call (mostly one statement alone) nor for intents only (no BEGIN)."""
+    from effectledger_ledger.db.batch import _Call
+    from effectledger_ledger.db.intents import SubmitCall
+
+    group = GroupCommit(pg, name="t", max_batch=4)
+
+    def queued(*calls: _Call[Any]) -> bool:
+        group._urgent.clear()
+        group._urgent.extend(calls)
+        return group._next_begins()
+
+    intent: _Call[Any] = _Call(write, (), {}, typed=object.__new__(SubmitCall))
+    plain = _Call(write, (1,), {})
+    assert not queued()
+    assert not queued(plain)
+    assert not queued(intent, intent)
+    assert queued(intent, plain)
+    assert queued(plain, plain)
