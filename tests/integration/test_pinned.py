@@ -14,7 +14,6 @@ import sqlalchemy as sa
 from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from effectledger_core.messages import SubmitIntent
 from effectledger_ledger.db import hot, pgtx
 from effectledger_ledger.db.batch import GroupCommit
 from effectledger_ledger.db.common import append_journal
@@ -330,10 +329,9 @@ async def test_the_worker_begins_the_next_batch_with_the_commit_while_calls_wait
 
 
 async def test_the_next_batch_begins_with_the_commit_only_if_it_will_begin(pg: Store) -> None:
-    """Not for one call (mostly one statement alone) nor for plain intents only (their
-    INSERTs are one statement with no BEGIN); intents that read a key or identity begin."""
+    """Not for one call (mostly one statement alone) nor for intents only (no BEGIN)."""
     from effectledger_ledger.db.batch import _Call
-    from tests.integration.test_set_based import claim_call, submit_call
+    from effectledger_ledger.db.intents import SubmitCall
 
     group = GroupCommit(pg, name="t", max_batch=4)
 
@@ -342,18 +340,10 @@ async def test_the_next_batch_begins_with_the_commit_only_if_it_will_begin(pg: S
         group._urgent.extend(calls)
         return group._next_begins()
 
-    def typed(call: Any) -> _Call[Any]:
-        return _Call(write, (), {}, typed=call)
-
-    plain_intent = typed(submit_call(SubmitIntent(tool="create_ticket"), 1))
-    keyed = typed(submit_call(SubmitIntent(tool="create_ticket", idempotency_key="k"), 2))
-    joining = typed(submit_call(SubmitIntent(tool="create_ticket", join_identical=True), 3))
-    untyped = _Call(write, (1,), {})
+    intent: _Call[Any] = _Call(write, (), {}, typed=object.__new__(SubmitCall))
+    plain = _Call(write, (1,), {})
     assert not queued()
-    assert not queued(untyped)
-    assert not queued(typed(claim_call("op1", "a1")))
-    assert not queued(plain_intent, plain_intent)
-    assert queued(plain_intent, keyed)
-    assert queued(joining, plain_intent)
-    assert queued(plain_intent, typed(claim_call("op1", "a1")))
-    assert queued(untyped, untyped)
+    assert not queued(plain)
+    assert not queued(intent, intent)
+    assert queued(intent, plain)
+    assert queued(plain, plain)

@@ -179,15 +179,14 @@ class GroupCommit:
 
     def _next_begins(self) -> bool:
         """Whether the next batch will begin a transaction: it holds several calls (one call
-        alone is mostly one statement, with no BEGIN) and one that begins (`BatchCall.begins`:
-        all but plain intents; an untyped call is taken to).
+        alone is mostly one statement, with no BEGIN) and one that begins (not only intents).
         Asked at a COMMIT, which then begins it (`pgtx.Pinned`). A guess from the queues:
         the express lane may take urgent calls meanwhile, which costs a round trip (a COMMIT
         for a call that needed none), never correctness."""
         queued = itertools.chain(self._urgent, self._background)
         if len(self._urgent) + len(self._background) < 2:
             return False
-        return any(c.typed is None or c.typed.begins
+        return any(c.typed is None or type(c.typed).begins
                    for c in itertools.islice(queued, self.max_batch))
 
     async def _express(self, urgent_ready: asyncio.Event) -> None:

@@ -26,17 +26,14 @@ class BatchCall(Generic[R]):
     __slots__ = ()
     # Someone holds a request open for calls of this class: they go ahead of background calls.
     urgent: ClassVar[bool] = False
+    # Whether a batch of calls of this class sends a BEGIN (False: its reads are lockless and
+    # its writes go as statements of their own, see `GroupCommit._next_begins`).
+    begins: ClassVar[bool] = True
 
     @classmethod
     async def many(cls, conn: AsyncConnection, calls: Sequence[Self]
                    ) -> Sequence[R | Exception]:
         raise NotImplementedError
-
-    @property
-    def begins(self) -> bool:
-        """Whether a batch holding this call sends a BEGIN on the writer's connection (see
-        `GroupCommit._next_begins`); False only for a call whose batch may go without one."""
-        return True
 
     async def alone(self, conn: AsyncConnection) -> R | None:
         """The call done by one statement, when it is alone in its transaction; None: nothing

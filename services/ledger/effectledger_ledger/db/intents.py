@@ -289,6 +289,8 @@ class SubmitCall(BatchCall[Submitted]):
     """One intent, as group commit batches it."""
 
     urgent: ClassVar[bool] = True  # an agent holds its request open until this commits
+    # A lockless key read, then INSERTs sent as one statement: no BEGIN (hot.finish).
+    begins: ClassVar[bool] = False
 
     catalog: Catalog
     intent: SubmitIntent
@@ -306,13 +308,6 @@ class SubmitCall(BatchCall[Submitted]):
     async def many(cls, conn: AsyncConnection, calls: Sequence[SubmitCall]
                    ) -> Sequence[Submitted | Exception]:
         return await _submit(conn, calls)
-
-    @property
-    def begins(self) -> bool:
-        """Intents with neither a caller key nor a call identity read nothing: their batch is
-        its INSERTs, one statement with no BEGIN (`hot.finish`). A key or identity read begins
-        the transaction on the writer's connection (`pgtx.Pinned`: not planned once)."""
-        return self.intent.idempotency_key is not None or self.intent.join_identical
 
     async def alone(self, conn: AsyncConnection) -> Submitted | None:
         """A new operation created by one statement (see `_created_alone`)."""
