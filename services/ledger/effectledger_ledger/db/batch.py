@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections import deque
@@ -155,8 +154,6 @@ class GroupCommit:
         # A worker runs one transaction at a time: it keeps its connection between them
         # (pgtx.Pinned) instead of a pool checkout and check-in for each.
         pinned = self.store.pinned()
-        if pinned is not None:
-            pinned.chain = self._next_begins
         try:
             while True:
                 batch = self._take()
@@ -176,18 +173,6 @@ class GroupCommit:
         finally:
             if pinned is not None:
                 await pinned.release()
-
-    def _next_begins(self) -> bool:
-        """Whether the next batch will begin a transaction: it holds several calls (one call
-        alone is mostly one statement, with no BEGIN) and one that begins (not only intents).
-        Asked at a COMMIT, which then begins it (`pgtx.Pinned`). A guess from the queues:
-        the express lane may take urgent calls meanwhile, which costs a round trip (a COMMIT
-        for a call that needed none), never correctness."""
-        queued = itertools.chain(self._urgent, self._background)
-        if len(self._urgent) + len(self._background) < 2:
-            return False
-        return any(c.typed is None or type(c.typed).begins
-                   for c in itertools.islice(queued, self.max_batch))
 
     async def _express(self, urgent_ready: asyncio.Event) -> None:
         """Urgent calls beside a large batch of background calls, in a transaction of their own.

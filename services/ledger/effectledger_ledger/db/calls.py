@@ -26,9 +26,6 @@ class BatchCall(Generic[R]):
     __slots__ = ()
     # Someone holds a request open for calls of this class: they go ahead of background calls.
     urgent: ClassVar[bool] = False
-    # Whether a batch of calls of this class sends a BEGIN (False: its reads are lockless and
-    # its writes go as statements of their own, see `GroupCommit._next_begins`).
-    begins: ClassVar[bool] = True
 
     @classmethod
     async def many(cls, conn: AsyncConnection, calls: Sequence[Self]

@@ -289,8 +289,6 @@ class SubmitCall(BatchCall[Submitted]):
     """One intent, as group commit batches it."""
 
     urgent: ClassVar[bool] = True  # an agent holds its request open until this commits
-    # A lockless key read, then INSERTs sent as one statement: no BEGIN (hot.finish).
-    begins: ClassVar[bool] = False
 
     catalog: Catalog
     intent: SubmitIntent

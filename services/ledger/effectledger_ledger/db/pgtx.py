@@ -65,19 +65,15 @@ def translated(error: Exception, sql: str, *, lost: bool) -> Exception:
 class PgTransaction:
     """One transaction, begun only when a statement needs it (see `execute`)."""
 
-    __slots__ = ("_begin", "_chain", "_on_lost", "began", "driver", "lost", "pending",
-                 "plans_once")
+    __slots__ = ("_begin", "_on_lost", "began", "driver", "lost", "pending", "plans_once")
 
-    def __init__(self, driver: Any, on_lost: Callable[[], None], *, begin: str = BEGIN,
-                 began: bool = False, chain: Callable[[], bool] | None = None) -> None:
+    def __init__(self, driver: Any, on_lost: Callable[[], None], *, begin: str = BEGIN) -> None:
         self.driver = driver  # the asyncpg Connection
         self._begin = begin
         # A statement sent outside a BEGIN gets a generic plan (`Pinned`): only those that
         # say they may (`hot.fetch(once=True)`, an INSERT-only lone write) are sent so.
         self.plans_once = begin == BEGIN_CUSTOM
-        # True: begun already, by the previous transaction's COMMIT (see `commit`).
-        self.began = began
-        self._chain = chain
+        self.began = False
         self.lost = False
         self.pending: list[Any] = []  # hot.py's writes waiting to be sent (hot._Write)
         self._on_lost = on_lost
@@ -104,16 +100,9 @@ class PgTransaction:
         await self._guarded(sql, self.driver.executemany(sql, rows))
 
     async def commit(self) -> None:
-        """COMMIT; on a writer's held connection whose next transaction will begin one
-        (`Pinned.chain`), that BEGIN goes in the same message (see `Pinned`)."""
         if self.began:
             self.began = False  # whatever COMMIT answers, the transaction is over
-            sql = "COMMIT;"
-            if self._chain is not None and self._chain():
-                # A simple query of several statements stops at the first error: if COMMIT
-                # fails, no BEGIN runs and the connection is outside a transaction, as before.
-                sql = "COMMIT; " + self._begin
-            await self._guarded(sql, self.driver.execute(sql))
+            await self._guarded("COMMIT;", self.driver.execute("COMMIT;"))
 
     async def _guarded(self, sql: str, op: Awaitable[T]) -> T:
         try:
@@ -172,7 +161,7 @@ async def transaction(engine: AsyncEngine, guard: PoolGuard, pinned: Pinned | No
     conn = await pinned.connection()
     done = False
     try:
-        async with _begun(conn, guard, pinned):
+        async with _begun(conn, guard):
             yield conn
         done = True
     finally:
@@ -181,17 +170,12 @@ async def transaction(engine: AsyncEngine, guard: PoolGuard, pinned: Pinned | No
 
 
 @asynccontextmanager
-async def _begun(conn: AsyncConnection, guard: PoolGuard, pinned: Pinned | None = None
-                 ) -> AsyncIterator[None]:
-    driver: Any = (await conn.get_raw_connection()).driver_connection
+async def _begun(conn: AsyncConnection, guard: PoolGuard) -> AsyncIterator[None]:
+    driver = (await conn.get_raw_connection()).driver_connection
     # Kept, not looked up again: an invalidated connection's `info` would reconnect.
     info = conn.info
-    # Only a held connection may come in a transaction: the one its last COMMIT began (the
-    # pool refuses any other connection left inside one, `PoolGuard`).
     tx = PgTransaction(driver, guard.lost,
-                       begin=BEGIN_CUSTOM if info.get(GENERIC_KEY) else BEGIN,
-                       began=pinned is not None and driver.is_in_transaction(),
-                       chain=pinned.chain if pinned is not None else None)
+                       begin=BEGIN_CUSTOM if info.get(GENERIC_KEY) else BEGIN)
     info[TX_KEY] = tx
     try:
         yield
@@ -216,19 +200,6 @@ class Pinned:
     invalidated as before, and the next one checks out afresh. It is given back, too, when a
     connection was lost anywhere since it was taken (the guard's generation: the pool is
     being replaced) and after `recycle_s`, as the pool itself recycles its connections.
-
-    **Its COMMIT may begin the next transaction.** A batch of several calls is BEGIN, its
-    statements and COMMIT; under load the worker starts the next batch as soon as one commits,
-    and that BEGIN was a round trip of its own on the writer whose round trips bound the
-    ledger's rate (a fifth of its messages to PostgreSQL in a traced half-rate run). When
-    `chain` (set by the worker: more calls are queued, and they will begin a transaction)
-    says so, the COMMIT is sent as `COMMIT; BEGIN; SET LOCAL ...`, one simple-query message,
-    and the next transaction finds itself begun (`PgTransaction.began`). Only when work is
-    queued already, so the connection is never left idle inside a transaction; nothing the
-    ledger writes takes the server's transaction time (`now()`): its timestamps come from
-    its own clock. If the COMMIT fails, PostgreSQL runs nothing after it, so the connection is
-    outside a transaction as before; a begun transaction that is never used is rolled back
-    before the session is reset (`release`), or by `end_after_error`.
 
     **Its one-statement transactions are planned once.** The store's connections plan every
     execution afresh (`plan_cache_mode=force_custom_plan`, `store.py`: generic plans of the
@@ -257,8 +228,6 @@ class Pinned:
         self._conn: AsyncConnection | None = None
         self._generation = 0
         self._since = 0.0
-        # Whether the next transaction will begin one: its BEGIN then goes with this COMMIT.
-        self.chain: Callable[[], bool] | None = None
 
     async def connection(self) -> AsyncConnection:
         conn = self._conn
@@ -302,10 +271,6 @@ async def _plan_each_time(conn: AsyncConnection) -> None:
     if conn.closed or conn.invalidated:
         return
     driver: Any = (await conn.get_raw_connection()).driver_connection
-    if driver.is_in_transaction():
-        # Begun by the last COMMIT (`Pinned.chain`) and never used: a RESET inside it would be
-        # undone by the pool's rollback, leaving the session planning once.
-        await driver.execute("ROLLBACK;")
     await driver.execute("RESET plan_cache_mode")
     conn.info.pop(GENERIC_KEY, None)
 
