@@ -311,6 +311,33 @@ def test_writes_count_the_write_syscalls_of_every_thread(tmp_path: Path) -> None
     assert (tmp_path / "out").read_bytes() == b"x" * 10
 
 
+def test_preemptions_count_processes_that_share_one_cpu() -> None:
+    """Two processes spinning on one CPU take it from each other: each is preempted while
+    it could have run on. Each is sampled alive, after its spin (it then waits on stdin)."""
+    import os
+    import subprocess
+    import sys
+
+    from effectledger_bench.procs import sample
+
+    if not hasattr(os, "sched_setaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    cpu = min(os.sched_getaffinity(0))
+    spin = (f"import os, sys, time; os.sched_setaffinity(0, {{{cpu}}}); "
+            "end = time.monotonic() + 0.5\nwhile time.monotonic() < end: pass\n"
+            "print('spun', flush=True); sys.stdin.read()")
+    procs = [subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "spun\n"
+        samples = [sample(p.pid) for p in procs]
+    finally:
+        for p in procs:
+            p.communicate("", timeout=10)
+    assert all(s is not None and s.preemptions > 0 for s in samples)
+
+
 def test_wakeup_probe_reports_each_rate_in_a_fresh_process() -> None:
     from effectledger_bench import wakeprobe
 
@@ -341,5 +368,8 @@ def test_report_puts_wakeups_beside_the_probe(tmp_path: Path) -> None:
                                  {**half, "writes_per_op": {"ledger": 4.9}}]}, tmp_path)
     assert "| max | 1 | 1.3 | n/a | n/a | n/a | n/a | 0.9 |" in written
     assert "| half | 1 | 4.9 | n/a | n/a | n/a | n/a | n/a |" in written
+    assert "Preemptions per operation" not in written
+    preempted = render({"phases": [{**phase, "preemptions_per_op": {"nats": 0.42}}]}, tmp_path)
+    assert "| max | 1 | n/a | n/a | n/a | 0.42 | n/a | n/a |" in preempted
     failed = render({"phases": [phase], "wakeup_cost": {"error": "no fork"}}, tmp_path)
     assert "Wake-up probe failed: no fork" in failed

@@ -8,6 +8,9 @@
   how often the process went to sleep waiting for something and had to be woken again. On a
   virtual machine each wake-up of an idle process costs CPU of its own (`wakeprobe`), which is
   why a process that handles messages one at a time pays more per message than a busy one.
+- preemptions: the involuntary context switches, read the same way: how often a thread that
+  could have run on lost its CPU to another. On two cores shared by six busy processes, work
+  that is cut up and interleaved more finely costs more CPU for the same instructions.
 - writes: the write syscalls of the whole process (`/proc/<pid>/io` `syscw`, threads that ended
   included): every socket write to NATS, PostgreSQL or a provider is one, unless the process
   gathered several messages into it. On loopback the sender's write also does the receiver's
@@ -33,6 +36,7 @@ class CpuSample:
     sys_s: float = 0.0  # the kernel's share of cpu_s (syscalls: sockets, fsync, ...)
     wakeups: int = 0  # voluntary context switches, all threads (and, for a tree, live processes)
     writes: int = 0  # write syscalls (and, for a tree, its live processes'), see `_writes`
+    preemptions: int = 0  # involuntary context switches, counted like the wake-ups
 
 
 def _stat(pid: int) -> tuple[int, list[str]] | None:
@@ -67,20 +71,28 @@ def _status(pid: int) -> tuple[int, int]:
     return rss, hwm
 
 
-def _wakeups(pid: int) -> int:
-    """Voluntary context switches summed over the process's threads (0 if it is gone).
+def _switches(pid: int) -> tuple[int, int]:
+    """(voluntary, involuntary) context switches summed over the process's threads (0, 0 if it
+    is gone). A voluntary one is a wake-up (the thread slept and was woken); an involuntary one
+    a preemption (the thread could have run on but the scheduler gave its CPU to another).
 
     A thread that exited takes its count with it; the services' threads live as long as they do.
     """
-    total = 0
+    woken = preempted = 0
     with contextlib.suppress(OSError):
         for tid in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{tid}/status") as f:
                 for line in f:
                     if line.startswith("voluntary_ctxt_switches:"):
-                        total += int(line.split()[1])
-                        break
-    return total
+                        woken += int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches:"):
+                        preempted += int(line.split()[1])
+                        break  # the status file's last line of interest
+    return woken, preempted
+
+
+def _wakeups(pid: int) -> int:
+    return _switches(pid)[0]
 
 
 def _writes(pid: int) -> int:
@@ -114,7 +126,7 @@ def sample(pid: int, *, tree: bool = False) -> CpuSample | None:
         return None
     cpu, sys_s = _times(st[1], children=tree)
     rss, hwm = _status(pid)
-    wakeups, writes = _wakeups(pid), _writes(pid)
+    (wakeups, preemptions), writes = _switches(pid), _writes(pid)
     if tree:
         for child in _descendants(pid):
             cst = _stat(child)
@@ -123,9 +135,11 @@ def sample(pid: int, *, tree: bool = False) -> CpuSample | None:
                 cpu += c_cpu
                 sys_s += c_sys
                 rss += _status(child)[0]
-                wakeups += _wakeups(child)
+                woken, preempted = _switches(child)
+                wakeups += woken
+                preemptions += preempted
                 writes += _writes(child)
-    return CpuSample(cpu, rss, hwm, sys_s, wakeups, writes)
+    return CpuSample(cpu, rss, hwm, sys_s, wakeups, writes, preemptions)
 
 
 def self_cpu() -> float:
@@ -136,6 +150,11 @@ def self_cpu() -> float:
 def self_wakeups() -> int:
     """This process's wake-ups (the load generator's, counted like the services')."""
     return _wakeups(os.getpid())
+
+
+def self_preemptions() -> int:
+    """This process's involuntary context switches (the load generator's)."""
+    return _switches(os.getpid())[1]
 
 
 def self_writes() -> int:

@@ -65,6 +65,7 @@ COST: list[tuple[str, str, int]] = [
 ]
 WAKEUPS = per_process("wakeups_per_op", 1)
 WRITES = per_process("writes_per_op", 1)
+PREEMPTIONS = per_process("preemptions_per_op", 2)
 
 
 def scenario_table(phases: list[Phase], scenario: str, key: str | None, label: str,
@@ -293,6 +294,12 @@ def wakeup_section(phases: list[Phase], probe: dict[str, Any] | None) -> list[st
                   "sides. PostgreSQL answers with send(2), which this counter leaves out: its "
                   "figure is its WAL and data file writes.", "",
                   multi_table(phases, ("max", "half", "failure_mix"), WRITES), ""]
+    if any("preemptions_per_op" in p for p in phases):
+        parts += ["Preemptions per operation by process (involuntary context switches, all "
+                  "threads): how often a process that could have run on lost its CPU to "
+                  "another. The same work cut up and interleaved more finely on two shared "
+                  "cores costs more CPU.", "",
+                  multi_table(phases, ("max", "half", "failure_mix"), PREEMPTIONS), ""]
     probe = probe or {}
     rates = probe.get("rates")
     if rates:

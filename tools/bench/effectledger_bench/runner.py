@@ -36,6 +36,7 @@ from .procs import (
     machine_shares,
     machine_ticks,
     self_cpu,
+    self_preemptions,
     self_wakeups,
     self_writes,
 )
@@ -193,7 +194,7 @@ class Runner:
                     *, rep: int, settle_s: float = 300.0) -> dict[str, Any]:
         log(f"{scenario} {params} (rep {rep + 1})")
         c0, me0, t0 = self.counters(), self_cpu(), time.monotonic()
-        w0, m0, y0 = self_wakeups(), machine_ticks(), self_writes()
+        w0, m0, y0, q0 = self_wakeups(), machine_ticks(), self_writes(), self_preemptions()
         pg_log = self.stack.pg.log if self.stack.pg is not None else None
         log0 = log_size(pg_log) if pg_log is not None else 0
         s0, r0 = self.stack.samples_by_pid(), len(self.stack.retired)
@@ -203,7 +204,7 @@ class Runner:
         moving = await self.wait_rest(tags, settle_s)
         t1 = time.monotonic()
         s1, me1, c1 = self.stack.samples_by_pid(), self_cpu(), self.counters()
-        w1, m1, y1 = self_wakeups(), machine_ticks(), self_writes()
+        w1, m1, y1, q1 = self_wakeups(), machine_ticks(), self_writes(), self_preemptions()
         self.remember_peaks({name: smp for (name, _pid), (_k, smp) in s1.items()})
         for ld in loads:
             self.submitted_ids.extend(ld.op_ids)
@@ -218,6 +219,7 @@ class Runner:
         kernel: dict[str, float] = {}
         wakeups: dict[str, int] = {}
         writes: dict[str, int] = {}
+        preempted: dict[str, int] = {}
         ended = [((name, pid), (kind, smp)) for name, pid, kind, smp in self.stack.retired[r0:]]
         for key, (kind, smp) in [*s1.items(), *ended]:
             b = s0[key][1] if key in s0 else None  # started during the phase: count it all
@@ -226,9 +228,12 @@ class Runner:
             # A PostgreSQL backend that ended during the phase takes its count with it.
             wakeups[kind] = wakeups.get(kind, 0) + max(0, smp.wakeups - (b.wakeups if b else 0))
             writes[kind] = writes.get(kind, 0) + max(0, smp.writes - (b.writes if b else 0))
+            preempted[kind] = preempted.get(kind, 0) + max(
+                0, smp.preemptions - (b.preemptions if b else 0))
         cpu["loadgen"] = me1 - me0
         wakeups["loadgen"] = w1 - w0
         writes["loadgen"] = y1 - y0
+        preempted["loadgen"] = q1 - q0
         system = sum(v for k, v in cpu.items()
                      if k in ("ledger", "dispatcher", "nats", "postgres", "reconciler"))
         pg: dict[str, Any] = {}
@@ -254,6 +259,7 @@ class Runner:
             "kernel_share": {k: round(kernel[k] / cpu[k], 2) for k in kernel if cpu.get(k)},
             "wakeups_per_op": {k: round(v / n, 1) for k, v in sorted(wakeups.items())},
             "writes_per_op": {k: round(v / n, 1) for k, v in sorted(writes.items())},
+            "preemptions_per_op": {k: round(v / n, 2) for k, v in sorted(preempted.items())},
             "rss_mib": {name: round(smp.rss_bytes / 2**20, 1)
                         for (name, _pid), (_k, smp) in s1.items()},
             "pg": pg, "load": [ld.to_json() for ld in loads],
