@@ -277,29 +277,35 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
     return rows
 
 
+# What the services' processes were counted doing, per operation: (the phase's figure, what it
+# means, its columns). A run from before a count existed shows no table for it.
+_COUNTED: list[tuple[str, str, list[tuple[str, str, int]]]] = [
+    ("wakeups_per_op",
+     "Wake-ups per operation by process (voluntary context switches, all threads; for "
+     "PostgreSQL its live processes): how often a process went to sleep waiting and had to be "
+     "woken. A busy process finds its next message waiting; one that handles messages as they "
+     "come sleeps and wakes for each.", WAKEUPS),
+    ("writes_per_op",
+     "Write syscalls per operation by process (`syscw` of `/proc/<pid>/io`, all threads): each "
+     "socket write to NATS, PostgreSQL or the provider is one unless several messages share "
+     "it. On loopback a write also runs the receiver's side of TCP and wakes it, so fewer "
+     "writes per operation is CPU saved on both sides. PostgreSQL answers with send(2), which "
+     "this counter leaves out: its figure is its WAL and data file writes.", WRITES),
+    ("preemptions_per_op",
+     "Preemptions per operation by process (involuntary context switches, all threads): how "
+     "often a process that could have run on lost its CPU to another. The same work cut up "
+     "and interleaved more finely on two shared cores costs more CPU.", PREEMPTIONS),
+]
+
+
 def wakeup_section(phases: list[Phase], probe: dict[str, Any] | None) -> list[str]:
     """Wake-ups per operation by process, beside what one wake-up costs on this machine."""
     if not any("wakeups_per_op" in p for p in phases):
         return []
-    parts = ["Wake-ups per operation by process (voluntary context switches, all threads; "
-             "for PostgreSQL its live processes): how often a process went to sleep waiting and "
-             "had to be woken. A busy process finds its next message waiting; one that handles "
-             "messages as they come sleeps and wakes for each.", "",
-             multi_table(phases, ("max", "half", "failure_mix"), WAKEUPS), ""]
-    if any("writes_per_op" in p for p in phases):
-        parts += ["Write syscalls per operation by process (`syscw` of `/proc/<pid>/io`, all "
-                  "threads): each socket write to NATS, PostgreSQL or the provider is one unless "
-                  "several messages share it. On loopback a write also runs the receiver's side "
-                  "of TCP and wakes it, so fewer writes per operation is CPU saved on both "
-                  "sides. PostgreSQL answers with send(2), which this counter leaves out: its "
-                  "figure is its WAL and data file writes.", "",
-                  multi_table(phases, ("max", "half", "failure_mix"), WRITES), ""]
-    if any("preemptions_per_op" in p for p in phases):
-        parts += ["Preemptions per operation by process (involuntary context switches, all "
-                  "threads): how often a process that could have run on lost its CPU to "
-                  "another. The same work cut up and interleaved more finely on two shared "
-                  "cores costs more CPU.", "",
-                  multi_table(phases, ("max", "half", "failure_mix"), PREEMPTIONS), ""]
+    parts: list[str] = []
+    for figure, text, columns in _COUNTED:
+        if any(figure in p for p in phases):
+            parts += [text, "", multi_table(phases, ("max", "half", "failure_mix"), columns), ""]
     probe = probe or {}
     rates = probe.get("rates")
     if rates:
