@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
+
+from effectledger_cli import embedded
 from effectledger_cli.embedded import ephemeral_port_range, free_port
 
 
@@ -40,3 +46,40 @@ def test_a_taken_port_is_skipped() -> None:
     finally:
         for s in held:
             s.close()
+
+
+def test_two_processes_picking_at_once_never_get_the_same_port() -> None:
+    """Each process keeps its ports alive until both have picked: 300 random picks each from
+    about 22,000 ports would collide several times (the birthday bound) without the
+    machine-wide claims."""
+    pick = ("from effectledger_cli.embedded import free_port; import sys; "
+            "print(' '.join(str(free_port()) for _ in range(300)), flush=True); "
+            "sys.stdin.read()")
+    procs = [subprocess.Popen([sys.executable, "-c", pick], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        picked = []
+        for p in procs:
+            assert p.stdout is not None
+            picked.append({int(x) for x in p.stdout.readline().split()})
+    finally:
+        for p in procs:
+            p.communicate("", timeout=30)
+    assert len(picked[0]) == len(picked[1]) == 300
+    assert not picked[0] & picked[1]
+
+
+@pytest.mark.skipif(embedded.fcntl is None, reason="no fcntl: claims are per process only")
+def test_a_claim_lasts_as_long_as_its_process(tmp_path: Path) -> None:
+    claims = tmp_path / "claims"
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE, text=True)
+    try:
+        claims.write_text(f"12345 {other.pid}\n")
+        assert not embedded._claimed(12345, claims=claims)  # held by a live process
+        assert embedded._claimed(12346, claims=claims)
+    finally:
+        other.communicate("", timeout=10)
+    assert embedded._claimed(12345, claims=claims)  # its holder ended: ours now
+    me = embedded.os.getpid()
+    assert claims.read_text() == f"12345 {me}\n12346 {me}\n"

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
+
+fcntl: ModuleType | None
+try:
+    import fcntl
+except ImportError:  # Windows: no machine-wide claims (see `_claimed`)
+    fcntl = None
 
 
 def nats_server_binary() -> str:
@@ -45,14 +54,17 @@ def free_port() -> int:
     test run can hand it to a client socket (CI once saw "reconciler could not listen on
     127.0.0.1:60361"), and a service restarted on its old port meets the same race. So we pick
     below the ephemeral range, where the kernel never assigns ports on its own, and never hand
-    out the same port twice in one process.
+    out the same port twice: not in this process, nor while the process that took it lives
+    (`_claimed`). Two processes picking at once (two `effectledger up`, two test workers) each
+    found the same port bindable before either bound it (CI: "sandbox could not start on
+    127.0.0.1:29792").
     """
     lo, _ = ephemeral_port_range()
     rng = random.SystemRandom()
     if lo - _LOW_PORT >= 1000:
         for _ in range(500):
             port = rng.randrange(_LOW_PORT, lo)
-            if port in _handed_out or not _bindable(port):
+            if port in _handed_out or not _bindable(port) or not _claimed(port):
                 continue
             _handed_out.add(port)
             return port
@@ -66,6 +78,52 @@ def free_port() -> int:
 def reserve(ports: list[int]) -> None:
     """Ports taken by other means (given on a command line): free_port never returns them."""
     _handed_out.update(ports)
+
+
+# Ports handed out on this machine, one line `port pid` each, kept while the pid lives.
+CLAIMS = Path(tempfile.gettempdir()) / "effectledger-ports"
+
+
+def _claimed(port: int, *, claims: Path | None = None) -> bool:
+    """Claim `port` for this process machine-wide; False if a live process holds it.
+
+    A file of claims under an exclusive lock: read, drop the claims of processes that have
+    ended, add ours. Without `fcntl` (Windows) or a writable temporary directory, only this
+    process's own bookkeeping applies, as before.
+    """
+    if fcntl is None:
+        return True
+    path = claims or CLAIMS
+    try:
+        with open(path, "a+", encoding="ascii") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file is closed
+            f.seek(0)
+            held: dict[int, int] = {}
+            for line in f:
+                parts = line.split()
+                if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+                    held[int(parts[0])] = int(parts[1])
+            alive = {pid: _alive(pid) for pid in set(held.values())}
+            held = {p: pid for p, pid in held.items() if alive[pid]}
+            if held.get(port, os.getpid()) != os.getpid():
+                return False
+            held[port] = os.getpid()
+            f.seek(0)
+            f.truncate()
+            f.write("".join(f"{p} {pid}\n" for p, pid in sorted(held.items())))
+    except OSError:
+        return True
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # another user's process: alive
+    return True
 
 
 def _bindable(port: int) -> bool:
