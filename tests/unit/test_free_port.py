@@ -83,3 +83,15 @@ def test_a_claim_lasts_as_long_as_its_process(tmp_path: Path) -> None:
     assert embedded._claimed(12345, claims=claims)  # its holder ended: ours now
     me = embedded.os.getpid()
     assert claims.read_text() == f"12345 {me}\n12346 {me}\n"
+
+
+@pytest.mark.skipif(embedded.fcntl is None, reason="no fcntl: claims are per process only")
+def test_a_link_in_place_of_the_claims_file_is_not_followed(tmp_path: Path) -> None:
+    """The claims file lies in a directory every user writes to: a link planted there must
+    not make `free_port` rewrite the file it points to."""
+    target = tmp_path / "someone-elses-file"
+    target.write_text("keep me\n")
+    link = tmp_path / "claims"
+    link.symlink_to(target)
+    assert embedded._claimed(12345, claims=link)  # per process only, as without claims
+    assert target.read_text() == "keep me\n"

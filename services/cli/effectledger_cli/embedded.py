@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -13,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 from types import ModuleType
+from typing import IO
 
 fcntl: ModuleType | None
 try:
@@ -80,22 +82,24 @@ def reserve(ports: list[int]) -> None:
     _handed_out.update(ports)
 
 
-# Ports handed out on this machine, one line `port pid` each, kept while the pid lives.
-CLAIMS = Path(tempfile.gettempdir()) / "effectledger-ports"
+# Ports handed out on this machine, one line `port pid` each, kept while the pid lives. One
+# file per user: it lies in a directory every user writes to (see `_claims_file`).
+CLAIMS = Path(tempfile.gettempdir()) / f"effectledger-ports-{getattr(os, 'getuid', lambda: 0)()}"
 
 
 def _claimed(port: int, *, claims: Path | None = None) -> bool:
     """Claim `port` for this process machine-wide; False if a live process holds it.
 
     A file of claims under an exclusive lock: read, drop the claims of processes that have
-    ended, add ours. Without `fcntl` (Windows) or a writable temporary directory, only this
-    process's own bookkeeping applies, as before.
+    ended, add ours. Without `fcntl` (Windows), a writable temporary directory, or a claims
+    file of our own, only this process's own bookkeeping applies, as before.
     """
     if fcntl is None:
         return True
-    path = claims or CLAIMS
     try:
-        with open(path, "a+", encoding="ascii") as f:
+        with _claims_file(claims or CLAIMS) as f:
+            if f is None:
+                return True
             fcntl.flock(f, fcntl.LOCK_EX)  # released when the file is closed
             f.seek(0)
             held: dict[int, int] = {}
@@ -114,6 +118,18 @@ def _claimed(port: int, *, claims: Path | None = None) -> bool:
     except OSError:
         return True
     return True
+
+
+def _claims_file(path: Path) -> IO[str] | contextlib.nullcontext[None]:
+    """The claims file, opened for reading and writing; None (in a null context) when it is
+    not ours. The temporary directory is shared: the name is opened without following a link
+    (another user's link must not make us rewrite a file it points to), and a file someone
+    else owns is not used."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    if hasattr(os, "getuid") and os.fstat(fd).st_uid != os.getuid():
+        os.close(fd)
+        return contextlib.nullcontext()
+    return os.fdopen(fd, "r+", encoding="ascii")
 
 
 def _alive(pid: int) -> bool:
