@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import shutil
@@ -82,9 +81,12 @@ def reserve(ports: list[int]) -> None:
     _handed_out.update(ports)
 
 
-# Ports handed out on this machine, one line `port pid` each, kept while the pid lives. One
-# file per user: it lies in a directory every user writes to (see `_claims_file`).
-CLAIMS = Path(tempfile.gettempdir()) / f"effectledger-ports-{getattr(os, 'getuid', lambda: 0)()}"
+def _claims_path() -> Path:
+    """Ports handed out on this machine, one line `port pid` each, kept while the pid lives.
+    One file per user: it lies in a directory every user writes to (see `_claims_file`).
+    Found when first needed: `gettempdir` probes its candidates by writing to them, which every
+    import of this module (each CLI start) would otherwise pay."""
+    return Path(tempfile.gettempdir()) / f"effectledger-ports-{os.getuid()}"
 
 
 def _claimed(port: int, *, claims: Path | None = None) -> bool:
@@ -97,9 +99,10 @@ def _claimed(port: int, *, claims: Path | None = None) -> bool:
     if fcntl is None:
         return True
     try:
-        with _claims_file(claims or CLAIMS) as f:
-            if f is None:
-                return True
+        f = _claims_file(claims or _claims_path())
+        if f is None:
+            return True
+        with f:
             fcntl.flock(f, fcntl.LOCK_EX)  # released when the file is closed
             f.seek(0)
             held: dict[int, int] = {}
@@ -120,15 +123,15 @@ def _claimed(port: int, *, claims: Path | None = None) -> bool:
     return True
 
 
-def _claims_file(path: Path) -> IO[str] | contextlib.nullcontext[None]:
-    """The claims file, opened for reading and writing; None (in a null context) when it is
-    not ours. The temporary directory is shared: the name is opened without following a link
-    (another user's link must not make us rewrite a file it points to), and a file someone
-    else owns is not used."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
-    if hasattr(os, "getuid") and os.fstat(fd).st_uid != os.getuid():
+def _claims_file(path: Path) -> IO[str] | None:
+    """The claims file, opened for reading and writing; None when it is not ours. The
+    temporary directory is shared: the name is opened without following a link (another
+    user's link must not make us rewrite a file it points to), and a file someone else owns
+    is not used. Only reached where `fcntl` exists, so POSIX: `O_NOFOLLOW`, `getuid`."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    if os.fstat(fd).st_uid != os.getuid():
         os.close(fd)
-        return contextlib.nullcontext()
+        return None
     return os.fdopen(fd, "r+", encoding="ascii")
 
 

@@ -91,10 +91,6 @@ def _switches(pid: int) -> tuple[int, int]:
     return woken, preempted
 
 
-def _wakeups(pid: int) -> int:
-    return _switches(pid)[0]
-
-
 def _writes(pid: int) -> int:
     """The write syscalls the process made (`syscw` of `/proc/<pid>/io`, which counts every
     thread, ended ones too); 0 if it is gone or its io file cannot be read (another user's)."""
@@ -149,12 +145,7 @@ def self_cpu() -> float:
 
 def self_wakeups() -> int:
     """This process's wake-ups (the load generator's, counted like the services')."""
-    return _wakeups(os.getpid())
-
-
-def self_preemptions() -> int:
-    """This process's involuntary context switches (the load generator's)."""
-    return _switches(os.getpid())[1]
+    return _switches(os.getpid())[0]
 
 
 def self_writes() -> int:

@@ -31,17 +31,13 @@ from .measure import (
     stage_latencies,
 )
 from .pg import PgCounters, log_since, log_size, read_counters, slow_statements, wal_commit_records
-from .procs import (
-    CpuSample,
-    machine_shares,
-    machine_ticks,
-    self_cpu,
-    self_preemptions,
-    self_wakeups,
-    self_writes,
-)
+from .procs import CpuSample, machine_shares, machine_ticks, sample, self_cpu
 from .sqlcapture import extract, pgbench_script
 from .stack import TOOL, Stack
+
+# The counts a phase reports per operation and process (CpuSample's fields), with the digits
+# each is rounded to: wake-ups and writes are several per operation, preemptions often fewer.
+COUNTS = {"wakeups": 1, "writes": 1, "preemptions": 2}
 
 PEER_PREFIXES = ("direct-", "dbos-", "temporal-")
 
@@ -194,7 +190,7 @@ class Runner:
                     *, rep: int, settle_s: float = 300.0) -> dict[str, Any]:
         log(f"{scenario} {params} (rep {rep + 1})")
         c0, me0, t0 = self.counters(), self_cpu(), time.monotonic()
-        w0, m0, y0, q0 = self_wakeups(), machine_ticks(), self_writes(), self_preemptions()
+        own0, m0 = sample(os.getpid()), machine_ticks()  # the load generator's counts
         pg_log = self.stack.pg.log if self.stack.pg is not None else None
         log0 = log_size(pg_log) if pg_log is not None else 0
         s0, r0 = self.stack.samples_by_pid(), len(self.stack.retired)
@@ -204,7 +200,7 @@ class Runner:
         moving = await self.wait_rest(tags, settle_s)
         t1 = time.monotonic()
         s1, me1, c1 = self.stack.samples_by_pid(), self_cpu(), self.counters()
-        w1, m1, y1, q1 = self_wakeups(), machine_ticks(), self_writes(), self_preemptions()
+        own1, m1 = sample(os.getpid()), machine_ticks()
         self.remember_peaks({name: smp for (name, _pid), (_k, smp) in s1.items()})
         for ld in loads:
             self.submitted_ids.extend(ld.op_ids)
@@ -217,23 +213,21 @@ class Runner:
         n = max(1, stats["operations"])
         cpu: dict[str, float] = {}
         kernel: dict[str, float] = {}
-        wakeups: dict[str, int] = {}
-        writes: dict[str, int] = {}
-        preempted: dict[str, int] = {}
+        # Per process kind: how often it was woken, wrote and was preempted (CpuSample's).
+        counts: dict[str, dict[str, int]] = {name: {} for name in COUNTS}
         ended = [((name, pid), (kind, smp)) for name, pid, kind, smp in self.stack.retired[r0:]]
         for key, (kind, smp) in [*s1.items(), *ended]:
             b = s0[key][1] if key in s0 else None  # started during the phase: count it all
             cpu[kind] = cpu.get(kind, 0.0) + (smp.cpu_s - (b.cpu_s if b else 0.0))
             kernel[kind] = kernel.get(kind, 0.0) + (smp.sys_s - (b.sys_s if b else 0.0))
-            # A PostgreSQL backend that ended during the phase takes its count with it.
-            wakeups[kind] = wakeups.get(kind, 0) + max(0, smp.wakeups - (b.wakeups if b else 0))
-            writes[kind] = writes.get(kind, 0) + max(0, smp.writes - (b.writes if b else 0))
-            preempted[kind] = preempted.get(kind, 0) + max(
-                0, smp.preemptions - (b.preemptions if b else 0))
+            # A PostgreSQL backend that ended during the phase takes its counts with it.
+            for name, by_kind in counts.items():
+                by_kind[kind] = by_kind.get(kind, 0) + max(
+                    0, getattr(smp, name) - (getattr(b, name) if b else 0))
         cpu["loadgen"] = me1 - me0
-        wakeups["loadgen"] = w1 - w0
-        writes["loadgen"] = y1 - y0
-        preempted["loadgen"] = q1 - q0
+        assert own0 is not None and own1 is not None  # this process: never gone
+        for name, by_kind in counts.items():
+            by_kind["loadgen"] = getattr(own1, name) - getattr(own0, name)
         system = sum(v for k, v in cpu.items()
                      if k in ("ledger", "dispatcher", "nats", "postgres", "reconciler"))
         pg: dict[str, Any] = {}
@@ -257,9 +251,8 @@ class Runner:
             "cpu_ms_per_op": {k: round(1000 * v / n, 3) for k, v in sorted(cpu.items())},
             "system_cpu_ms_per_op": round(1000 * system / n, 3),
             "kernel_share": {k: round(kernel[k] / cpu[k], 2) for k in kernel if cpu.get(k)},
-            "wakeups_per_op": {k: round(v / n, 1) for k, v in sorted(wakeups.items())},
-            "writes_per_op": {k: round(v / n, 1) for k, v in sorted(writes.items())},
-            "preemptions_per_op": {k: round(v / n, 2) for k, v in sorted(preempted.items())},
+            **{f"{name}_per_op": {k: round(v / n, COUNTS[name]) for k, v in sorted(by_kind.items())}
+               for name, by_kind in counts.items()},
             "rss_mib": {name: round(smp.rss_bytes / 2**20, 1)
                         for (name, _pid), (_k, smp) in s1.items()},
             "pg": pg, "load": [ld.to_json() for ld in loads],
