@@ -65,13 +65,18 @@ from effectledger_obs import tracing
 from .adapters import Classified, ProviderAdapter, load_adapter
 from .session import CONNECT_SHARE, PoolTimeout, ProviderClient, ProviderSession
 
-__all__ = ["CONNECT_SHARE", "ProviderClient", "ProviderSession", "ReadbackResult", "SendRefused",
-           "call_provider", "make_client", "make_clients", "parse_retry_after", "readback"]
+__all__ = ["CONNECT_SHARE", "PER_CLIENT", "ProviderClient", "ProviderSession", "ReadbackResult",
+           "SendRefused", "call_provider", "make_client", "make_clients", "parse_retry_after",
+           "readback"]
 
 MAX_MESSAGE_CHARS = 1000
 MAX_CODE_CHARS = 128
 _NOT_SECRET = frozenset({"host", "content-type", "content-length", "accept", "accept-encoding",
                          "connection", "user-agent", "transfer-encoding"})
+
+
+# Calls in flight on one of `make_clients`' pools before the next pool takes the next call.
+PER_CLIENT = 8
 
 
 def make_client(max_connections: int = 200) -> ProviderSession:
@@ -80,8 +85,9 @@ def make_client(max_connections: int = 200) -> ProviderSession:
     return ProviderSession(max_connections=max_connections)
 
 
-def make_clients(max_connections: int, per_client: int = 8) -> list[ProviderSession]:
-    """Several small clients to spread a dispatcher's calls over (round robin).
+def make_clients(max_connections: int, per_client: int = PER_CLIENT) -> list[ProviderSession]:
+    """Several small clients to spread a dispatcher's calls over (first with room: see
+    `effectledger_dispatcher.ports.HttpProviderCaller`).
 
     Introduced for httpcore, which checked every pooled connection on every request; aiohttp
     does not, but small pools still keep one slow provider's connections from filling a single
