@@ -11,6 +11,8 @@ as long as it likes. Here:
   `body_timeout_s`, and turns a client that goes away mid-body into one log line;
 - `NulFree`: ASGI middleware that answers 400 when the path or query carries NUL (`%00`), which
   PostgreSQL cannot compare with, before any handler or query sees it;
+- `OneWrite`: the protocols' transport, which sends a response's headers with its body in one
+  write instead of uvicorn's two;
 - `server_config`: the uvicorn.Config every service uses, with all of the above.
 """
 
@@ -20,7 +22,7 @@ import asyncio
 import functools
 import json
 import logging
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote_to_bytes
 
 import uvicorn
@@ -47,6 +49,9 @@ class HeaderDeadline:
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)  # type: ignore[misc]
+        # Every request's cycle is built with this transport: a response goes out as one write.
+        # (uvloop's transports are not asyncio.Transport subclasses, hence the cast.)
+        self.transport = OneWrite(cast(asyncio.Transport, transport), self)
         self._header_timer: asyncio.TimerHandle | None = None
         self._arm_headers()
 
@@ -79,6 +84,100 @@ class HeaderDeadline:
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_headers()
         super().connection_lost(exc)  # type: ignore[misc]
+
+
+class OneWrite(asyncio.Transport):
+    """A connection's transport that sends a response's status line and headers together with
+    the first write of its body.
+
+    uvicorn writes them in two writes (one at `http.response.start`, one at the body). On
+    loopback each write also runs the receiver's side of TCP and wakes it, so the client
+    woke twice for every answer, once for the headers alone (strace of the ledger: the
+    submit-and-wait's headers and body 0.5 ms apart; docs/benchmark.md, round fourteen).
+    Held is only the first write after a request's response has started (its status line
+    and headers), and only until the next write or the end of the event loop's turn, whichever
+    comes first: a body written in the same turn (every plain response) goes out with it, and a
+    body that comes later (a stream) finds the headers already sent. Closing sends what is held
+    first; aborting drops it, as the transport drops its own buffer."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: Any) -> None:
+        super().__init__()
+        self._transport = transport
+        self._protocol = protocol
+        self._held: bytes | None = None
+        self._flush: asyncio.Handle | None = None
+        self._started: Any = None  # the request cycle whose response start was held
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._held is not None:
+            data = self._take() + data
+        else:
+            cycle = getattr(self._protocol, "cycle", None)
+            if cycle is not None and cycle is not self._started and cycle.response_started:
+                self._started = cycle
+                self._held = bytes(data)
+                self._flush = self._protocol.loop.call_soon(self.flush)
+                return
+        self._transport.write(data)
+
+    def _take(self) -> bytes:
+        held, self._held = self._held or b"", None
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        return held
+
+    def flush(self) -> None:
+        if self._held is not None:
+            self._transport.write(self._take())
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.write(b"".join(list_of_data))
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._take()
+        self._transport.abort()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + len(self._held or b"")
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
 
 
 class TimedH11Protocol(HeaderDeadline, H11Protocol):
