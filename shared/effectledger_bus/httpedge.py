@@ -295,9 +295,11 @@ def guarded(app: App, *, body_timeout_s: float) -> App:
 
 
 def server_config(app: App, *, host: str, port: int, header_timeout_s: float,
-                  body_timeout_s: float, http_parser: str = "auto",
+                  body_timeout_s: float, keepalive_s: int = 75, http_parser: str = "auto",
                   **kwargs: Any) -> uvicorn.Config:
     """uvicorn.Config with the header deadline (httptools or h11: `timed_protocol`), the
-    body deadline and the NUL check."""
+    body deadline, the NUL check, and idle kept-alive connections closed after `keepalive_s`
+    (`Settings.http_keepalive_s`: why it is longer than uvicorn's 5 s)."""
     return uvicorn.Config(guarded(app, body_timeout_s=body_timeout_s), host=host, port=port,
-                          http=timed_protocol(header_timeout_s, http_parser), **kwargs)
+                          http=timed_protocol(header_timeout_s, http_parser),
+                          timeout_keep_alive=keepalive_s, **kwargs)

@@ -25,6 +25,11 @@ from effectledger_bus.httpenv import env_proxies, ssl_context
 
 from ._calls import Answer, Call
 
+# An idle connection is given up after this long (aiohttp's default, stated): shorter than the
+# ledger's own keep-alive (`Settings.http_keepalive_s`), so this side closes first and never
+# writes a request on a connection the ledger is closing.
+KEEPALIVE_S = 15.0
+
 if TYPE_CHECKING:
     import aiohttp
 
@@ -54,7 +59,8 @@ class AioHttp:
             parts = urlsplit(self.base_url)
             self._proxy = env_proxies()(parts.scheme, parts.hostname or "")
             self._session = aiohttp.ClientSession(
-                headers=self.headers, connector=aiohttp.TCPConnector(ssl=ssl_context()),
+                headers=self.headers,
+                connector=aiohttp.TCPConnector(ssl=ssl_context(), keepalive_timeout=KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=None, connect=self.timeout_s,
                                               sock_read=self.timeout_s))
         return self._session

@@ -67,6 +67,11 @@ class Settings(BaseSettings):
     # headers, or its whole body, within these is cut off (408 for the body).
     http_header_timeout_s: float = Field(default=10.0, gt=0)
     http_body_timeout_s: float = Field(default=30.0, gt=0)
+    # How long an idle kept-alive connection stays open (uvicorn's own default is 5 s). Longer
+    # than the clients' (aiohttp 15 s, httpx 5 s) and than common proxies' idle timeouts
+    # (60 s), so the client side closes first: a request written as the server closes the
+    # connection is lost, and an agent's calls seconds apart keep one connection.
+    http_keepalive_s: int = Field(default=75, ge=1)
     # Per-tenant quotas (effectledger_core/quotas.py): 0 is off, the embedded default.
     tenant_rate_per_s: float = Field(default=0.0, ge=0)
     tenant_burst: int = Field(default=0, ge=0)

@@ -76,7 +76,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     server = uvicorn.Server(server_config(
         app, host=settings.ledger_host, port=settings.ledger_port, log_level="warning",
         access_log=False, lifespan="off", header_timeout_s=settings.http_header_timeout_s,
-        body_timeout_s=settings.http_body_timeout_s,
+        body_timeout_s=settings.http_body_timeout_s, keepalive_s=settings.http_keepalive_s,
         log_config=None))  # our log handlers and format, not uvicorn's
     watcher = asyncio.create_task(_announce(server, settings, plane_task, started))
     try:

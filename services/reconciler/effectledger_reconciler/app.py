@@ -134,7 +134,7 @@ async def _serve_http(app: Starlette, settings: Settings, listening: asyncio.Eve
     server = uvicorn.Server(server_config(
         app, host=settings.reconciler_host, port=settings.reconciler_port, log_level="warning",
         access_log=False, lifespan="off", header_timeout_s=settings.http_header_timeout_s,
-        body_timeout_s=settings.http_body_timeout_s,
+        body_timeout_s=settings.http_body_timeout_s, keepalive_s=settings.http_keepalive_s,
         log_config=None))  # our log handlers and format, not uvicorn's
     task = asyncio.create_task(_run(server, settings))
     try:
