@@ -28,7 +28,11 @@ from urllib.parse import unquote_to_bytes
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from effectledger_core.config import Settings
+
 log = logging.getLogger(__name__)
+# Idle kept-alive connections: the setting's own default, for servers built without settings.
+KEEPALIVE_S: int = Settings.model_fields["http_keepalive_s"].default
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -295,7 +299,8 @@ def guarded(app: App, *, body_timeout_s: float) -> App:
 
 
 def server_config(app: App, *, host: str, port: int, header_timeout_s: float,
-                  body_timeout_s: float, keepalive_s: int = 75, http_parser: str = "auto",
+                  body_timeout_s: float, keepalive_s: int = KEEPALIVE_S,
+                  http_parser: str = "auto",
                   **kwargs: Any) -> uvicorn.Config:
     """uvicorn.Config with the header deadline (httptools or h11: `timed_protocol`), the
     body deadline, the NUL check, and idle kept-alive connections closed after `keepalive_s`
