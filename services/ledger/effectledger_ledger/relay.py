@@ -57,6 +57,22 @@ async def publish_item(js: JetStreamContext, item: OutboxItem, timeout_s: float)
         return int(ack.seq)
 
 
+async def publish_all(js: JetStreamContext, items: list[OutboxItem],
+                      timeout_s: float) -> list[int | BaseException]:
+    """Publish `items` at once; each result is the ack's stream sequence or the exception.
+
+    A single item (an agent's command, one at a time) is awaited in this task: through
+    `asyncio.gather` it would be wrapped in a task of its own that starts only on the loop's
+    next turn, one more scheduling step before the command's bytes leave."""
+    if len(items) == 1:
+        try:
+            return [await publish_item(js, items[0], timeout_s)]
+        except Exception as exc:  # as gather(return_exceptions=True) would hand it back
+            return [exc]
+    return list(await asyncio.gather(*(publish_item(js, i, timeout_s) for i in items),
+                                     return_exceptions=True))
+
+
 def _count_published(items: list[OutboxItem], published: set[str], via: str) -> None:
     for item in items:
         if item.id in published:
@@ -79,8 +95,7 @@ class Relay:
                                      lease_s=self.lease_s)
         if not items:
             return 0
-        results = await asyncio.gather(*(self._publish(i) for i in items),
-                                       return_exceptions=True)
+        results = await publish_all(self.js, items, self.publish_timeout_s)
         crash_point("ledger.relay.after_publish")
         seqs = {i.id: r for i, r in zip(items, results, strict=True) if isinstance(r, int)}
         ok = list(seqs)
@@ -97,9 +112,6 @@ class Relay:
             await self.store.run(release_txn, [i.id for i, _ in failed], now=self.clock(),
                                  error=err, retry_after_s=1.0)
         return len(items)
-
-    async def _publish(self, item: OutboxItem) -> int:
-        return await publish_item(self.js, item, self.publish_timeout_s)
 
     async def run(self) -> None:
         while True:
@@ -182,16 +194,12 @@ class DirectPublisher:
             items = [await self._queue.get()]
             while len(items) < self.max_batch and not self._queue.empty():
                 items.append(self._queue.get_nowait())
-            results = await asyncio.gather(*(self._publish(i) for i in items),
-                                           return_exceptions=True)
+            results = await publish_all(self.js, items, self.publish_timeout_s)
             crash_point("ledger.relay.after_publish")
             # Marking must not hold up the next round of publishes.
             task = asyncio.create_task(self._settle(items, results))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-
-    async def _publish(self, item: OutboxItem) -> int:
-        return await publish_item(self.js, item, self.publish_timeout_s)
 
     async def _settle(self, items: list[OutboxItem], results: list[Any]) -> None:
         seqs = {i.id: r for i, r in zip(items, results, strict=True) if isinstance(r, int)}
