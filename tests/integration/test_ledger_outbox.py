@@ -14,6 +14,7 @@ from effectledger_ledger.db.claims import claim_txn
 from effectledger_ledger.db.intents import submit_intent_txn
 from effectledger_ledger.db.outbox import (
     OutboxItem,
+    any_due,
     backlog_txn,
     lease_batch_txn,
     mark_published_txn,
@@ -55,6 +56,55 @@ async def publish(store: Store, ids: list[str], now: datetime) -> int:
 async def set_op(store: Store, op_id: str, **values: Any) -> None:
     async with store.transaction() as conn:
         await conn.execute(operations.update().where(operations.c.id == op_id).values(**values))
+
+
+async def test_any_due_says_what_a_lease_would_find(store: Store) -> None:
+    """The relay's poll reads `any_due` before it leases: it must be true exactly when a
+    lease at that moment would take a row, or the relay would sleep on a due row."""
+    async def due(now: datetime) -> bool:
+        async with store.read() as conn:
+            return await any_due(conn, now=now)
+
+    assert not await due(at(0))  # an empty outbox
+    await submit(store, "op1")
+    assert await due(at(0))  # pending
+    [item] = await lease(store, at(0), lease_s=30)
+    assert not await due(at(10)) and not await due(at(30))  # leased, the lease running
+    assert await due(at(31))  # the lease ran out: a relay takes it over
+    await store.run(release_txn, [item.id], now=at(10), error="no ack", retry_after_s=5)
+    assert not await due(at(14))  # handed back, held by its retry delay
+    assert await due(at(15))
+    [item] = await lease(store, at(15))
+    await publish(store, [item.id], at(16))
+    assert not await due(at(10_000))  # published: the sweeper's, not the relay's
+    for t in (0, 14, 15, 31, 10_000):  # and a lease agrees at every moment asked above
+        assert await lease(store, at(t)) == []
+
+
+async def test_an_idle_poll_begins_no_lease_transaction(store: Store,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The relay's poll with nothing due ends on the lockless read; with a row due it leases
+    and publishes it."""
+    from effectledger_bus.testing import FakeJetStream
+    from effectledger_ledger.relay import Relay
+
+    ran: list[str] = []
+    run = store.run
+
+    async def recording_run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        ran.append(fn.__name__)
+        return await run(fn, *args, **kwargs)
+
+    monkeypatch.setattr(store, "run", recording_run)
+    js = FakeJetStream()
+    relay = Relay(store, js, asyncio.Event(), clock=lambda: at(0))  # type: ignore[arg-type]
+    assert await relay.pump_once() == 0
+    assert ran == [] and js.published == []
+    await submit(store, "op1")
+    ran.clear()
+    assert await relay.pump_once() == 1
+    assert ran == ["lease_batch_txn", "mark_published_txn"]
+    assert [h["Nats-Msg-Id"] for _, h in js.published] == ["ob_op1"]
 
 
 async def test_lease_takes_pending_rows_once_until_the_lease_expires(store: Store) -> None:
