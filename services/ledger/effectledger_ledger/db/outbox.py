@@ -26,7 +26,6 @@ from effectledger_core.subjects import Subjects
 
 from .calls import BatchCall
 from .common import append_journal, on_the_row
-from .hot import read_rows
 from .rows import OperationRow
 from .schema import (
     OUTBOX_CONSUMED,
@@ -83,10 +82,10 @@ async def any_due(conn: AsyncConnection, *, now: datetime) -> bool:
     it begins a lease transaction, so an idle poll costs one round trip instead of three
     (BEGIN, the locking SELECT, COMMIT). A row committed right after this read waits for
     the relay's next wake-up, as one committed right after the locking SELECT would."""
-    return bool(await read_rows(conn, _ANY_DUE, {"now": now}))
+    return (await conn.execute(_ANY_DUE, {"now": now})).first() is not None
 
 
-# Built once: `hot.read_rows` compiles a statement object once and keeps it.
+# Built once, with the moment as a parameter: one statement for SQLAlchemy's cache.
 _ANY_DUE = sa.select(sa.literal(1)).where(
     _due(sa.bindparam("now", type_=outbox.c.available_at.type))).limit(1)
 
