@@ -63,7 +63,7 @@ def test_a_tool_that_fails_on_its_own_missing_dependency_is_listed_as_unavailabl
     (tmp_path / "broken_effectledger_tool.py").write_text(
         "import effectledger_dependency_that_is_missing\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(commands.importlib.metadata, "entry_points",
+    monkeypatch.setattr(importlib.metadata, "entry_points",
                         lambda group: [ep("broken", "broken_effectledger_tool")])
     try:
         parser = build_parser()
@@ -93,7 +93,7 @@ def test_a_tool_cannot_replace_a_built_in_command(fake_tool: types.ModuleType) -
 
 def test_a_discovered_tool_becomes_a_subcommand_that_main_runs(
         fake_tool: types.ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(commands.importlib.metadata, "entry_points",
+    monkeypatch.setattr(importlib.metadata, "entry_points",
                         lambda group: [ep("fake", fake_tool.__name__)])
     assert main(["fake", "--n", "3"]) == 7
     [args] = fake_tool.calls  # type: ignore[attr-defined]
@@ -102,7 +102,7 @@ def test_a_discovered_tool_becomes_a_subcommand_that_main_runs(
 
 def test_without_tools_the_cli_lists_no_tool_and_still_parses_the_services(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(commands.importlib.metadata, "entry_points",
+    monkeypatch.setattr(importlib.metadata, "entry_points",
                         lambda group: [ep("bench", "effectledger_no_such_tool.cli")])
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))

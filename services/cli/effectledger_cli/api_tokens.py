@@ -20,7 +20,7 @@ from pathlib import Path
 
 from effectledger_client import localtokens
 
-from .nats_auth import write_private
+from .files import write_private
 
 
 @dataclass(frozen=True)

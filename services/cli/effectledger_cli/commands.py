@@ -12,11 +12,14 @@ the error and exits 2. It is never hidden, and it never stops the services from 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import importlib.metadata
 
 GROUP = "effectledger.commands"
 
@@ -70,8 +73,11 @@ def _unavailable(name: str, error: str) -> Command:
 def discover(entry_points: Iterable[importlib.metadata.EntryPoint] | None = None,
              reserved: frozenset[str] = frozenset()) -> dict[str, Command]:
     """The installed tool commands by name; names in `reserved` (built-ins) are refused."""
-    eps = entry_points if entry_points is not None \
-        else importlib.metadata.entry_points(group=GROUP)
+    if entry_points is None:
+        import importlib.metadata
+
+        entry_points = importlib.metadata.entry_points(group=GROUP)
+    eps = entry_points
     found: dict[str, Command] = {}
     for ep in sorted(eps, key=lambda e: e.name):
         if ep.name in reserved:

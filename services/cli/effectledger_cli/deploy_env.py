@@ -18,8 +18,6 @@ import os
 import secrets
 import sys
 
-from .up_nats import nats_password
-
 # The users of infra/nats/permissions.conf (its $NATS_<USER>_PASSWORD references).
 NATS_USERS = ("ledger", "dispatcher", "reconciler", "streams", "agent-default", "operator")
 
@@ -50,6 +48,10 @@ def generate() -> dict[str, str]:
         "EFFECTLEDGER_SANDBOX_WEBHOOK_SECRET": hook,
         "EFFECTLEDGER_WEBHOOK_SECRETS": json.dumps({"sandbox": [hook]}),
     }
+    # Here, not at the top: every `effectledger` process builds this command's arguments,
+    # and up_nats brings the NATS permissions' modules.
+    from .up_nats import nats_password
+
     for user in NATS_USERS:  # referenced as $NAME from nats.conf: see nats_password
         env[nats_password_variable(user)] = nats_password()
     return env

@@ -42,3 +42,11 @@ def _chmod(path: Path, mode: int) -> None:
     with contextlib.suppress(FileNotFoundError):
         if not path.is_symlink():
             os.chmod(path, mode)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` readable by its owner only, never briefly readable by others."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # an existing file keeps its old mode through O_TRUNC

@@ -6,22 +6,25 @@ Configuration comes from `EFFECTLEDGER_*` environment variables; flags override 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
-from collections.abc import Coroutine
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any
 
-from effectledger_core.config import Settings
 from effectledger_core.errors import EffectLedgerError
 
 from .commands import discover
+
+if TYPE_CHECKING:
+    from effectledger_core.config import Settings
 
 DEFAULT_LEDGER_URL = "http://127.0.0.1:8600"
 
 
 def _settings(args: argparse.Namespace) -> Settings:
+    from effectledger_core.config import Settings
+
     overrides: dict[str, Any] = {}
     for name in ("database_url", "nats_url", "catalog_path", "ledger_host", "ledger_port",
                  "subject_prefix", "stream_prefix", "dispatcher_id", "dispatcher_concurrency",
@@ -70,7 +73,18 @@ def port_number(text: str) -> int:
     return port
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _requested(argv: Sequence[str] | None) -> str | None:
+    """The subcommand `argv` names (its first word that is not an option), if any."""
+    return next((w for w in argv or () if not w.startswith("-")), None)
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The whole CLI; for an `argv` that names a built-in command, without the installed tools.
+
+    Every `effectledger` process builds it, each service and each `submit` included, and
+    loading the tools (bench, chaos) imported their libraries too; so did the built-in
+    commands' modules, which import what they run with only when they run (about 0.8 s of
+    imports before any command began, on a 2-core VM; `tests/unit/test_cli_startup.py`)."""
     from . import nats_config
 
     parser = argparse.ArgumentParser(prog="effectledger", description=__doc__)
@@ -226,7 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--state")
             p.add_argument("--limit", type=int, default=50)
             p.add_argument("--cursor")
-    # The tools (bench, chaos) when installed; see commands.py.
+    # The tools (bench, chaos) when installed (commands.py): loaded only when the command
+    # asked for is not a built-in one, or none is named (`effectledger --help` lists them).
+    if argv is not None and _requested(argv) in sub.choices:
+        return parser
     for command in discover(reserved=frozenset(sub.choices)).values():
         tool = sub.add_parser(command.name, help=command.help)
         command.add_arguments(tool)
@@ -235,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(sys.argv[1:] if argv is None else argv)
     args, extra = parser.parse_known_args(argv)
     if extra and not getattr(args, "tool_any_arguments", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -259,9 +276,14 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args: argparse.Namespace) -> int:
     cmd = args.command
     if cmd == "up":
+        from .up_plan import plan_or_refuse
+
+        planned = plan_or_refuse(args)  # before the rest of `up` is imported: see there
+        if isinstance(planned, int):
+            return planned
         from .up import run_up
 
-        return run_up(args)
+        return run_up(args, planned)
     tool_run = getattr(args, "tool_run", None)
     if tool_run is not None:
         return int(tool_run(args))
@@ -283,6 +305,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_deploy_env(args)
     if cmd == "sandbox":
+        from effectledger_core.config import Settings
         from effectledger_sandbox.app import create_app as sandbox_app
         from effectledger_sandbox.server import serve as serve_sandbox
         from effectledger_sandbox.server import webhook_options
@@ -302,6 +325,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                           **({"max_keys": args.max_keys} if args.max_keys is not None else {}))
 
         async def sandbox() -> None:
+            import asyncio
+
             from effectledger_core.heap import freeze_survivors_of_full_collections
 
             # It keeps every effect: see there.
@@ -317,6 +342,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return run_streams(args, settings)
     if cmd == "migrate":
+        import asyncio
+
         from effectledger_ledger.db.store import Store
         from effectledger_ledger.migrate import upgrade
 
@@ -346,6 +373,8 @@ def run_loop(main: Coroutine[Any, Any, None]) -> None:
     What the imports made lives as long as the process: it is frozen out of the garbage
     collector's full passes first (`effectledger_core.heap`).
     """
+    import asyncio
+
     from effectledger_core.heap import freeze_long_lived
 
     freeze_long_lived()

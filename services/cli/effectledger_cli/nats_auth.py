@@ -22,16 +22,9 @@ from effectledger_bus.permissions import Credential, Plane, Principal, inbox_pre
 from effectledger_core.subjects import Subjects
 
 from .embedded import nats_server_binary, wait_for_port
+from .files import write_private
 
 PASSWORDS = "passwords.json"
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write `text` readable by its owner only, never briefly readable by others."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)  # an existing file keeps its old mode through O_TRUNC
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from typing import TYPE_CHECKING
 
-from nats.js.errors import BadRequestError
-
-from effectledger_bus import topology as topo
-from effectledger_bus.connect import connect
-from effectledger_bus.streams import at_startup
-from effectledger_core.config import Settings
+if TYPE_CHECKING:  # every `effectledger` process builds this command's arguments: the rest
+    # (nats-py, pydantic-settings) is imported when it runs
+    from effectledger_bus import topology as topo
+    from effectledger_core.config import Settings
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -26,10 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def selected(args: argparse.Namespace, settings: Settings) -> topo.Topology:
+    from effectledger_bus import topology as topo
+
     return topo.load(args.file, settings) if args.file else topo.topology(settings)
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    from nats.js.errors import BadRequestError
+
     try:
         wanted = selected(args, settings)
     except ValueError as exc:
@@ -56,6 +59,10 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 async def apply(settings: Settings, wanted: topo.Topology) -> list[str]:
     """Apply `wanted`, waiting for a NATS that is starting (as a migration Job must)."""
+    from effectledger_bus import topology as topo
+    from effectledger_bus.connect import connect
+    from effectledger_bus.streams import at_startup
+
     nc = await at_startup(lambda: connect(settings, "effectledger-streams-apply"))
     try:
         return await at_startup(lambda: topo.apply(nc.jetstream(), wanted))

@@ -34,7 +34,7 @@ from . import api_tokens, child_env, children, files, nats_auth, supervisor, up_
 from .child_env import ChildRole
 from .children import Child, StartFailed
 from .stop_signals import Stopped, StopSignals
-from .up_plan import Refused, UpPlan, plan
+from .up_plan import Refused, UpPlan
 
 # Stop budget per stage, in order; together well under the 10 s a supervisor usually allows.
 STOP_STAGES = ((("dispatcher", "reconciler"), 4.0), (("ledger", "sandbox"), 3.0),
@@ -43,15 +43,14 @@ TENANT = localtokens.DEFAULT_TENANT
 DEFAULT_LEDGER_PORT = 8600
 
 
-def run_up(args: argparse.Namespace) -> int:
-    # Everything `up` and its children create (the SQLite ledger and its WAL, logs, JetStream,
-    # credentials) is its owner's only: they hold every tenant's arguments and results.
-    os.umask(0o077)
+def run_up(args: argparse.Namespace, planned: UpPlan) -> int:
+    """Run what `up_plan.plan_or_refuse` planned (which also set the umask: everything `up`
+    creates is its owner's only)."""
     sigs = StopSignals()
     sigs.install()
     procs: dict[str, Child] = {}
     try:
-        return _run(plan(args), args, sigs, procs)
+        return _run(planned, args, sigs, procs)
     except Refused as exc:
         print(str(exc), file=sys.stderr)
         return exc.code

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .children import Child, wait_listening
 from .embedded import free_port, nats_server_binary
-from .nats_auth import write_private
+from .files import write_private
 
 MAX_REPLICAS = 5  # JetStream's limit for a stream's replicas
 

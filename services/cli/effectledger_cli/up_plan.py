@@ -13,15 +13,18 @@ import base64
 import json
 import os
 import secrets
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from effectledger_core.catalog import Catalog
-from effectledger_core.config import DEMO_CATALOG
 from effectledger_core.errors import EffectLedgerError
 
 from . import children, up_nats
 from .embedded import free_port, reserve
+
+if TYPE_CHECKING:
+    from effectledger_core.catalog import Catalog
 
 DEMO_SANDBOX = "127.0.0.1:8700"  # where the bundled demo catalog expects its sandbox
 MAX_COUNT = 16
@@ -61,6 +64,8 @@ class UpPlan:
 
 def demo_catalog_text(sandbox_port: int, host: str = "127.0.0.1") -> str:
     """The bundled demo catalog, pointed at the sandbox on `host:sandbox_port`."""
+    from effectledger_core.config import DEMO_CATALOG  # pydantic-settings: see `plan`
+
     return DEMO_CATALOG.read_text().replace(DEMO_SANDBOX, f"{host}:{sandbox_port}")
 
 
@@ -84,6 +89,26 @@ def merged_webhook_secrets(user_json: str | None, provider: str, secret: str) ->
     if secret not in merged[provider]:
         merged[provider].append(secret)
     return json.dumps(merged)
+
+
+def plan_or_refuse(args: argparse.Namespace) -> UpPlan | int:
+    """The plan, or the exit code of a refusal already printed (one line on stderr).
+
+    `effectledger` runs this before it imports the rest of `up` (the broker's and the HTTP
+    clients, the permissions: most of a second on a busy 2-core machine), so that a refusal
+    answers at once (`tests/e2e/test_up.py`: a taken port within 2 s)."""
+    # Everything `up` and its children create (the SQLite ledger and its WAL, logs, JetStream,
+    # credentials, the demo catalog written here) is its owner's only: they hold every
+    # tenant's arguments and results.
+    os.umask(0o077)
+    try:
+        return plan(args)
+    except Refused as exc:
+        print(str(exc), file=sys.stderr)
+        return exc.code
+    except OSError as exc:  # a data folder we may not write, a catalog we may not read, ...
+        print(f"effectledger up: {exc}", file=sys.stderr)
+        return 1
 
 
 def plan(args: argparse.Namespace) -> UpPlan:
@@ -143,6 +168,10 @@ def plan(args: argparse.Namespace) -> UpPlan:
         catalog_path.write_text(demo_catalog_text(args.sandbox_port))
     else:
         catalog_path = Path(args.catalog_path).resolve()
+    # Imported only now: the catalog's validation (pydantic, jsonschema) is most of what
+    # `plan` imports, and a taken port or a bad flag is refused without it.
+    from effectledger_core.catalog import Catalog
+
     try:
         catalog = Catalog.load(catalog_path)
     except EffectLedgerError as exc:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .mapping import DEFAULT_WAIT_S
+from .defaults import DEFAULT_WAIT_S
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 

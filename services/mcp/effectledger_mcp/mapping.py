@@ -25,11 +25,6 @@ from effectledger_core.views import OperationView
 
 META_KEY = "effectledger/idempotencyKey"
 META_TASK = "effectledger/taskId"
-# How long a tool call waits for its operation to settle (`effectledger mcp --wait`): shorter
-# than the common clients' default timeouts (the OpenAI Agents SDK's is 5 s), so the model gets
-# "still in progress, ask for the status" rather than a client timeout. Here, not in server.py,
-# so that the CLI can offer it without importing the MCP SDK.
-DEFAULT_WAIT_S = 4.0
 # The argument a model sets to do the same thing again on purpose (a second, separate effect).
 REPEAT = "repeat"
 STATUS_TOOL = "operation_status"

@@ -40,8 +40,8 @@ from effectledger_core.argschema import errors_against
 from effectledger_core.states import TERMINAL
 from effectledger_core.waiting import SETTLED
 
+from .defaults import DEFAULT_WAIT_S
 from .mapping import (
-    DEFAULT_WAIT_S,
     META_KEY,
     OUTPUT_SCHEMA,
     RESOURCE_PREFIX,

@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 from effectledger_bus import permissions
-from effectledger_cli import nats_auth, up_nats
+from effectledger_cli import files, nats_auth, up_nats
 from effectledger_cli.embedded import free_port
 from effectledger_core import unsafe
 from effectledger_core.subjects import Subjects
@@ -164,7 +164,7 @@ class Stack:
                 cluster_name="effectledger-chaos", routes=routes,
                 cluster_extra=f"advertise: 127.0.0.1:{free_port()}\nno_advertise: true")
             conf = folder / f"{node.name}.conf"
-            nats_auth.write_private(conf, text)
+            files.write_private(conf, text)
             node.use_config(conf)
 
     def node_of_server(self, server_name: str) -> NatsServer | None:
