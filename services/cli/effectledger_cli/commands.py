@@ -77,9 +77,8 @@ def discover(entry_points: Iterable[importlib.metadata.EntryPoint] | None = None
         import importlib.metadata
 
         entry_points = importlib.metadata.entry_points(group=GROUP)
-    eps = entry_points
     found: dict[str, Command] = {}
-    for ep in sorted(eps, key=lambda e: e.name):
+    for ep in sorted(entry_points, key=lambda e: e.name):
         if ep.name in reserved:
             raise BrokenCommand(f"entry point {GROUP}:{ep.name} would replace a built-in "
                                 "command")

@@ -34,7 +34,7 @@ from . import api_tokens, child_env, children, files, nats_auth, supervisor, up_
 from .child_env import ChildRole
 from .children import Child, StartFailed
 from .stop_signals import Stopped, StopSignals
-from .up_plan import Refused, UpPlan
+from .up_plan import Refused, UpPlan, refused
 
 # Stop budget per stage, in order; together well under the 10 s a supervisor usually allows.
 STOP_STAGES = ((("dispatcher", "reconciler"), 4.0), (("ledger", "sandbox"), 3.0),
@@ -51,14 +51,10 @@ def run_up(args: argparse.Namespace, planned: UpPlan) -> int:
     procs: dict[str, Child] = {}
     try:
         return _run(planned, args, sigs, procs)
-    except Refused as exc:
-        print(str(exc), file=sys.stderr)
-        return exc.code
+    except (Refused, OSError) as exc:  # OSError: no nats-server binary, ...
+        return refused(exc)
     except (StartFailed, supervisor.CrashLoop) as exc:
         print(str(exc), file=sys.stderr)
-        return 1
-    except OSError as exc:  # no nats-server binary, a data folder we may not write, ...
-        print(f"effectledger up: {exc}", file=sys.stderr)
         return 1
     except (Stopped, KeyboardInterrupt):
         return 0

@@ -64,7 +64,8 @@ class UpPlan:
 
 def demo_catalog_text(sandbox_port: int, host: str = "127.0.0.1") -> str:
     """The bundled demo catalog, pointed at the sandbox on `host:sandbox_port`."""
-    from effectledger_core.config import DEMO_CATALOG  # pydantic-settings: see `plan`
+    # Here, not at the top: the config module brings pydantic-settings (see `plan`).
+    from effectledger_core.config import DEMO_CATALOG
 
     return DEMO_CATALOG.read_text().replace(DEMO_SANDBOX, f"{host}:{sandbox_port}")
 
@@ -103,12 +104,17 @@ def plan_or_refuse(args: argparse.Namespace) -> UpPlan | int:
     os.umask(0o077)
     try:
         return plan(args)
-    except Refused as exc:
+    except (Refused, OSError) as exc:  # OSError: a data folder we may not write, ...
+        return refused(exc)
+
+
+def refused(exc: Refused | OSError) -> int:
+    """Say why `up` will not run or go on (one line on stderr); its exit code."""
+    if isinstance(exc, Refused):
         print(str(exc), file=sys.stderr)
         return exc.code
-    except OSError as exc:  # a data folder we may not write, a catalog we may not read, ...
-        print(f"effectledger up: {exc}", file=sys.stderr)
-        return 1
+    print(f"effectledger up: {exc}", file=sys.stderr)
+    return 1
 
 
 def plan(args: argparse.Namespace) -> UpPlan:

@@ -77,17 +77,17 @@ def _due(now: datetime | sa.BindParameter[datetime]) -> sa.ColumnElement[bool]:
     ), outbox.c.available_at <= now)
 
 
+# Built once, with the moment as a parameter: one statement for SQLAlchemy's cache.
+_ANY_DUE = sa.select(sa.literal(1)).where(
+    _due(sa.bindparam("now", type_=outbox.c.available_at.type))).limit(1)
+
+
 async def any_due(conn: AsyncConnection, *, now: datetime) -> bool:
     """Whether any row is due, by one lockless statement: the relay's poll asks this before
     it begins a lease transaction, so an idle poll costs one round trip instead of three
     (BEGIN, the locking SELECT, COMMIT). A row committed right after this read waits for
     the relay's next wake-up, as one committed right after the locking SELECT would."""
     return (await conn.execute(_ANY_DUE, {"now": now})).first() is not None
-
-
-# Built once, with the moment as a parameter: one statement for SQLAlchemy's cache.
-_ANY_DUE = sa.select(sa.literal(1)).where(
-    _due(sa.bindparam("now", type_=outbox.c.available_at.type))).limit(1)
 
 
 async def lease_batch_txn(conn: AsyncConnection, *, now: datetime, limit: int,
