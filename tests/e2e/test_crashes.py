@@ -19,9 +19,16 @@ from tests.support.cluster import Cluster, wait_until
 
 pytestmark = pytest.mark.slow
 FAST_REDELIVERY = {"EFFECTLEDGER_ACK_WAIT_S": "3", "EFFECTLEDGER_INBOX_ACK_WAIT_S": "3"}
+# A ledger killed between an intent's commit and its command's publish leaves the outbox row
+# leased to the direct publisher (10 s by default): the restarted ledger's relay publishes it
+# once that lease runs out, and so does one killed after the publish but before the mark.
+SHORT_LEASES = {"EFFECTLEDGER_DIRECT_PUBLISH_LEASE_S": "2", "EFFECTLEDGER_RELAY_LEASE_S": "2"}
 # The dispatcher's outcome by request switched off: every outcome goes by the stream.
 STREAM_ONLY = {"EFFECTLEDGER_DISPATCHER_OUTCOME_REQUEST_TIMEOUT_S": "0"}
 KILLED = -signal.SIGKILL
+# create_ticket with a 2 s timeout (catalog.toml): a dispatcher that finds the claim of a dead
+# one in flight waits the tool's timeout plus LOST_GRACE_S before it may declare it lost.
+CRASH_TOOL = "crash_ticket"
 
 
 def _kinds(journal: list[dict[str, Any]]) -> Counter[str]:
@@ -44,7 +51,7 @@ async def _crashed_dispatcher(make_cluster: Any, point: str,
     await c.start_sandbox()
     await c.start_ledger()
     await c.start_dispatcher("d1", crash_points=[point], env=env)
-    op = await c.submit_ok("create_ticket", {"title": f"crash at {point}"}, key="crash-op")
+    op = await c.submit_ok(CRASH_TOOL, {"title": f"crash at {point}"}, key="crash-op")
     assert await c.wait_exit("d1") == KILLED, c.tail(c.proc("d1"))
     await c.start_dispatcher("d2")
     return c, op
@@ -131,7 +138,7 @@ async def test_ledger_killed_after_committing_an_intent_still_dispatches_it(
         make_cluster: Any) -> None:
     """The caller gets no answer, but the intent was committed: after a restart it is relayed
     and succeeds once, and resubmitting the same key finds the same operation."""
-    c: Cluster = make_cluster(env=FAST_REDELIVERY)
+    c: Cluster = make_cluster(env={**FAST_REDELIVERY, **SHORT_LEASES})
     await c.start_sandbox()
     await c.start_ledger(crash_points=["ledger.after_intent_commit"])
     await c.start_dispatcher()
@@ -153,7 +160,7 @@ async def test_relay_killed_after_publishing_republishes_with_the_same_message_i
         make_cluster: Any) -> None:
     """Published but never marked: after a restart the lease expires and the row is published
     again with the same Nats-Msg-Id, which JetStream deduplicates; one request in the end."""
-    c: Cluster = make_cluster(env={**FAST_REDELIVERY, "EFFECTLEDGER_RELAY_LEASE_S": "2"})
+    c: Cluster = make_cluster(env={**FAST_REDELIVERY, **SHORT_LEASES})
     dispatch_stream = c.settings.subjects.dispatch_stream
     await c.start_sandbox()
     await c.start_ledger(crash_points=["ledger.relay.after_publish"])

@@ -29,8 +29,8 @@ pytestmark = pytest.mark.slow
 # The documented fallback for SEP-3182's idempotencyKey: the key in `_meta` (the official
 # SDK's call_tool cannot send the SEP's own field).
 HOST_KEY = cast(RequestParamsMeta, {"effectledger/idempotencyKey": "host-key-1"})
-CATALOG_TOOLS = {"create_ticket", "send_email", "charge_card", "fast_ticket", "fast_lookup",
-                 "fast_email", "fast_post", "fast_page", "fast_wire"}
+CATALOG_TOOLS = {"create_ticket", "send_email", "charge_card", "crash_ticket", "fast_ticket",
+                 "fast_lookup", "fast_email", "fast_post", "fast_page", "fast_wire"}
 LISTED = CATALOG_TOOLS | {"operation_status"}
 OPERATOR = "op-token-e2e"
 TENANTS = {"tok-tenant-a": "tenant-a", "tok-tenant-b": "tenant-b"}
