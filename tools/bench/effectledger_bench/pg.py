@@ -29,6 +29,11 @@ DURABLE_SETTINGS = {
     # Statements slower than this go to the server's log: the tail section counts the slow
     # COMMITs of each phase (a WAL flush that stalled holds every call queued behind it).
     "log_min_duration_statement": str(SLOW_STATEMENT_MS),
+    # Every autovacuum and checkpoint goes to the log with its time and cost, so a tail can be
+    # set beside them (docs/benchmark.md, round sixteen: autovacuum runs about once a minute,
+    # ~1.2 s and ~0.6 s of CPU at these table sizes, and explains some clusters, not most).
+    "log_autovacuum_min_duration": "0",
+    "log_checkpoints": "on",
     "listen_addresses": "127.0.0.1",
 }
 
