@@ -39,7 +39,7 @@ from effectledger_core.messages import (
 from effectledger_core.subjects import Subjects
 from effectledger_ledger.db.claims import claim_txn
 from effectledger_ledger.db.intents import submit_intent_txn
-from effectledger_ledger.db.lost import sweep_lost_outcomes_txn
+from effectledger_ledger.db.lost import any_lost_outcomes, sweep_lost_outcomes_txn
 from effectledger_ledger.db.outcomes import record_outcome_txn
 from effectledger_ledger.db.schema import attempts, journal, operations, outbox
 from effectledger_ledger.db.store import Store
@@ -107,8 +107,17 @@ async def test_an_attempt_whose_outcome_was_lost_is_handed_to_reconciliation(
     await _claim(store, "a1", 1)
     ids = iter(["r1", "r2", "r3"])
     kw: dict[str, Any] = dict(older_than_s=60, subjects=SUBJECTS, new_id=lambda: next(ids))
+
+    async def stuck(t: float) -> bool:
+        """The sweeper's lockless question first: true exactly when the sweep finds one."""
+        async with store.read() as conn:
+            return await any_lost_outcomes(conn, now=at(t), older_than_s=60)
+
+    assert not await stuck(30)
     assert await store.run(sweep_lost_outcomes_txn, now=at(30), **kw) == 0  # not yet
+    assert await stuck(62)
     assert await store.run(sweep_lost_outcomes_txn, now=at(62), **kw) == 1
+    assert not await stuck(90)
     op = await _one(store, operations, operations.c.id == "op1")
     assert (op["state"], op["epoch"]) == ("ambiguous", 1)
     assert (await _one(store, attempts, attempts.c.id == "a1"))["status"] == "outcome_lost"

@@ -15,6 +15,7 @@ from effectledger_ledger.db.intents import submit_intent_txn
 from effectledger_ledger.db.outbox import (
     OutboxItem,
     any_due,
+    any_unanswered,
     backlog_txn,
     lease_batch_txn,
     mark_published_txn,
@@ -235,6 +236,78 @@ async def test_sweeper_republishes_unclaimed_rows_and_retires_obsolete_ones(stor
     assert item.id == "ob_op_lost" and item.publish_count == 1
     assert item.message_id == "ob_op_lost.r1" != "ob_op_lost"
     assert await store.run(sweep_unclaimed_txn, now=at(100), older_than_s=60) == 0
+
+
+async def test_any_unanswered_says_what_a_sweep_would_select(store: Store) -> None:
+    """The sweeper reads `any_unanswered` before it asks the broker and sweeps: it must be
+    true whenever a sweep at that moment would act on a row (republish it or find it
+    obsolete), or a lost command would never be sent again."""
+    async def unanswered(t: float) -> bool:
+        async with store.read() as conn:
+            return await any_unanswered(conn, now=at(t), dispatch_after_s=60,
+                                        reconcile_after_s=600)
+
+    async def swept(t: float) -> int:
+        """Rows both sweeps act on at `t` (republished or made obsolete)."""
+        before = await outbox_rows(store)
+        n = await store.run(sweep_unclaimed_txn, now=at(t), older_than_s=60)
+        n += await store.run(sweep_unclaimed_txn, now=at(t), older_than_s=600,
+                             kind="reconcile")
+        after = await outbox_rows(store)
+        return max(n, sum(after[i]["status"] != before[i]["status"] for i in before))
+
+    assert not await unanswered(1000)  # an empty outbox
+    await _published(store, "op2", at(0))
+    await _published(store, "op3", at(0))
+    async with store.transaction() as conn:  # op3's command as a reconcile command
+        await conn.execute(outbox.update().where(outbox.c.id == "ob_op3")
+                           .values(kind="reconcile"))
+    await set_op(store, "op3", state="ambiguous")
+    await _published(store, "op4", at(0))
+    async with store.transaction() as conn:  # an audit row: done once published
+        await conn.execute(outbox.update().where(outbox.c.id == "ob_op4").values(kind="audit"))
+
+    assert not await unanswered(60)  # op2's dispatch command not yet older than 60 s
+    assert await unanswered(61)
+    assert await swept(61) == 1  # op2 republished; op3's reconcile command is not old enough
+    assert not await unanswered(599)  # op2 pending again, op3 waits, the audit row ignored
+    assert await swept(599) == 0
+    assert await unanswered(601)
+    assert await swept(601) == 1  # op3's reconcile command republished
+    assert not await unanswered(10_000)
+    assert await swept(10_000) == 0
+
+
+async def test_an_idle_sweep_asks_the_broker_nothing_and_begins_no_transaction(
+        store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With nothing old enough the sweep ends on the lockless read: no stream position asked,
+    no sweep transaction; with a lost command it asks and republishes it."""
+    from effectledger_ledger.db.outbox import StreamPosition
+    from effectledger_ledger.relay import Sweeper
+
+    ran: list[str] = []
+    asked: list[str] = []
+    run = store.run
+
+    async def recording_run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        ran.append(fn.__name__)
+        return await run(fn, *args, **kwargs)
+
+    async def positions() -> dict[str, StreamPosition | None]:
+        asked.append("positions")
+        return {}
+
+    monkeypatch.setattr(store, "run", recording_run)
+    sweeper = Sweeper(store, asyncio.Event(), older_than_s=60, interval_s=5,
+                      reconcile_after_s=600, positions=positions, clock=lambda: at(100))
+    assert await sweeper.sweep_once() == 0
+    assert ran == [] and asked == []
+    monkeypatch.setattr(store, "run", run)
+    await _published(store, "op1", at(0))
+    monkeypatch.setattr(store, "run", recording_run)
+    assert await sweeper.sweep_once() == 1
+    assert ran == ["sweep_unclaimed_txn", "sweep_unclaimed_txn"] and asked == ["positions"]
+    assert (await outbox_rows(store))["ob_op1"]["status"] == "pending"
 
 
 async def test_sweeper_generations_keep_counting(store: Store) -> None:

@@ -28,6 +28,7 @@ from .db.outbox import (
     OutboxItem,
     StreamPosition,
     any_due,
+    any_unanswered,
     lease_batch_txn,
     mark_published_txn,
     release_txn,
@@ -288,19 +289,7 @@ class Sweeper:
         self.republished = 0
 
     async def sweep_once(self) -> int:
-        pos: dict[str, StreamPosition | None] = {}
-        if self.positions is not None:
-            pos = await self.positions()
-        dispatch = await self.store.run(sweep_unclaimed_txn, now=self.clock(),
-                                        older_than_s=self.older_than_s,
-                                        position=pos.get("dispatch"))
-        reconcile = await self.store.run(sweep_unclaimed_txn, now=self.clock(),
-                                         older_than_s=self.reconcile_after_s,
-                                         kind=OutboxKind.RECONCILE.value,
-                                         position=pos.get("reconcile"))
-        metrics.child(metrics.SWEEPER_REPUBLISHED, "dispatch").inc(dispatch)
-        metrics.child(metrics.SWEEPER_REPUBLISHED, "reconcile").inc(reconcile)
-        n = dispatch + reconcile
+        n = await self._sweep_unanswered()
         if n:
             log.warning("sweeper: republishing %d unclaimed dispatch commands", n)
             self.republished += n
@@ -313,6 +302,28 @@ class Sweeper:
                 self.wake.set()
             n += lost
         return n
+
+    async def _sweep_unanswered(self) -> int:
+        """Republish what the broker may have lost; 0 at once when no row is old enough: an
+        idle ledger's sweep asks the broker nothing and begins no transaction."""
+        async with self.store.read() as conn:
+            if not await any_unanswered(conn, now=self.clock(),
+                                        dispatch_after_s=self.older_than_s,
+                                        reconcile_after_s=self.reconcile_after_s):
+                return 0
+        pos: dict[str, StreamPosition | None] = {}
+        if self.positions is not None:
+            pos = await self.positions()
+        dispatch = await self.store.run(sweep_unclaimed_txn, now=self.clock(),
+                                        older_than_s=self.older_than_s,
+                                        position=pos.get("dispatch"))
+        reconcile = await self.store.run(sweep_unclaimed_txn, now=self.clock(),
+                                         older_than_s=self.reconcile_after_s,
+                                         kind=OutboxKind.RECONCILE.value,
+                                         position=pos.get("reconcile"))
+        metrics.child(metrics.SWEEPER_REPUBLISHED, "dispatch").inc(dispatch)
+        metrics.child(metrics.SWEEPER_REPUBLISHED, "reconcile").inc(reconcile)
+        return dispatch + reconcile
 
     async def run(self) -> None:
         while True:

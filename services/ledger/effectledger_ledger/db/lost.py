@@ -31,6 +31,32 @@ from .transitions import Change, Reconcile, apply
 ATTEMPT_LOST = AttemptStatus.OUTCOME_LOST.value  # attempts.status once the ledger gave up
 
 
+def _stuck_since(cutoff: datetime | sa.BindParameter[datetime]) -> sa.ColumnElement[bool]:
+    """An operation in flight whose attempt at its epoch is still only claimed, since before
+    `cutoff`: claimed, and no outcome ever recorded (the join is on the operation's epoch)."""
+    return sa.and_(operations.c.state == State.IN_FLIGHT.value,
+                   attempts.c.status == AttemptStatus.CLAIMED.value,
+                   attempts.c.claimed_at < cutoff)
+
+
+_ON_EPOCH = sa.and_(attempts.c.operation_id == operations.c.id,
+                    attempts.c.epoch == operations.c.epoch)
+# What `sweep_lost_outcomes_txn` selects, as one lockless question; built once.
+_ANY_STUCK = (sa.select(sa.literal(1)).select_from(operations.join(attempts, _ON_EPOCH))
+              .where(_stuck_since(sa.bindparam("cutoff", type_=attempts.c.claimed_at.type)))
+              .limit(1))
+
+
+async def any_lost_outcomes(conn: AsyncConnection, *, now: datetime,
+                            older_than_s: float) -> bool:
+    """Whether `sweep_lost_outcomes_txn` at `now` would find an attempt: the sweeper asks
+    this first, so an idle sweep is one lockless read, not a locking transaction. An attempt
+    that becomes old enough just after it waits for the next sweep, as one would that became
+    old enough just after the transaction's own SELECT."""
+    cutoff = now - timedelta(seconds=older_than_s)
+    return (await conn.execute(_ANY_STUCK, {"cutoff": cutoff})).first() is not None
+
+
 async def sweep_lost_outcomes_txn(conn: AsyncConnection, *, now: datetime, older_than_s: float,
                                   subjects: Subjects, new_id: Callable[[], str],
                                   decide_retry: RetryDecider | None = None,
@@ -40,11 +66,8 @@ async def sweep_lost_outcomes_txn(conn: AsyncConnection, *, now: datetime, older
     stuck = (await conn.execute(
         sa.select(operations, attempts.c.id.label("attempt_id"),
                   attempts.c.claimed_at.label("attempt_claimed_at"))
-        .join(attempts, sa.and_(attempts.c.operation_id == operations.c.id,
-                                attempts.c.epoch == operations.c.epoch))
-        .where(operations.c.state == State.IN_FLIGHT.value,
-               attempts.c.status == AttemptStatus.CLAIMED.value,
-               attempts.c.claimed_at < cutoff)
+        .join(attempts, _ON_EPOCH)
+        .where(_stuck_since(cutoff))
         .limit(limit).with_for_update(of=operations, skip_locked=True))).mappings().all()
     repaired = 0
     for found in stuck:

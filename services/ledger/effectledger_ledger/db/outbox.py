@@ -179,6 +179,34 @@ async def release_txn(conn: AsyncConnection, ids: list[str], *, now: datetime, e
                 available_at=now + timedelta(seconds=retry_after_s)))
 
 
+def _unanswered_since(kind: str) -> sa.ColumnElement[bool]:
+    return sa.and_(outbox.c.kind == kind, outbox.c.published_at < sa.bindparam(
+        f"{kind}_cutoff", type_=outbox.c.published_at.type))
+
+
+# The rows `sweep_unclaimed_txn` selects for either kind, as one lockless question on the
+# published rows' partial index (ix_outbox_published). Built once, for SQLAlchemy's cache.
+_ANY_UNANSWERED = sa.select(sa.literal(1)).where(
+    outbox.c.status == OUTBOX_PUBLISHED,
+    sa.or_(_unanswered_since(OutboxKind.DISPATCH.value),
+           _unanswered_since(OutboxKind.RECONCILE.value))).limit(1)
+
+
+async def any_unanswered(conn: AsyncConnection, *, now: datetime, dispatch_after_s: float,
+                         reconcile_after_s: float) -> bool:
+    """Whether a sweep at `now` would select any row: a dispatch command published more than
+    `dispatch_after_s` ago, or a reconcile command more than `reconcile_after_s` ago, still
+    `published` (no claim or verdict has answered it, no sweep has found it obsolete). The
+    sweeper asks this first, so an idle sweep is one lockless read instead of four stream
+    and consumer info requests to the broker and two locking transactions. A row that becomes
+    old enough just after this read waits for the next sweep, as one published just after the
+    sweep's own locking SELECT would."""
+    cutoffs = {f"{OutboxKind.DISPATCH.value}_cutoff": now - timedelta(seconds=dispatch_after_s),
+               f"{OutboxKind.RECONCILE.value}_cutoff":
+                   now - timedelta(seconds=reconcile_after_s)}
+    return (await conn.execute(_ANY_UNANSWERED, cutoffs)).first() is not None
+
+
 async def sweep_unclaimed_txn(conn: AsyncConnection, *, now: datetime, older_than_s: float,
                               limit: int = 1000, kind: str = OutboxKind.DISPATCH.value,
                               position: StreamPosition | None = None) -> int:
