@@ -302,6 +302,11 @@ async def test_an_idle_sweep_asks_the_broker_nothing_and_begins_no_transaction(
                       reconcile_after_s=600, positions=positions, clock=lambda: at(100))
     assert await sweeper.sweep_once() == 0
     assert ran == [] and asked == []
+    from prometheus_client import REGISTRY
+
+    for kind in ("dispatch", "reconcile"):  # shown at 0, not missing, though never reached
+        assert REGISTRY.get_sample_value("effectledger_sweeper_republished_total",
+                                         {"kind": kind}) is not None
     monkeypatch.setattr(store, "run", run)
     await _published(store, "op1", at(0))
     monkeypatch.setattr(store, "run", recording_run)

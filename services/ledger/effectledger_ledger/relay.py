@@ -287,6 +287,10 @@ class Sweeper:
         # reconcile command only after much longer than a dispatch command.
         self.reconcile_after_s = max(reconcile_after_s, older_than_s)
         self.republished = 0
+        # Both series exist at 0 from the start: an idle sweep no longer reaches the increment
+        # (it ends on its lockless read), and a dashboard should show 0, not "no data".
+        for kind in (OutboxKind.DISPATCH.value, OutboxKind.RECONCILE.value):
+            metrics.child(metrics.SWEEPER_REPUBLISHED, kind)
 
     async def sweep_once(self) -> int:
         n = await self._sweep_unanswered()
