@@ -179,17 +179,23 @@ async def release_txn(conn: AsyncConnection, ids: list[str], *, now: datetime, e
                 available_at=now + timedelta(seconds=retry_after_s)))
 
 
-def _unanswered_since(kind: str) -> sa.ColumnElement[bool]:
-    return sa.and_(outbox.c.kind == kind, outbox.c.published_at < sa.bindparam(
-        f"{kind}_cutoff", type_=outbox.c.published_at.type))
+def _unanswered(kind: str, cutoff: datetime | sa.BindParameter[datetime]
+                ) -> sa.ColumnElement[bool]:
+    """The rows a sweep of `kind` selects: published before `cutoff` and still `published`
+    (no claim or verdict has answered them, no sweep has found them obsolete)."""
+    return sa.and_(outbox.c.status == OUTBOX_PUBLISHED, outbox.c.kind == kind,
+                   outbox.c.published_at < cutoff)
+
+
+def _cutoff_param(kind: str) -> sa.BindParameter[datetime]:
+    return sa.bindparam(f"{kind}_cutoff", type_=outbox.c.published_at.type)
 
 
 # The rows `sweep_unclaimed_txn` selects for either kind, as one lockless question on the
 # published rows' partial index (ix_outbox_published). Built once, for SQLAlchemy's cache.
-_ANY_UNANSWERED = sa.select(sa.literal(1)).where(
-    outbox.c.status == OUTBOX_PUBLISHED,
-    sa.or_(_unanswered_since(OutboxKind.DISPATCH.value),
-           _unanswered_since(OutboxKind.RECONCILE.value))).limit(1)
+_ANY_UNANSWERED = sa.select(sa.literal(1)).where(sa.or_(*(
+    _unanswered(kind, _cutoff_param(kind))
+    for kind in (OutboxKind.DISPATCH.value, OutboxKind.RECONCILE.value)))).limit(1)
 
 
 async def any_unanswered(conn: AsyncConnection, *, now: datetime, dispatch_after_s: float,
@@ -225,8 +231,7 @@ async def sweep_unclaimed_txn(conn: AsyncConnection, *, now: datetime, older_tha
     stale = (await conn.execute(
         sa.select(outbox.c.id, outbox.c.operation_id, outbox.c.epoch, outbox.c.publish_count,
                   outbox.c.stream_seq, live.label("live"))
-        .where(outbox.c.status == OUTBOX_PUBLISHED, outbox.c.kind == kind,
-               outbox.c.published_at < cutoff)
+        .where(_unanswered(kind, cutoff))
         .limit(limit).with_for_update(skip_locked=True))).all()
     republished = 0
     for row in stale:
