@@ -63,3 +63,18 @@ def test_the_table_puts_each_hop_beside_its_floor() -> None:
         assert f"| {hop.name} |" in text
     for name in budget.FLOORS:
         assert f"| {name} |" in text
+
+
+def test_the_chain_floor_table_puts_ours_beside_the_skeleton_or_says_why_it_is_missing() -> None:
+    from effectledger_bench.agentwait import skeleton_markdown
+
+    text = skeleton_markdown({
+        "n": 3, "ours_ms": {"p50": 11.1, "p99": 15.5}, "skeleton_ms": {"p50": 5.6, "p99": 8.7},
+        "ours_over_skeleton_ms": {"p50": 5.5, "p99": 6.8},
+        "cpu_ms_per_call": {"ledger": 4.8, "dispatcher-1": 2.7, "skeleton-ledger": 1.6,
+                            "skeleton-dispatcher": 1.6}})
+    assert "| ours | 11.1 | 15.5 | 4.8 / 2.7 |" in text
+    assert "| skeleton | 5.6 | 8.7 | 1.6 / 1.6 |" in text
+    assert "| ours - skeleton | 5.5 | 6.8 | |" in text
+    missing = skeleton_markdown({"error": "RuntimeError: skeleton ledger exited with 1"})
+    assert "not measured: RuntimeError: skeleton ledger exited with 1" in missing

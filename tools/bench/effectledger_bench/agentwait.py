@@ -159,6 +159,74 @@ async def client_vs_mcp(stack: Stack, n: int, hops: dict[str, list[dict[str, flo
     return direct, joining, over_mcp
 
 
+async def skeleton_vs_ours(stack: Stack, n: int) -> dict[str, Any]:
+    """Our submit-and-wait and the skeleton's call (skeleton.py: the same hops, none of our
+    logic), interleaved call by call so both see the same machine; with each process's CPU."""
+    import aiohttp
+
+    from effectledger_cli.embedded import free_port
+    from effectledger_client import AsyncClient
+
+    from .skeleton import Skeleton, call
+    from .stack import TOOL
+
+    assert stack.database_url and stack.nats_url
+    skeleton = Skeleton(database_url=stack.database_url, nats_url=stack.nats_url,
+                        provider_url=stack.sandbox_url, api_key=stack.api_key,
+                        port=free_port(), logs=stack.logs, prefix=f"{stack.subject_prefix}skel")
+    await asyncio.to_thread(skeleton.start)
+    pids = {name: stack.services[name].pid for name in ("ledger", "dispatcher-1")}
+    pids.update(skeleton.pids())
+    ours, skel = [], []
+    try:
+        async with AsyncClient(stack.ledger_url, token="") as client, \
+                aiohttp.ClientSession(f"{skeleton.url}") as http:
+            async def one(i: int, tag: str) -> tuple[float, float]:
+                t = time.perf_counter()
+                done = await client.submit(TOOL, {"title": f"{tag} {i}"},
+                                           idempotency_key=f"{tag}-ours-{i}", wait_s=10)
+                if done.operation.state != "succeeded":
+                    raise RuntimeError(f"operation ended {done.operation.state}")
+                u = time.perf_counter()
+                await call(http, "/", f"{tag}-skeleton-{i}", {"title": f"{tag} {i}"})
+                return (u - t) * 1000, (time.perf_counter() - u) * 1000
+
+            for i in range(30):
+                await one(i, "skeleton-warm")
+            before = {name: sample(pid) for name, pid in pids.items()}
+            for i in range(n):
+                a, b = await one(i, "skeleton-run")
+                ours.append(a)
+                skel.append(b)
+            after = {name: sample(pid) for name, pid in pids.items()}
+    finally:
+        await asyncio.to_thread(skeleton.close)
+    o, k = _ms(ours), _ms(skel)
+    cpu = {name: round((after[name].cpu_s - before[name].cpu_s) * 1000 / n, 2)  # type: ignore[union-attr]
+           for name in pids if before.get(name) and after.get(name)}
+    return {"n": n, "ours_ms": o, "skeleton_ms": k,
+            "ours_over_skeleton_ms": {p: round((o[p] or 0) - (k[p] or 0), 2) for p in o},
+            "cpu_ms_per_call": cpu}
+
+
+def skeleton_markdown(figures: dict[str, Any]) -> str:
+    """The skeleton's figures as a table for a reader (empty when it did not run)."""
+    if "ours_ms" not in figures:
+        return f"\n**The chain's floor (skeleton)**: not measured: {figures.get('error')}\n"
+    o, k, d = figures["ours_ms"], figures["skeleton_ms"], figures["ours_over_skeleton_ms"]
+    cpu = figures.get("cpu_ms_per_call", {})
+    lines = [f"\n**The chain's floor** (skeleton.py: the same hops, none of our logic; "
+             f"n={figures['n']}, interleaved)\n",
+             "| | p50 ms | p99 ms | CPU ms/call (ledger / dispatcher) |",
+             "|---|---:|---:|---|",
+             f"| ours | {o['p50']} | {o['p99']} | {cpu.get('ledger')} / "
+             f"{cpu.get('dispatcher-1')} |",
+             f"| skeleton | {k['p50']} | {k['p99']} | {cpu.get('skeleton-ledger')} / "
+             f"{cpu.get('skeleton-dispatcher')} |",
+             f"| ours - skeleton | {d['p50']} | {d['p99']} | |"]
+    return "\n".join(lines) + "\n"
+
+
 def dbos_figures(stack: Stack, n: int) -> dict[str, Any] | None:
     try:
         import dbos  # noqa: F401
@@ -285,6 +353,11 @@ async def measure(stack: Stack, n: int, count: int) -> dict[str, Any]:
     budgets = {path: budget.table(samples, floors) for path, samples in hops.items()}
     result["latency_budget"] = {"floors_ms": floors, **budgets,
                                 "markdown": budget.markdown(budgets, floors)}
+    # The chain's own floor (skeleton.py), right after the hops' floors.
+    try:
+        result["skeleton"] = await skeleton_vs_ours(stack, n)
+    except Exception as exc:  # e.g. a NATS of the user's whose permissions refuse it
+        result["skeleton"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
     peer = dbos_figures(stack, n)
     if peer is not None and "latency_ms" in peer:
         lat = peer["latency_ms"]
@@ -324,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
     text = json.dumps(result, indent=2)
     print(text)
     # The budget as tables for a reader (stdout stays one JSON document).
-    table = result["latency_budget"]["markdown"]
+    table = result["latency_budget"]["markdown"] + skeleton_markdown(result.get("skeleton", {}))
     print(table, file=sys.stderr)
     if args.out:
         args.out.write_text(text + "\n")
