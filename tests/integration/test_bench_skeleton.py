@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import time
+from datetime import datetime
 from pathlib import Path
 
 import aiohttp
 import nats
 import pytest
 
+from effectledger_bench import budget
 from effectledger_bench.http_clients import _start_sandbox
 from effectledger_bench.skeleton import STREAM, Skeleton, call
 from effectledger_cli.embedded import free_port
@@ -31,8 +34,11 @@ async def test_skeleton_calls_commit_claim_and_reach_the_provider_once_each(
     try:
         await asyncio.to_thread(skeleton.start)
         async with aiohttp.ClientSession(skeleton.url) as http:
-            answers = [await call(http, "/", f"{prefix}-{i}", {"title": f"skeleton {i}"})
-                       for i in range(5)]
+            answers, times = [], []
+            for i in range(5):
+                sent = time.time()
+                answers.append(await call(http, "/", f"{prefix}-{i}", {"title": f"skeleton {i}"}))
+                times.append((sent, time.time()))
         # The claim is the ledger's guard, not a formality: a claimed call is not claimed again.
         again = await nc.request(f"{prefix}.claim", json.dumps(
             {"id": answers[0]["id"], "holder": "someone-else"}).encode(), timeout=5)
@@ -47,6 +53,15 @@ async def test_skeleton_calls_commit_claim_and_reach_the_provider_once_each(
     assert [a["state"] for a in answers] == ["succeeded"] * 5
     assert all(a["result"] for a in answers)  # the provider's own answer came back
     assert json.loads(again.data) == {"granted": False}
+    # Its stamps make the same six hops as the ledger's journal does (budget.py), in order.
+    for answer, (sent, answered) in zip(answers, times, strict=True):
+        journal = [(kind, datetime.fromisoformat(at), detail)
+                   for kind, at, detail in answer["journal"]]
+        assert [kind for kind, _, _ in journal] == [
+            "intent_accepted", "attempt_claimed", "outcome_recorded"]
+        ms = budget.hops(sent, answered, journal)
+        assert ms["provider_call"] > 0 and all(v > -1 for v in ms.values()), ms
+        assert sum(ms.values()) == pytest.approx((answered - sent) * 1000, abs=0.01)
     ids = {a["id"] for a in answers}
     assert set(truth) == ids  # keyed by operation, as the dispatcher keys its calls
     assert all(t["applied"] == 1 and t["requests"] == 1 and t["fencing_tokens"] == [1]

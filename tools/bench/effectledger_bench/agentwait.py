@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -159,14 +160,17 @@ async def client_vs_mcp(stack: Stack, n: int, hops: dict[str, list[dict[str, flo
     return direct, joining, over_mcp
 
 
-async def skeleton_vs_ours(stack: Stack, n: int) -> dict[str, Any]:
+async def skeleton_vs_ours(stack: Stack, n: int,
+                           hops: list[dict[str, float]] | None = None) -> dict[str, Any]:
     """Our submit-and-wait and the skeleton's call (skeleton.py: the same hops, none of our
-    logic), interleaved call by call so both see the same machine; with each process's CPU."""
+    logic), interleaved call by call so both see the same machine; with each process's CPU
+    and, with `hops`, where each skeleton call's time went (budget.py, from its stamps)."""
     import aiohttp
 
     from effectledger_cli.embedded import free_port
     from effectledger_client import AsyncClient
 
+    from . import budget
     from .skeleton import Skeleton, call
     from .stack import TOOL
 
@@ -187,9 +191,14 @@ async def skeleton_vs_ours(stack: Stack, n: int) -> dict[str, Any]:
                                            idempotency_key=f"{tag}-ours-{i}", wait_s=10)
                 if done.operation.state != "succeeded":
                     raise RuntimeError(f"operation ended {done.operation.state}")
-                u = time.perf_counter()
-                await call(http, "/", f"{tag}-skeleton-{i}", {"title": f"{tag} {i}"})
-                return (u - t) * 1000, (time.perf_counter() - u) * 1000
+                u, sent = time.perf_counter(), time.time()
+                body = await call(http, "/", f"{tag}-skeleton-{i}", {"title": f"{tag} {i}"})
+                v, answered = time.perf_counter(), time.time()
+                if hops is not None and tag.endswith("run"):
+                    hops.append(budget.hops(sent, answered, [
+                        (kind, datetime.fromisoformat(at), detail)
+                        for kind, at, detail in body["journal"]]))
+                return (u - t) * 1000, (v - u) * 1000
 
             for i in range(30):
                 await one(i, "skeleton-warm")
@@ -348,16 +357,16 @@ async def measure(stack: Stack, n: int, count: int) -> dict[str, Any]:
         # identical calls apart.
         "mcp_over_joining_client_ms": {k: round((m[k] or 0) - (j[k] or 0), 2) for k in c},
         "target": "tools_call p50 <= submit_and_wait p50 + 2 ms"}
-    # The floors right after the operations they explain, on the same stack (budget.py).
-    floors = await budget.floors(stack, min(n, 200), await bare_calls(stack, min(n, 200)))
-    budgets = {path: budget.table(samples, floors) for path, samples in hops.items()}
-    result["latency_budget"] = {"floors_ms": floors, **budgets,
-                                "markdown": budget.markdown(budgets, floors)}
-    # The chain's own floor (skeleton.py), right after the hops' floors.
+    # The chain's own floor (skeleton.py), interleaved with ours; its hops go in the budget.
     try:
-        result["skeleton"] = await skeleton_vs_ours(stack, n)
+        result["skeleton"] = await skeleton_vs_ours(stack, n, hops.setdefault("skeleton", []))
     except Exception as exc:  # e.g. a NATS of the user's whose permissions refuse it
         result["skeleton"] = {"error": f"{type(exc).__name__}: {exc}"[:500]}
+    # The floors right after the operations they explain, on the same stack (budget.py).
+    floors = await budget.floors(stack, min(n, 200), await bare_calls(stack, min(n, 200)))
+    budgets = {path: budget.table(samples, floors) for path, samples in hops.items() if samples}
+    result["latency_budget"] = {"floors_ms": floors, **budgets,
+                                "markdown": budget.markdown(budgets, floors)}
     peer = dbos_figures(stack, n)
     if peer is not None and "latency_ms" in peer:
         lat = peer["latency_ms"]

@@ -42,6 +42,7 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,9 @@ class SkeletonLedger:
         self.db, self.nc, self.js, self.prefix = db, nc, js, prefix
         self.writer = asyncio.Lock()  # one writer, as the ledger's group commit
         self.waiting: dict[str, asyncio.Future[Any]] = {}
+        # The budget's stamps (budget.py), taken where the ledger's journal takes them: when
+        # each transaction is built, just before its statement.
+        self.stamps: dict[str, list[list[Any]]] = {}
 
     async def _write(self, sql: str, *args: Any) -> Any:
         async with self.writer:
@@ -85,6 +89,7 @@ class SkeletonLedger:
 
     async def intent(self, body: dict[str, Any]) -> dict[str, Any]:
         op = uuid.uuid4().hex
+        self.stamps[op] = [["intent_accepted", _now(), {}]]
         await self._write(INTENT, op, str(body["idempotency_key"]),
                           json.dumps(body.get("arguments") or {}))
         answered: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -96,21 +101,29 @@ class SkeletonLedger:
             result = await asyncio.wait_for(answered, float(body.get("wait_s", 10)))
         finally:
             self.waiting.pop(op, None)
-        return {"id": op, "state": "succeeded", "result": result}
+            journal = self.stamps.pop(op, [])
+        return {"id": op, "state": "succeeded", "result": result, "journal": journal}
 
     async def claim(self, msg: Any) -> None:
         req = json.loads(msg.data)
+        self._stamp(req["id"], "attempt_claimed", {})
         granted = await self._write(CLAIM, req["id"], req["holder"]) is not None
         await msg.respond(json.dumps({"granted": granted}).encode())
 
     async def outcome(self, msg: Any) -> None:
         req = json.loads(msg.data)
+        self._stamp(req["id"], "outcome_recorded", {"at": req.get("at"),
+                                                    "duration_ms": req.get("duration_ms")})
         result = json.dumps(req["result"])
         recorded = await self._write(OUTCOME, req["id"], req["holder"], result) is not None
         waiter = self.waiting.get(req["id"]) if recorded else None
         if waiter is not None and not waiter.done():
             waiter.set_result(req["result"])  # woken first, as the ledger's waiters are
         await msg.respond(json.dumps({"recorded": recorded}).encode())
+
+    def _stamp(self, op: str, kind: str, detail: dict[str, Any]) -> None:
+        if op in self.stamps:
+            self.stamps[op].append([kind, _now(), detail])
 
     async def asgi(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -128,6 +141,10 @@ class SkeletonLedger:
             await _answer(send, 200, await self.intent(json.loads(raw)))
         except Exception as exc:  # a benchmark tool: the client sees what went wrong
             await _answer(send, 500, {"error": f"{type(exc).__name__}: {exc}"})
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat()
 
 
 async def _answer(send: Send, status: int, body: dict[str, Any]) -> None:
@@ -201,10 +218,14 @@ async def _dispatch(nc: Any, http: Any, msg: Any, holder: str, headers: dict[str
     if not claim["granted"]:
         await msg.ack()  # taken: never a second call
         return
+    started = time.perf_counter()
     async with http.post(f"{provider_url}/v1/idempotent/effects", json=cmd["arguments"],
                          headers={**headers, "Idempotency-Key": cmd["id"]}) as resp:
         result = await resp.json()
-    report = json.dumps({"id": cmd["id"], "holder": holder, "result": result}).encode()
+    # The call's end and length, as the dispatcher's outcome carries them (`at`, duration).
+    took_ms = (time.perf_counter() - started) * 1000
+    report = json.dumps({"id": cmd["id"], "holder": holder, "result": result, "at": _now(),
+                         "duration_ms": took_ms}).encode()
     await nc.request(f"{prefix}.outcome", report, timeout=5)
     await msg.ack()
 
