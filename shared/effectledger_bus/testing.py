@@ -112,9 +112,11 @@ class FakeJetStream:
         self.fail = fail
         self.published: list[tuple[str, dict[str, str]]] = []
         self.payloads: list[bytes] = []
+        self.arrived = asyncio.Event()  # set by every publish (failed ones included)
 
     async def publish(self, subject: str, payload: bytes, timeout: float,  # noqa: ASYNC109
                       headers: dict[str, str]) -> FakeAck:
+        self.arrived.set()
         if self.fail:
             raise TimeoutError("no publish ack")
         self.published.append((subject, headers))

@@ -90,6 +90,12 @@ class Settings(BaseSettings):
     # moderate load that is one write, often one transaction and WAL flush, less per operation.
     # Must stay well below the lease; 0 marks at once.
     direct_publish_mark_linger_s: float = Field(default=0.5, ge=0)
+    # An intent alone in its transaction (an agent's keyed call, every MCP call) hands its
+    # command to the direct publisher before its one statement is sent, so the publish, the
+    # delivery and the claim request travel while the commit's WAL flush does; the claim is
+    # granted only on a committed operation (docs/design.md, "A command published with its
+    # commit"). false: publish only after the commit, as a batch's intents always are.
+    direct_publish_with_commit: bool = True
     sweep_after_s: float = 60.0
     sweep_interval_s: float = 5.0
     reconcile_sweep_after_s: float = 900.0

@@ -25,6 +25,7 @@ KNOWN = frozenset({
     "dispatcher.after_outcome_request",
     "dispatcher.after_outcome_publish",
     "ledger.after_intent_commit",
+    "ledger.intent.after_early_publish",
     "ledger.relay.after_publish",
     "ledger.inbox.after_commit",
 })

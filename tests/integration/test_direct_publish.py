@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 from datetime import timedelta
 from typing import Any
 
@@ -10,11 +12,14 @@ import sqlalchemy as sa
 
 from effectledger_bus.testing import FakeJetStream
 from effectledger_core.messages import ClaimAttempt, ClaimStatus, SubmitIntent
+from effectledger_ledger.db import hot
+from effectledger_ledger.db.intents import submit_intent_txn
 from effectledger_ledger.db.outbox import lease_batch_txn
-from effectledger_ledger.db.schema import outbox
+from effectledger_ledger.db.schema import operations, outbox
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.relay import DirectPublisher
 from effectledger_ledger.service import LedgerService
+from tests.integration.test_hot import _postgres_only
 from tests.support.ledger import DEMO as CATALOG
 from tests.support.ledger import NOW, SUBJECTS
 
@@ -119,3 +124,101 @@ async def test_a_command_nobody_claims_is_marked_once_the_linger_is_over(store: 
     assert (row["status"], row["stream_seq"]) == ("published", 1)
     assert (publisher.published, publisher.marks_skipped) == (1, 0)
     assert not publisher._commands and not publisher._claimed and not publisher._operation_of
+
+
+# ---- an intent alone: its command published with its commit -----------------------------------
+
+
+class _Rollback(Exception):
+    pass
+
+
+async def _holding_the_key(store: Store, key: str, release: asyncio.Event, holding: asyncio.Event,
+                           *, commit: bool) -> None:
+    """An open transaction that inserted an operation under `key`: another INSERT of the same
+    key waits for it, then writes (it rolled back) or writes nothing (it committed)."""
+    with contextlib.suppress(_Rollback):
+        async with store.transaction() as conn:
+            await hot.begin(conn)
+            await submit_intent_txn(conn, catalog=CATALOG, intent=SubmitIntent(
+                tool="create_ticket", arguments={"title": "t"}, idempotency_key=key),
+                subjects=SUBJECTS, operation_id="op-holder", outbox_id="ob-holder", now=NOW)
+            holding.set()
+            await release.wait()
+            if not commit:
+                raise _Rollback
+
+
+async def _operation_ids(store: Store) -> set[str]:
+    async with store.read() as conn:
+        return set((await conn.execute(sa.select(operations.c.id))).scalars())
+
+
+async def test_an_intent_alone_is_published_before_its_statement_answers(store: Store) -> None:
+    """The command is out while the intent's one statement still waits (here for a lock the
+    test holds on its key): the dispatcher's part of the way runs beside the commit. Its row
+    is marked only once the statement wrote it."""
+    _postgres_only(store)
+    js, release, holding = FakeJetStream(), asyncio.Event(), asyncio.Event()
+    svc = service(store, js)
+    assert svc.publisher is not None
+    holder = asyncio.create_task(_holding_the_key(store, "k-early", release, holding,
+                                                  commit=False))
+    try:
+        async with asyncio.timeout(10):
+            await holding.wait()
+            submit = asyncio.create_task(svc.submit(SubmitIntent(
+                tool="create_ticket", arguments={"title": "t"}, idempotency_key="k-early")))
+            await js.arrived.wait()
+        op_id = json.loads(js.payloads[0])["operation_id"]
+        assert not submit.done()  # still in its statement...
+        assert op_id not in await _operation_ids(store)  # ...which has written nothing yet
+        release.set()  # the holder rolls back: the statement writes
+        async with asyncio.timeout(10):
+            sub = await submit
+            await holder
+            await svc.publisher.drain()
+    finally:
+        release.set()
+        await svc.close()
+    assert sub.created and sub.operation["id"] == op_id
+    [row] = await outbox_rows(store)
+    assert (row["operation_id"], row["status"], row["stream_seq"]) == (op_id, "published", 1)
+    assert len(js.published) == 1  # once: not again after the commit
+    assert not svc.publisher._written
+
+
+async def test_a_command_whose_statement_wrote_nothing_is_refused_at_its_claim(
+        store: Store) -> None:
+    """Published with a statement that then found the key taken: the command names an
+    operation that never existed. Nothing is marked or released for it, and its claim is not
+    found, so no dispatcher calls anything for it; the caller gets the existing operation."""
+    _postgres_only(store)
+    js, release, holding = FakeJetStream(), asyncio.Event(), asyncio.Event()
+    svc = service(store, js)
+    assert svc.publisher is not None
+    holder = asyncio.create_task(_holding_the_key(store, "k-taken", release, holding,
+                                                  commit=True))
+    try:
+        async with asyncio.timeout(10):
+            await holding.wait()
+            submit = asyncio.create_task(svc.submit(SubmitIntent(
+                tool="create_ticket", arguments={"title": "t"}, idempotency_key="k-taken")))
+            await js.arrived.wait()
+            release.set()  # the holder commits: the statement writes nothing
+            sub = await submit
+            await holder
+            await svc.publisher.drain()
+        stray = json.loads(js.payloads[0])
+        reply = await svc.claim(ClaimAttempt(
+            operation_id=stray["operation_id"], epoch=1, attempt_id="a1", dispatcher_id="d1",
+            tool=stray["tool"], arguments_digest=stray["arguments_digest"]))
+    finally:
+        release.set()
+        await svc.close()
+    assert (sub.created, sub.operation["id"]) == (False, "op-holder")
+    assert stray["operation_id"] not in await _operation_ids(store)
+    assert reply.status is ClaimStatus.NOT_FOUND
+    [row] = await outbox_rows(store)  # the holder's own row only, untouched by the publisher
+    assert (row["id"], row["status"], row["stream_seq"]) == ("ob-holder", "pending", None)
+    assert svc.publisher.published == 0 and not svc.publisher._written

@@ -129,6 +129,7 @@ class NatsPlane:
         self.requests = await serve_requests(self.nc, settings, service)
         if settings.direct_publish_lease_s > 0:
             service.direct_lease_s = settings.direct_publish_lease_s
+            service.publish_with_commit = settings.direct_publish_with_commit
             service.publisher = DirectPublisher(
                 js, service.writes, store, service.outbox_wake,
                 mark_linger_s=min(settings.direct_publish_mark_linger_s,

@@ -140,7 +140,7 @@ class Relay:
 
 
 class DirectPublisher:
-    """Publishes new intents' dispatch commands right after their commit, skipping the relay.
+    """Publishes new intents' dispatch commands with their commit, skipping the relay.
 
     The intent's transaction wrote the outbox row already leased (`direct_publish_lease_s`),
     so no relay takes it meanwhile; this saves the relay's lease transaction and its wake-up
@@ -148,6 +148,12 @@ class DirectPublisher:
     with the intents and claims of the moment. Whatever cannot be published is released to
     the relay at once; if the ledger dies first, the lease runs out and the relay publishes it
     (the same Nats-Msg-Id, so JetStream drops a copy that did get through).
+
+    An intent alone in its transaction (an agent's call) hands its command over *before* its
+    one statement is sent (`early`), so the publish, the delivery and the dispatcher's claim
+    request travel while the commit's WAL flush does; the claim is decided only on a committed
+    operation (docs/design.md, "A command published with its commit"). Its marks, or its
+    release, wait until the statement has answered, and are skipped when it wrote nothing.
     """
 
     def __init__(self, js: JetStreamContext, writes: GroupCommit, store: Store, wake: asyncio.Event,
@@ -164,6 +170,8 @@ class DirectPublisher:
         self._commands: dict[tuple[str, int], str] = {}
         self._operation_of: dict[str, tuple[str, int]] = {}
         self._claimed: dict[str, asyncio.Future[None]] = {}
+        # Per outbox id handed over `early`: whether its statement wrote the row (see `early`).
+        self._written: dict[str, asyncio.Future[bool]] = {}
         self._queue: asyncio.Queue[OutboxItem] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
         self._worker: asyncio.Task[None] | None = None
@@ -183,6 +191,22 @@ class DirectPublisher:
             self._operation_of[item.id] = operation
             self._claimed[item.id] = asyncio.get_running_loop().create_future()
         self._queue.put_nowait(item)
+
+    def early(self, item: OutboxItem, operation: tuple[str, int]) -> Callable[[bool], None]:
+        """Publish `item` now, before the statement that writes its row has answered; returns
+        the function to call with whether that statement wrote the row (True: committed with
+        it). Until then nothing is marked or released for it, and nothing at all when it did
+        not write: there is no row (the key was taken, or the statement failed). A replay of
+        the same call (a retried transaction) publishes nothing twice."""
+        known = self._written.get(item.id)
+        if known is None:
+            known = self._written[item.id] = asyncio.get_running_loop().create_future()
+            self.submit(item, operation=operation)
+
+        def settle(written: bool) -> None:
+            if not known.done():
+                known.set_result(written)
+        return settle
 
     def consumed(self, operation_id: str, epoch: int) -> None:
         """A claim for this operation and epoch was granted and committed: it marked the
@@ -209,10 +233,16 @@ class DirectPublisher:
             task.add_done_callback(self._tasks.discard)
 
     async def _settle(self, items: list[OutboxItem], results: list[Any]) -> None:
-        seqs = {i.id: r for i, r in zip(items, results, strict=True) if isinstance(r, int)}
-        failed = [i.id for i, r in zip(items, results, strict=True)
-                  if isinstance(r, BaseException)]
         try:
+            # Rows published early exist only once their statement wrote them: wait for it
+            # (it answers within one round trip of the publish), and leave out those it did not.
+            early = [w for w in (self._written.get(i.id) for i in items) if w is not None]
+            if early:
+                await asyncio.wait(early)
+            kept = [(i, r) for i, r in zip(items, results, strict=True)
+                    if i.id not in self._written or self._written[i.id].result()]
+            seqs = {i.id: r for i, r in kept if isinstance(r, int)}
+            failed = [i.id for i, r in kept if isinstance(r, BaseException)]
             if failed:  # first: the relay should not wait for the marks' linger
                 metrics.child(metrics.RELAY_PUBLISH_FAILURES, "direct").inc(len(failed))
                 log.warning("direct publish: %d failed (%r); handed to the relay", len(failed),
@@ -233,6 +263,7 @@ class DirectPublisher:
         finally:
             for item in items:
                 self._claimed.pop(item.id, None)
+                self._written.pop(item.id, None)
                 operation = self._operation_of.pop(item.id, None)
                 if operation is not None and self._commands.get(operation) == item.id:
                     del self._commands[operation]

@@ -86,6 +86,9 @@ class LedgerService:
     # the app once NATS is connected. Without it every command goes through the relay.
     publisher: DirectPublisher | None = None
     direct_lease_s: float = 10.0
+    # An intent alone hands its command to the publisher before its statement is sent, not
+    # after its commit (docs/design.md, "A command published with its commit").
+    publish_with_commit: bool = True
     # Submit-and-wait: signalled after each commit that moves an operation (waiters.py).
     waiters: Waiters = field(init=False)
     wait_recheck_s: float = 2.0
@@ -148,6 +151,8 @@ class LedgerService:
         # The request's trace context, kept in the outbox row for whoever publishes it.
         traceparent = tracing.current_traceparent()
         direct = self.publisher is not None and self.direct_lease_s > 0
+        early = (self.publisher.early if self.publisher is not None and direct
+                 and self.publish_with_commit else None)
         for _ in range(3):
             now = self.clock()
             try:
@@ -155,7 +160,7 @@ class LedgerService:
                     catalog=self.catalog, intent=intent, subjects=self.subjects,
                     operation_id=self.ids(), outbox_id=self.ids(), now=now, actor=actor,
                     lease_until=now + timedelta(seconds=self.direct_lease_s) if direct else None,
-                    traceparent=traceparent))
+                    traceparent=traceparent, early=early))
             except IntegrityError:
                 # Two submissions with the same key raced; the loser retries and finds the
                 # winner's operation (same arguments) or a conflict (different arguments).
@@ -163,8 +168,9 @@ class LedgerService:
             if result.created:
                 crash_point("ledger.after_intent_commit")
                 if result.command is not None and self.publisher is not None:
-                    self.publisher.submit(result.command, operation=(
-                        result.operation["id"], result.operation["epoch"]))
+                    if not result.published:  # else handed over with its statement (early)
+                        self.publisher.submit(result.command, operation=(
+                            result.operation["id"], result.operation["epoch"]))
                 else:
                     self.outbox_wake.set()
             return result

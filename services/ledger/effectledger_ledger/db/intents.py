@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar, NamedTuple
@@ -12,6 +13,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from effectledger_core.catalog import Catalog, Tool
+from effectledger_core.crash import crash_point
 from effectledger_core.errors import EffectLedgerError, IdempotencyConflict
 from effectledger_core.identical import call_identity, joins
 from effectledger_core.ids import operation_key as derive_operation_key
@@ -37,6 +39,8 @@ class Submitted:
     # The dispatch command, leased to this ledger for publishing right after the commit
     # (only when the caller asked for a lease, see `lease_until`).
     command: OutboxItem | None = None
+    # Whether `command` was already handed to `SubmitCall.early` (published with the commit).
+    published: bool = False
 
 
 # Built once (see common._LOCK_WITH_ATTEMPTS).
@@ -274,14 +278,27 @@ async def _created_alone(conn: AsyncConnection, kw: SubmitCall) -> Submitted | N
     params = {**{f"op_{k}": v for k, v in new.columns.items()},
               **{f"j_{k}": v for k, v in new.entry.items()},
               **{f"o_{k}": new.command_row[k] for k in _COMMAND_COLUMNS}}
-    written = bool(await hot.fetch(conn, _NEW_ALONE, params, lockless=True, once=True))
+    # Published with the commit, not after it (docs/design.md, "A command published with its
+    # commit"): the publisher sends it while this statement runs, and marks its row only once
+    # `settle` says the statement wrote it.
+    settle = (kw.early(new.command, (new.op.id, new.op.epoch))
+              if kw.early is not None and new.command is not None else None)
+    try:
+        written = bool(await hot.fetch(conn, _NEW_ALONE, params, lockless=True, once=True))
+    except BaseException:
+        if settle is not None:
+            settle(False)  # nothing to mark; had it committed, its lease hands it to the relay
+        raise
+    if settle is not None:
+        crash_point("ledger.intent.after_early_publish")
+        settle(written)
     metrics.child(metrics.DB_ALONE, "intent", "written" if written else "declined").inc()
     if not written:
         return None  # the key or the call identity is taken: read it
     note_transitions(conn, [new.entry])
     if new.command is None:
         await notify_outbox(conn)  # left to the relays
-    return new.submitted
+    return dataclasses.replace(new.submitted, published=settle is not None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,6 +318,9 @@ class SubmitCall(BatchCall[Submitted]):
     lease_until: datetime | None = None
     # The request's W3C trace context, kept in the dispatch command's outbox row.
     traceparent: str | None = None
+    # Hands a new operation's command to the direct publisher before the one statement that
+    # writes it is sent (an intent alone only); returns what to call with whether it wrote.
+    early: Callable[[OutboxItem, tuple[str, int]], Callable[[bool], None]] | None = None
 
     @classmethod
     async def many(cls, conn: AsyncConnection, calls: Sequence[SubmitCall]
