@@ -7,7 +7,7 @@ import pytest
 from effectledger_core.messages import ClaimReply, ClaimStatus
 from effectledger_dispatcher.decision import (
     LOST_GRACE_S,
-    NOT_FOUND_RETRY_S,
+    NOT_FOUND_RETRIES_S,
     Ack,
     Attempt,
     DeclareLost,
@@ -39,7 +39,7 @@ def test_no_claim_reply_naks_with_a_doubling_capped_delay(deliveries: int, delay
 @pytest.mark.parametrize("status", [ClaimStatus.STALE_EPOCH, ClaimStatus.NOT_CLAIMABLE,
                                     ClaimStatus.NOT_FOUND, ClaimStatus.COMMAND_MISMATCH])
 def test_a_refused_claim_is_acked_without_a_call(status: ClaimStatus) -> None:
-    assert decide(reply(status), attempt_id="a", deliveries=2, tool_timeout_s=TIMEOUT_S) \
+    assert decide(reply(status), attempt_id="a", deliveries=3, tool_timeout_s=TIMEOUT_S) \
         == Ack("stale")
 
 
@@ -50,12 +50,14 @@ def test_a_refusal_on_a_first_delivery_is_acked_too(status: ClaimStatus) -> None
         == Ack("stale")
 
 
-def test_not_found_on_a_first_delivery_is_asked_once_more_shortly() -> None:
+def test_not_found_is_asked_again_shortly_twice_then_dropped() -> None:
     """The command travels with its intent's commit: a replica that does not see the commit
-    yet answers not found, and the command comes back shortly; a second not found drops it."""
-    assert decide(reply(ClaimStatus.NOT_FOUND), attempt_id="a", deliveries=1,
-                  tool_timeout_s=TIMEOUT_S) == Nak(NOT_FOUND_RETRY_S, "not_found_yet")
-    assert NOT_FOUND_RETRY_S < 1.0  # a race of one commit, not a backoff
+    yet answers not found, and the command comes back shortly (later the second time, past a
+    stalled WAL flush); a third not found drops it."""
+    steps = [decide(reply(ClaimStatus.NOT_FOUND), attempt_id="a", deliveries=n,
+                    tool_timeout_s=TIMEOUT_S) for n in (1, 2, 3)]
+    assert steps == [Nak(0.02, "not_found_yet"), Nak(0.25, "not_found_yet"), Ack("stale")]
+    assert NOT_FOUND_RETRIES_S == (0.02, 0.25)
 
 
 def test_a_duplicate_of_a_finished_attempt_is_acked() -> None:

@@ -8,18 +8,20 @@
 | already claimed, outcome recorded                 | `Ack` (a duplicate of a finished attempt)  |
 | already claimed, claimer may still be mid-call    | `Nak` until its call must have ended       |
 | already claimed, claimer overdue                  | `DeclareLost` (ambiguous; never a call)    |
-| not found, first delivery                         | `Nak` once, shortly (see below)            |
+| not found, first or second delivery               | `Nak`, shortly (see below)                 |
 | stale epoch, not claimable, not found, mismatch   | `Ack` (the ledger journaled the refusal)   |
 
 "Mid-call" is judged by the tool's timeout plus `LOST_GRACE_S`: a duplicate delivery (a sweeper
 republish, a redelivery) while the claimer may still be calling the provider comes back once
 that call must have ended, rather than declaring a live attempt lost.
 
-"Not found" once, on a first delivery: the ledger publishes an agent's command with its intent's
-commit, not after it (docs/design.md, "A command published with its commit"), so a claim can
-reach a ledger replica that does not see that commit yet. The command comes back after
-`NOT_FOUND_RETRY_S`; not found again, it is a command whose intent was never written (its
-statement found the key taken, or failed) and is dropped, with nothing sent.
+"Not found" on a first or second delivery: the ledger publishes an agent's command with its
+intent's commit, not after it (docs/design.md, "A command published with its commit"), so a
+claim can reach a ledger replica that does not see that commit yet (a commit normally lands
+within a millisecond of the claim's arrival, a WAL flush that stalls within tens). The command
+comes back after `NOT_FOUND_RETRIES_S[delivery - 1]`; not found a third time, it is a command
+whose intent was never written (its statement found the key taken, or failed) and is dropped,
+with nothing sent.
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ UNANSWERED_BASE_S = 1.0
 UNANSWERED_CAP_S = 10.0
 # Past the claimer's patience, a little slack so the nak does not land right at the boundary.
 PATIENCE_SLACK_S = 0.5
-# A command whose operation a claim did not find, on its first delivery: asked again this much
-# later (its intent's commit may not have been visible to the ledger that answered).
-NOT_FOUND_RETRY_S = 0.25
+# A command whose operation a claim did not find: asked again this much later, by delivery
+# (its intent's commit may not have been visible to the ledger that answered), then dropped.
+NOT_FOUND_RETRIES_S = (0.02, 0.25)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,8 +93,8 @@ def decide(reply: ClaimReply | None, *, attempt_id: str, deliveries: int,
             # which finds nothing sent. Calling would run a command the ledger never accepted.
             return Ack("command_mismatch")
         return Attempt(reply.attempt_id or attempt_id)
-    if reply.status is ClaimStatus.NOT_FOUND and deliveries <= 1:
-        return Nak(NOT_FOUND_RETRY_S, "not_found_yet")
+    if reply.status is ClaimStatus.NOT_FOUND and deliveries <= len(NOT_FOUND_RETRIES_S):
+        return Nak(NOT_FOUND_RETRIES_S[max(deliveries, 1) - 1], "not_found_yet")
     if reply.status is not ClaimStatus.ALREADY_CLAIMED:
         return Ack("stale")
     if skip_claim:
