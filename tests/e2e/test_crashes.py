@@ -156,6 +156,63 @@ async def test_ledger_killed_after_committing_an_intent_still_dispatches_it(
     assert truth["requests"] == 1 and truth["applied"] == 1, truth
 
 
+def _one_statement_intents(c: Cluster) -> None:
+    if c.settings.database_url.startswith("sqlite"):
+        pytest.skip("an intent alone is one statement, published with it, on PostgreSQL only")
+
+
+async def test_ledger_killed_with_the_command_out_and_nothing_marked_still_settles_once(
+        make_cluster: Any) -> None:
+    """The command went out with the intent's statement, the statement committed, and the
+    ledger died before it marked anything (`ledger.intent.after_early_publish`). The claim
+    waits for the restarted ledger; the row keeps its lease until then; one request in the
+    end, and the caller's retry finds the same operation."""
+    c: Cluster = make_cluster(env={**FAST_REDELIVERY, **SHORT_LEASES})
+    _one_statement_intents(c)
+    await c.start_sandbox()
+    await c.start_ledger(crash_points=["ledger.intent.after_early_publish"])
+    await c.start_dispatcher()
+    with pytest.raises(httpx.TransportError):
+        await c.submit("create_ticket", {"title": "early"}, key="early-crash")
+    assert await c.wait_exit("ledger") == KILLED
+
+    await c.start_ledger()
+    again = await c.submit("create_ticket", {"title": "early"}, key="early-crash")
+    assert again.status_code == 200, again.text  # committed before the crash
+    op = again.json()
+    await c.wait_state(op["id"], "succeeded", 60)
+    assert len(await c.list_all()) == 1
+    truth = await c.key_truth(op["operation_key"])
+    assert truth["requests"] == 1 and truth["applied"] == 1, truth
+
+
+async def test_a_retried_keys_command_is_refused_at_its_claim_and_leaves_nothing_behind(
+        make_cluster: Any) -> None:
+    """A retry of a key whose operation exists publishes a command with its statement, which
+    then writes nothing: a command for an operation that was never created. Its claim is not
+    found three times (asked again after 20 ms and 0.25 s), then it is dropped: one request at
+    the provider, nothing left in the dispatch stream."""
+    c: Cluster = make_cluster(env=FAST_REDELIVERY)
+    _one_statement_intents(c)
+    await c.start()
+    op = await c.submit_ok("create_ticket", {"title": "retried"}, key="retried-key")
+    await c.wait_state(op["id"], "succeeded", 30)
+    again = await c.submit("create_ticket", {"title": "retried"}, key="retried-key")
+    assert (again.status_code, again.json()["id"]) == (200, op["id"])
+    dispatch_stream = c.settings.subjects.dispatch_stream
+    assert await c.stream_stored(dispatch_stream) == 2  # the command and the retry's
+
+    async def refused_and_gone() -> bool:
+        metrics = (await c.ledger.get("/metrics")).text
+        return ('effectledger_claims_total{status="not_found"} 3.0' in metrics
+                and await c.stream_messages(dispatch_stream) == 0)
+
+    await wait_until(refused_and_gone, 20, what="the stray refused three times and acked")
+    truth = await c.key_truth(op["operation_key"])
+    assert truth["requests"] == 1 and truth["applied"] == 1, truth
+    assert len(await c.list_all()) == 1
+
+
 async def test_relay_killed_after_publishing_republishes_with_the_same_message_id(
         make_cluster: Any) -> None:
     """Published but never marked: after a restart the lease expires and the row is published
