@@ -44,6 +44,14 @@ def test_bench_agent_measures_and_answers_every_waiter(tmp_path: Path) -> None:
         assert set(budget[path]["hops"]) == hops
         assert all(isinstance(h["p50_ms"], float) for h in budget[path]["hops"].values())
     assert "| outcome_to_answer |" in out.with_suffix(".md").read_text()
+    # The chain's floor: the skeleton ran beside ours, call by call, and its hops are budgeted.
+    skeleton = result["skeleton"]
+    assert "error" not in skeleton, skeleton
+    assert skeleton["n"] == 20 and isinstance(skeleton["skeleton_ms"]["p50"], float), skeleton
+    assert set(skeleton["cpu_ms_per_call"]) == {"ledger", "dispatcher-1", "skeleton-ledger",
+                                                "skeleton-dispatcher"}, skeleton
+    assert budget["skeleton"]["n"] == 20 and set(budget["skeleton"]["hops"]) == hops
+    assert "| ours - skeleton |" in out.with_suffix(".md").read_text()
     waiters = result["waiters"]
     assert waiters["answered_states"] == {"succeeded": 200}, waiters
     assert waiters["still_waiting_after_window"] == 200  # nothing answered before its commit

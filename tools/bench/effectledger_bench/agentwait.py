@@ -178,11 +178,11 @@ async def skeleton_vs_ours(stack: Stack, n: int,
     skeleton = Skeleton(database_url=stack.database_url, nats_url=stack.nats_url,
                         provider_url=stack.sandbox_url, api_key=stack.api_key,
                         port=free_port(), logs=stack.logs, prefix=f"{stack.subject_prefix}skel")
-    await asyncio.to_thread(skeleton.start)
-    pids = {name: stack.services[name].pid for name in ("ledger", "dispatcher-1")}
-    pids.update(skeleton.pids())
     ours, skel = [], []
     try:
+        await asyncio.to_thread(skeleton.start)  # inside: one that fails half-started is stopped
+        pids = {name: stack.services[name].pid for name in ("ledger", "dispatcher-1")}
+        pids.update(skeleton.pids())
         async with AsyncClient(stack.ledger_url, token="") as client, \
                 aiohttp.ClientSession(f"{skeleton.url}") as http:
             async def one(i: int, tag: str) -> tuple[float, float]:
