@@ -222,3 +222,32 @@ async def test_a_command_whose_statement_wrote_nothing_is_refused_at_its_claim(
     [row] = await outbox_rows(store)  # the holder's own row only, untouched by the publisher
     assert (row["id"], row["status"], row["stream_seq"]) == ("ob-holder", "pending", None)
     assert svc.publisher.published == 0 and not svc.publisher._written
+
+
+async def test_a_replay_after_a_statement_that_wrote_nothing_is_published_again_and_marked(
+        store: Store) -> None:
+    """A call's first statement failed after its command went out (nothing to mark), and the
+    retried call writes the row: its command is published again (JetStream would drop the
+    copy) and this time marked, rather than left to the lease's end."""
+    js = FakeJetStream()
+    svc = service(store, js)
+    publisher = svc.publisher
+    assert publisher is not None
+    real_submit = publisher.submit
+    publisher.submit = lambda item, **_: None  # type: ignore[method-assign]
+    try:
+        sub = await svc.submit(SubmitIntent(tool="create_ticket", arguments={"title": "t6"}))
+        publisher.submit = real_submit  # type: ignore[method-assign]
+        assert sub.command is not None
+        operation = (sub.operation["id"], 1)
+        # The first try's statement failed; the retry's wrote the row, before the first
+        # publish was even settled.
+        publisher.early(sub.command, operation)(False)
+        publisher.early(sub.command, operation)(True)
+        async with asyncio.timeout(10):
+            await publisher.drain()
+    finally:
+        await svc.close()
+    [row] = await outbox_rows(store)
+    assert (row["status"], row["stream_seq"]) == ("published", 2)
+    assert len(js.published) == 2 and publisher.published == 1 and not publisher._written

@@ -199,7 +199,9 @@ class DirectPublisher:
         not write: there is no row (the key was taken, or the statement failed). A replay of
         the same call (a retried transaction) publishes nothing twice."""
         known = self._written.get(item.id)
-        if known is None:
+        if known is None or (known.done() and not known.result()):
+            # New, or a replay of a call whose earlier statement wrote nothing (it failed and
+            # is retried): published again, JetStream drops the copy, and this one is marked.
             known = self._written[item.id] = asyncio.get_running_loop().create_future()
             self.submit(item, operation=operation)
 
@@ -233,14 +235,14 @@ class DirectPublisher:
             task.add_done_callback(self._tasks.discard)
 
     async def _settle(self, items: list[OutboxItem], results: list[Any]) -> None:
+        # Rows published early exist only once their statement wrote them: wait for it (it
+        # answers within one round trip of the publish), and leave out those it did not.
+        written = {i.id: w for i in items if (w := self._written.get(i.id)) is not None}
         try:
-            # Rows published early exist only once their statement wrote them: wait for it
-            # (it answers within one round trip of the publish), and leave out those it did not.
-            early = [w for w in (self._written.get(i.id) for i in items) if w is not None]
-            if early:
-                await asyncio.wait(early)
+            if written:
+                await asyncio.wait(written.values())
             kept = [(i, r) for i, r in zip(items, results, strict=True)
-                    if i.id not in self._written or self._written[i.id].result()]
+                    if i.id not in written or written[i.id].result()]
             seqs = {i.id: r for i, r in kept if isinstance(r, int)}
             failed = [i.id for i, r in kept if isinstance(r, BaseException)]
             if failed:  # first: the relay should not wait for the marks' linger
@@ -263,7 +265,8 @@ class DirectPublisher:
         finally:
             for item in items:
                 self._claimed.pop(item.id, None)
-                self._written.pop(item.id, None)
+                if item.id in written and self._written.get(item.id) is written[item.id]:
+                    del self._written[item.id]  # not a replay's, published since
                 operation = self._operation_of.pop(item.id, None)
                 if operation is not None and self._commands.get(operation) == item.id:
                     del self._commands[operation]
