@@ -251,3 +251,30 @@ async def test_a_replay_after_a_statement_that_wrote_nothing_is_published_again_
     [row] = await outbox_rows(store)
     assert (row["status"], row["stream_seq"]) == ("published", 2)
     assert len(js.published) == 2 and publisher.published == 1 and not publisher._written
+
+
+async def test_a_call_taken_over_after_its_statement_wrote_nothing_is_marked_after_its_commit(
+        store: Store) -> None:
+    """The one statement wrote nothing (a call identity was held) and the batch path then
+    wrote the row (it took the identity over), so the service hands the command over again
+    after the commit: that publish is marked like any other."""
+    js = FakeJetStream()
+    svc = service(store, js)
+    publisher = svc.publisher
+    assert publisher is not None
+    real_submit = publisher.submit
+    publisher.submit = lambda item, **_: None  # type: ignore[method-assign]
+    try:
+        sub = await svc.submit(SubmitIntent(tool="create_ticket", arguments={"title": "t7"}))
+        publisher.submit = real_submit  # type: ignore[method-assign]
+        assert sub.command is not None
+        operation = (sub.operation["id"], 1)
+        publisher.early(sub.command, operation)(False)  # the statement wrote nothing
+        publisher.submit(sub.command, operation=operation)  # written by the batch path
+        async with asyncio.timeout(10):
+            await publisher.drain()
+    finally:
+        await svc.close()
+    [row] = await outbox_rows(store)
+    assert (row["status"], row["stream_seq"]) == ("published", 2)
+    assert len(js.published) == 2 and not publisher._written

@@ -184,6 +184,11 @@ class DirectPublisher:
         it spare its mark (see `consumed`)."""
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._work(), name="direct-publisher")
+        early = self._written.get(item.id)
+        if early is not None and early.done() and not early.result():
+            # Handed over early by a statement that wrote nothing, and now written after its
+            # commit (the batch path took the call over): this publish is marked as any other.
+            del self._written[item.id]
         self._outstanding += 1
         self._idle.clear()
         if operation is not None and self.mark_linger_s > 0:
