@@ -202,7 +202,7 @@ class DirectPublisher:
         the function to call with whether that statement wrote the row (True: committed with
         it). Until then nothing is marked or released for it, and nothing at all when it did
         not write: there is no row (the key was taken, or the statement failed). A replay of
-        the same call (a retried transaction) publishes nothing twice."""
+        the same call publishes again only if the earlier try wrote nothing."""
         known = self._written.get(item.id)
         if known is None or (known.done() and not known.result()):
             # New, or a replay of a call whose earlier statement wrote nothing (it failed and
