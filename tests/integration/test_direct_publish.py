@@ -14,7 +14,7 @@ from effectledger_bus.testing import FakeJetStream
 from effectledger_core.messages import ClaimAttempt, ClaimStatus, SubmitIntent
 from effectledger_ledger.db import hot
 from effectledger_ledger.db.intents import submit_intent_txn
-from effectledger_ledger.db.outbox import lease_batch_txn
+from effectledger_ledger.db.outbox import OutboxItem, lease_batch_txn
 from effectledger_ledger.db.schema import operations, outbox
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.relay import DirectPublisher
@@ -149,6 +149,21 @@ async def _holding_the_key(store: Store, key: str, release: asyncio.Event, holdi
                 raise _Rollback
 
 
+async def _submit_while_held(store: Store, svc: LedgerService, js: FakeJetStream, key: str, *,
+                             commit: bool) -> tuple[asyncio.Task[Any], asyncio.Task[None],
+                                                    asyncio.Event]:
+    """Submit `key` while a transaction holds it (`_holding_the_key`), once its command is out:
+    the submit (in its statement), the holder, and the event that lets the holder end."""
+    release, holding = asyncio.Event(), asyncio.Event()
+    holder = asyncio.create_task(_holding_the_key(store, key, release, holding, commit=commit))
+    async with asyncio.timeout(10):
+        await holding.wait()
+        submit = asyncio.create_task(svc.submit(SubmitIntent(
+            tool="create_ticket", arguments={"title": "t"}, idempotency_key=key)))
+        await js.arrived.wait()
+    return submit, holder, release
+
+
 async def _operation_ids(store: Store) -> set[str]:
     async with store.read() as conn:
         return set((await conn.execute(sa.select(operations.c.id))).scalars())
@@ -159,17 +174,11 @@ async def test_an_intent_alone_is_published_before_its_statement_answers(store: 
     test holds on its key): the dispatcher's part of the way runs beside the commit. Its row
     is marked only once the statement wrote it."""
     _postgres_only(store)
-    js, release, holding = FakeJetStream(), asyncio.Event(), asyncio.Event()
+    js = FakeJetStream()
     svc = service(store, js)
     assert svc.publisher is not None
-    holder = asyncio.create_task(_holding_the_key(store, "k-early", release, holding,
-                                                  commit=False))
+    submit, holder, release = await _submit_while_held(store, svc, js, "k-early", commit=False)
     try:
-        async with asyncio.timeout(10):
-            await holding.wait()
-            submit = asyncio.create_task(svc.submit(SubmitIntent(
-                tool="create_ticket", arguments={"title": "t"}, idempotency_key="k-early")))
-            await js.arrived.wait()
         op_id = json.loads(js.payloads[0])["operation_id"]
         assert not submit.done()  # still in its statement...
         assert op_id not in await _operation_ids(store)  # ...which has written nothing yet
@@ -194,17 +203,12 @@ async def test_a_command_whose_statement_wrote_nothing_is_refused_at_its_claim(
     operation that never existed. Nothing is marked or released for it, and its claim is not
     found, so no dispatcher calls anything for it; the caller gets the existing operation."""
     _postgres_only(store)
-    js, release, holding = FakeJetStream(), asyncio.Event(), asyncio.Event()
+    js = FakeJetStream()
     svc = service(store, js)
     assert svc.publisher is not None
-    holder = asyncio.create_task(_holding_the_key(store, "k-taken", release, holding,
-                                                  commit=True))
+    submit, holder, release = await _submit_while_held(store, svc, js, "k-taken", commit=True)
     try:
         async with asyncio.timeout(10):
-            await holding.wait()
-            submit = asyncio.create_task(svc.submit(SubmitIntent(
-                tool="create_ticket", arguments={"title": "t"}, idempotency_key="k-taken")))
-            await js.arrived.wait()
             release.set()  # the holder commits: the statement writes nothing
             sub = await submit
             await holder
@@ -224,6 +228,21 @@ async def test_a_command_whose_statement_wrote_nothing_is_refused_at_its_claim(
     assert svc.publisher.published == 0 and not svc.publisher._written
 
 
+async def _unpublished(svc: LedgerService, title: str) -> tuple[OutboxItem, tuple[str, int]]:
+    """A new intent's command and operation, its row leased and nothing published yet (as when
+    its statement has just been sent)."""
+    publisher = svc.publisher
+    assert publisher is not None
+    real_submit = publisher.submit
+    publisher.submit = lambda item, **_: None  # type: ignore[method-assign]
+    try:
+        sub = await svc.submit(SubmitIntent(tool="create_ticket", arguments={"title": title}))
+    finally:
+        publisher.submit = real_submit  # type: ignore[method-assign]
+    assert sub.command is not None
+    return sub.command, (sub.operation["id"], 1)
+
+
 async def test_a_replay_after_a_statement_that_wrote_nothing_is_published_again_and_marked(
         store: Store) -> None:
     """A call's first statement failed after its command went out (nothing to mark), and the
@@ -233,17 +252,12 @@ async def test_a_replay_after_a_statement_that_wrote_nothing_is_published_again_
     svc = service(store, js)
     publisher = svc.publisher
     assert publisher is not None
-    real_submit = publisher.submit
-    publisher.submit = lambda item, **_: None  # type: ignore[method-assign]
     try:
-        sub = await svc.submit(SubmitIntent(tool="create_ticket", arguments={"title": "t6"}))
-        publisher.submit = real_submit  # type: ignore[method-assign]
-        assert sub.command is not None
-        operation = (sub.operation["id"], 1)
+        command, operation = await _unpublished(svc, "t6")
         # The first try's statement failed; the retry's wrote the row, before the first
         # publish was even settled.
-        publisher.early(sub.command, operation)(False)
-        publisher.early(sub.command, operation)(True)
+        publisher.early(command, operation)(False)
+        publisher.early(command, operation)(True)
         async with asyncio.timeout(10):
             await publisher.drain()
     finally:
@@ -262,15 +276,10 @@ async def test_a_call_taken_over_after_its_statement_wrote_nothing_is_marked_aft
     svc = service(store, js)
     publisher = svc.publisher
     assert publisher is not None
-    real_submit = publisher.submit
-    publisher.submit = lambda item, **_: None  # type: ignore[method-assign]
     try:
-        sub = await svc.submit(SubmitIntent(tool="create_ticket", arguments={"title": "t7"}))
-        publisher.submit = real_submit  # type: ignore[method-assign]
-        assert sub.command is not None
-        operation = (sub.operation["id"], 1)
-        publisher.early(sub.command, operation)(False)  # the statement wrote nothing
-        publisher.submit(sub.command, operation=operation)  # written by the batch path
+        command, operation = await _unpublished(svc, "t7")
+        publisher.early(command, operation)(False)  # the statement wrote nothing
+        publisher.submit(command, operation=operation)  # written by the batch path
         async with asyncio.timeout(10):
             await publisher.drain()
     finally:
