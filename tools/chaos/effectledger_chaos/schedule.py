@@ -30,7 +30,7 @@ TENANT = "default"
 # generator, not the plan's, so adding one leaves every fault a seed's plan already had where
 # it was: a shifted plan is a different run, and one such shift queued a ledger's crash points
 # into the long broker outage, which then saw no ledger restart inside it.
-LATER_CRASH_POINTS = ("dispatcher.after_outcome_request",)
+LATER_CRASH_POINTS = ("dispatcher.after_outcome_request", "ledger.intent.after_early_publish")
 
 
 @dataclass
