@@ -93,3 +93,50 @@ async def test_pause_before_send_arms_at_once_long_after_the_last_outage(
     runner.phase_start = asyncio.get_running_loop().time() - 100.0
     runner.records.append({"kind": "nats_restart", "started_at": 10.0, "ended_at": 20.0})
     await asyncio.wait_for(runner._wait_steady(), 5)  # up for 80 s already: no wait
+
+
+async def test_an_armed_point_nothing_can_reach_is_disarmed_once_all_is_quiet(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workload over and every operation at rest: the point is given up after the calm,
+    not after the whole window (which would have held the process for ARMED_TIMEOUT_S)."""
+    monkeypatch.setattr(faults, "QUIET_CALM_S", 0.3)
+    monkeypatch.setattr(faults, "QUIET_POLL_S", 0.05)
+    looks: list[float] = []
+
+    async def quiet() -> bool:
+        looks.append(time.monotonic())
+        return True
+
+    runner = FaultRunner(cast(Stack, FakeStack()), cast(Schedule, None), log=lambda _m: None,
+                         quiet=quiet)
+    runner.phase_start = asyncio.get_running_loop().time() - 100.0
+    service = FakeService(runner, dies_at=runner.now() + 1000.0)
+    rec: dict[str, Any] = {"armed_listening_at": runner.now()}
+    started = time.monotonic()
+    assert not await asyncio.wait_for(runner._wait_armed(cast(Any, service), rec), 5)
+    assert rec["not_reached"] == "nothing left to reach it"
+    assert 0.3 <= time.monotonic() - started < faults.ARMED_TIMEOUT_S
+    assert looks[-1] - looks[0] >= 0.3  # quiet at every look for the whole calm
+
+
+async def test_traffic_between_quiet_looks_starts_the_calm_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One look that finds work in flight: the calm counts from the next quiet look, and a
+    process that reaches its point meanwhile is a hit."""
+    monkeypatch.setattr(faults, "QUIET_CALM_S", 0.25)
+    monkeypatch.setattr(faults, "QUIET_POLL_S", 0.05)
+    answers = iter([True, True, False])  # then quiet again
+
+    async def quiet() -> bool:
+        return next(answers, True)
+
+    runner = FaultRunner(cast(Stack, FakeStack()), cast(Schedule, None), log=lambda _m: None,
+                         quiet=quiet)
+    runner.phase_start = asyncio.get_running_loop().time() - 100.0
+    # Looks about every 0.1 s. Dies 0.45 s from now: a calm counted from the first look would
+    # have given the point up at the fourth (~0.4 s); counted again from it, the death comes
+    # first.
+    service = FakeService(runner, dies_at=runner.now() + 0.45)
+    rec: dict[str, Any] = {"armed_listening_at": runner.now()}
+    assert await asyncio.wait_for(runner._wait_armed(cast(Any, service), rec), 5)
+    assert "not_reached" not in rec

@@ -30,6 +30,14 @@ from .stack import Stack
 
 ARMED_TIMEOUT_S = 10.0  # an armed crash point not reached by then is disarmed (and recorded)
 ARMED_CAP_S = 240.0  # ... however long outages keep it from being reached
+# ... or sooner, once nothing is left that could reach it (`FaultRunner.quiet`: the workload has
+# submitted everything, every operation is at rest, nothing waits in the outbox or the streams)
+# and that has held this long. Every point in crash.KNOWN is on an operation's path, so none can
+# be reached then: faults queued on one process are armed late, and waiting out the window only
+# was over, 10 s each). The calm is the quiet period's (runner.py): late webhooks, duplicate
+# deliveries and sweeps show up within it.
+QUIET_CALM_S = 3.0
+QUIET_POLL_S = 0.5
 # `pause_before_send` arms only after the broker and the database have been up this long
 # (`FaultRunner._wait_steady`), waiting at most the cap.
 STEADY_S = 2.0
@@ -45,11 +53,35 @@ RESCHEDULE_CAP_S = 300.0
 RESCHEDULED = frozenset({"stream_delete"})
 
 
+class _Calm:
+    """Whether `quiet` has said yes at every look for QUIET_CALM_S (looked at every
+    QUIET_POLL_S at most; never, without `quiet`)."""
+
+    def __init__(self, quiet: Callable[[], Awaitable[bool]] | None) -> None:
+        self.quiet = quiet
+        self.since: float | None = None
+        self.next_look = 0.0
+
+    async def held(self) -> bool:
+        now = time.monotonic()
+        if self.quiet is None or now < self.next_look:
+            return False
+        self.next_look = now + QUIET_POLL_S
+        if not await self.quiet():
+            self.since = None
+            return False
+        if self.since is None:
+            self.since = now
+        return now - self.since >= QUIET_CALM_S
+
+
 class FaultRunner:
     def __init__(self, stack: Stack, schedule: Schedule, log: Callable[[str], None],
                  bad_input: Callable[[], Awaitable[dict[str, Any]]] | None = None,
-                 attack: Callable[[], Awaitable[dict[str, Any]]] | None = None) -> None:
+                 attack: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+                 quiet: Callable[[], Awaitable[bool]] | None = None) -> None:
         self.stack = stack
+        self.quiet = quiet
         self.attack = attack
         self.schedule = schedule
         self.log = log
@@ -128,6 +160,7 @@ class FaultRunner:
         held failed after it (the time it was found dead is up to a poll later).
         """
         left, cap = ARMED_TIMEOUT_S, time.monotonic() + ARMED_CAP_S
+        calm = _Calm(self.quiet)
         # Dead at the first look: last seen alive when it listened (or now, if it never did).
         rec["died_at"] = rec.get("armed_listening_at", self.now())
         while time.monotonic() < cap:
@@ -143,6 +176,9 @@ class FaultRunner:
                 left -= 0.1
                 if left <= 0:
                     return False
+            if await calm.held():
+                rec["not_reached"] = "nothing left to reach it"
+                return False
         return False
 
     # -- processes ------------------------------------------------------------------------
@@ -228,7 +264,9 @@ class FaultRunner:
                 await self._note_listening(s, rec)
             finally:
                 s.held_down = False
-        self.log(f"fault: crash point {armed} on {f.target}: {'hit' if hit else 'not reached'}")
+        why = f" ({rec['not_reached']})" if "not_reached" in rec else ""
+        self.log(f"fault: crash point {armed} on {f.target}: "
+                 f"{'hit' if hit else 'not reached' + why}")
         return {"armed": armed, "hit": hit, "exit_code": code}
 
     async def _pause_before_send(self, f: TimedFault, rec: dict[str, Any]) -> dict[str, Any]:

@@ -95,6 +95,8 @@ class Run:
         faults.acked_by = workload.acked_by  # shared: filled as intents are acknowledged
         monitor = asyncio.create_task(self._monitor(stack, workload, faults, phase_start))
         work = asyncio.create_task(workload.run(phase_start))
+        # An armed crash point that nothing is left to reach is disarmed at once (faults.py).
+        faults.quiet = lambda: self._at_rest(stack, work)
         try:
             settled, quiet_start, quiet_end = await self._phases(
                 stack, faults, work, phase_start, quiet_deadline)
@@ -198,21 +200,27 @@ class Run:
             await asyncio.wait_for(tap["nc"].close(), 5)
         return {"messages": tap["messages"], "hits": tap["hits"]}
 
+    @staticmethod
+    async def _at_rest(stack: Stack, work: asyncio.Task[None]) -> bool:
+        """The workload is over, every operation is at rest and nothing is left in flight
+        (no outbox row, no message in a stream); False when that cannot be read."""
+        if not work.done():
+            return False
+        try:
+            counts = await collect.state_counts(stack.db_direct)
+            left = await collect.backlog(stack.db_direct)
+            js = await collect.read_jetstream(stack.nats_direct)
+        except Exception:
+            return False
+        queued = sum(s.get("messages", 0) for s in js.values())
+        active = sum(n for s, n in counts.items() if s not in collect.AT_REST)
+        return active == 0 and not left and queued == 0
+
     async def _quiet(self, stack: Stack, work: asyncio.Task[None], deadline: float) -> bool:
         """Wait until every operation is at rest and nothing is left in flight."""
         calm_since: float | None = None
         while time.monotonic() < deadline:
-            try:
-                counts = await collect.state_counts(stack.db_direct)
-                left = await collect.backlog(stack.db_direct)
-                js = await collect.read_jetstream(stack.nats_direct)
-                queued = sum(s.get("messages", 0) for s in js.values())
-            except Exception:
-                calm_since = None
-                await asyncio.sleep(1.0)
-                continue
-            active = sum(n for s, n in counts.items() if s not in collect.AT_REST)
-            if active == 0 and not left and queued == 0 and work.done():
+            if await self._at_rest(stack, work):
                 calm_since = calm_since or time.monotonic()
                 # A short calm: late webhooks, duplicate deliveries and sweeps show up here.
                 if time.monotonic() - calm_since >= 3.0:
