@@ -33,7 +33,8 @@ ARMED_CAP_S = 240.0  # ... however long outages keep it from being reached
 # ... or sooner, once nothing is left that could reach it (`FaultRunner.quiet`: the workload has
 # submitted everything, every operation is at rest, nothing waits in the outbox or the streams)
 # and that has held this long. Every point in crash.KNOWN is on an operation's path, so none can
-# be reached then: faults queued on one process are armed late, and waiting out the window only
+# be reached then. Faults queued on one process are armed late, and waiting out the window only
+# made the run longer (9 of the 30 points of the three CI seeds were armed after the workload
 # was over, 10 s each). The calm is the quiet period's (runner.py): late webhooks, duplicate
 # deliveries and sweeps show up within it.
 QUIET_CALM_S = 3.0

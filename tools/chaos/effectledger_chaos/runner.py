@@ -27,7 +27,7 @@ from . import checker, collect, report
 from .attacker import Attacker
 from .badinput import BadInput
 from .config import ChaosConfig
-from .faults import FaultRunner
+from .faults import QUIET_CALM_S, FaultRunner
 from .schedule import Schedule, build
 from .stack import SUBJECT_PREFIX, Stack
 from .workload import History, Workload, webhook_faults
@@ -95,7 +95,8 @@ class Run:
         faults.acked_by = workload.acked_by  # shared: filled as intents are acknowledged
         monitor = asyncio.create_task(self._monitor(stack, workload, faults, phase_start))
         work = asyncio.create_task(workload.run(phase_start))
-        # An armed crash point that nothing is left to reach is disarmed at once (faults.py).
+        # An armed crash point that nothing is left to reach is given up after a calm
+        # (faults.py), not its whole window.
         faults.quiet = lambda: self._at_rest(stack, work)
         try:
             settled, quiet_start, quiet_end = await self._phases(
@@ -223,7 +224,7 @@ class Run:
             if await self._at_rest(stack, work):
                 calm_since = calm_since or time.monotonic()
                 # A short calm: late webhooks, duplicate deliveries and sweeps show up here.
-                if time.monotonic() - calm_since >= 3.0:
+                if time.monotonic() - calm_since >= QUIET_CALM_S:
                     return True
             else:
                 calm_since = None
