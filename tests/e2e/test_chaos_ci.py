@@ -80,17 +80,21 @@ def test_every_fault_kind_was_injected(reports: dict[int, dict[str, Any]], seed:
     # A webhook delivery fault waits for its operation's applied effect. When other faults
     # sent every one of its operations to review before any request (the provider's own
     # truth shows no effect for any of them), it had nothing to act on: excused here, once
-    # the truth proves it, and the test below wants it injected in another seed.
+    # the truth proves it, and the test below wants it injected in another seed. The same for
+    # `pause_before_send` when the database shows too few claims of its tool reached it.
     excused = set(reports[seed]["faults_never_triggered"])
     missing = [k for k in active
                if injected.get(k, {}).get("injected", 0) < 1 and k not in excused]
     assert not missing, {k: injected.get(k) for k in missing}
 
 
-def test_every_webhook_delivery_fault_was_injected_in_some_seed(
+def test_every_excusable_fault_was_injected_in_some_seed(
         reports: dict[int, dict[str, Any]]) -> None:
-    """The excuse above never covers a kind in every seed: each delivery fault fired somewhere."""
-    for kind in DELIVERY_FAULTS:
+    """The excuse above never covers a kind in every seed: each delivery fault fired somewhere,
+    and so did `pause_before_send` (excused in a seed only when its armed dispatcher claimed
+    fewer attempts of its tool than its hit count: on a quick machine the workload can be over
+    before the faults queued ahead of it on that dispatcher are)."""
+    for kind in (*DELIVERY_FAULTS, "pause_before_send"):
         fired = {seed: r["faults_injected"].get(kind, {}) for seed, r in reports.items()}
         assert any(f.get("injected", 0) >= 1 for f in fired.values()), (kind, fired)
 

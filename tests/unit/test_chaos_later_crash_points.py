@@ -17,11 +17,13 @@ def _plan(seed: int) -> list[tuple[float, str, str, dict[str, Any]]]:
     return [(f.at, f.kind, f.target, f.params) for f in schedule.build(cfg).timed]
 
 
-# The crash points the seeds' plans were settled with; every point added since is a later one.
+# The crash points the seeds' plans were settled with (round seventeen's plans, which CI has
+# passed since); every point added after them is a later one.
 SETTLED = frozenset({
     "dispatcher.after_claim", "dispatcher.before_call", "dispatcher.after_response",
     "dispatcher.after_outcome_publish", "ledger.after_intent_commit",
-    "ledger.relay.after_publish", "ledger.inbox.after_commit"})
+    "ledger.intent.after_early_publish", "ledger.relay.after_publish",
+    "ledger.inbox.after_commit"})
 
 
 def test_a_crash_point_added_to_the_code_is_a_later_one() -> None:

@@ -7,7 +7,7 @@ what is stored, not what a service chooses to report.
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,20 @@ async def db_rows(url: str, sql: str, *, parse: bool = True,
 async def state_counts(url: str) -> dict[str, int]:
     rows = await db_rows(url, "SELECT state, count(*) AS n FROM operations GROUP BY state")
     return {r["state"]: int(r["n"]) for r in rows}
+
+
+async def claims_by(url: str, dispatcher_id: str, tool: str) -> list[datetime]:
+    """When each attempt of `tool` claimed by `dispatcher_id` was claimed (UTC)."""
+    rows = await db_rows(url, "SELECT a.claimed_at FROM attempts a JOIN operations o "
+                              "ON o.id = a.operation_id WHERE a.dispatcher_id = :d "
+                              "AND o.tool = :t", d=dispatcher_id, t=tool)
+    return [_utc(r["claimed_at"]) for r in rows]
+
+
+def _utc(value: Any) -> datetime:
+    """A timestamp read without the ledger's column type: an ISO string (naive on SQLite)."""
+    at = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 async def backlog(url: str) -> dict[str, int]:

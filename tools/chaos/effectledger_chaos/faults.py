@@ -14,6 +14,7 @@ import contextlib
 import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -22,6 +23,7 @@ from nats.js.errors import NotFoundError
 from sqlalchemy.ext.asyncio import create_async_engine
 from sqlalchemy.pool import NullPool
 
+from . import collect
 from .config import SYNTHETIC_AFTER_SEND
 from .natsconn import connect_quiet
 from .procs import Service, process_stopped
@@ -285,6 +287,7 @@ class FaultRunner:
             try:
                 s.signal(signal.SIGKILL, "fault:pause_before_send_arm")
                 await self._wait_dead(s)
+                armed_from = datetime.now(UTC)
                 s.start(crash_points=armed)
                 hit = await self._wait_stopped(s)
                 if hit:
@@ -297,12 +300,26 @@ class FaultRunner:
                     # period, so it is replaced by an unarmed one.
                     s.signal(signal.SIGKILL, "fault:pause_before_send_disarm")
                     await self._wait_dead(s)
+                    claims = await self._claims_since(f.target, f.params["tool"], armed_from)
                     s.start()
             finally:
                 s.held_down = False
         self.log(f"fault: {armed} on {f.target}: "
-                 f"{'stopped ' + str(f.params['seconds']) + 's' if hit else 'not reached'}")
-        return {"armed": armed, "hit": hit}
+                 f"{'stopped ' + str(f.params['seconds']) + 's' if hit else 'not reached'}"
+                 + ("" if hit else f" ({claims} claim(s) of its tool while armed)"))
+        return {"armed": armed, "hit": hit} if hit else {
+            "armed": armed, "hit": hit, "claims_while_armed": claims}
+
+    async def _claims_since(self, dispatcher: str, tool: str, since: datetime) -> int | None:
+        """How many attempts of `tool` `dispatcher` claimed since `since` (its armed process
+        was started then and is dead now); None if the database could not say. Fewer than
+        the point's hit count: nothing reached the point, so the injector is not at fault
+        (metrics.injected counts the fault `untriggered`)."""
+        try:
+            claimed = await collect.claims_by(self.stack.db_direct, dispatcher, tool)
+        except Exception:
+            return None
+        return sum(1 for at in claimed if at >= since)
 
     async def _wait_steady(self) -> None:
         """Until the broker and the database have been up for `STEADY_S` (at most

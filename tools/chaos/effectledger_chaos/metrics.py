@@ -134,7 +134,9 @@ def injected(schedule: Schedule, records: list[dict[str, Any]],
     `untriggered`, the planned operations whose effect the provider never applied (`truth`,
     by key). Such an operation never got the webhook its fault waits for: other faults
     (a dispatcher stopped holding its claim, say) sent it to review before any request, so
-    "armed, never fired" there says nothing against the injector."""
+    "armed, never fired" there says nothing against the injector. `pause_before_send` is
+    `untriggered` when its armed dispatcher claimed fewer attempts of its tool than the
+    point's hit count."""
     out: dict[str, dict[str, int]] = defaultdict(lambda: {"planned": 0, "injected": 0})
     for kind, n in schedule.planned_counts().items():
         out[kind]["planned"] = n
@@ -144,6 +146,14 @@ def injected(schedule: Schedule, records: list[dict[str, Any]],
             and res.get("deleted", True) is not False and not res.get("skipped")
         if ok:
             out[r["kind"]]["injected"] += 1
+        elif r["kind"] == "pause_before_send":
+            # Armed, and fewer claims of its tool reached its dispatcher than its hit count
+            # (a workload over by then): nothing could stop there, which says nothing
+            # against the injector. Counted only with the database's word for it.
+            out[r["kind"]].setdefault("untriggered", 0)
+            seen = res.get("claims_while_armed")
+            if seen is not None and seen < r["params"]["nth"]:
+                out[r["kind"]]["untriggered"] += 1
     # Per-operation provider faults: how many fired in the sandbox (times consumed).
     kind_of = {}
     for op in schedule.ops:

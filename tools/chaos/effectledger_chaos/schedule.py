@@ -30,7 +30,11 @@ TENANT = "default"
 # generator, not the plan's, so adding one leaves every fault a seed's plan already had where
 # it was: a shifted plan is a different run, and one such shift queued a ledger's crash points
 # into the long broker outage, which then saw no ledger restart inside it.
-LATER_CRASH_POINTS = ("dispatcher.after_outcome_request", "ledger.intent.after_early_publish")
+# `ledger.intent.after_early_publish` (round seventeen) was drawn from the plan's generator, and
+# the plans it shifted are the ones CI has passed since: they are the settled ones now. Drawn as
+# a later point instead (round sixteen's plans back), seed 1 armed it first on the ledger, 7 s
+# in, where the long outage held it, and the kill planned inside the outage ran after it.
+LATER_CRASH_POINTS = ("dispatcher.after_outcome_request",)
 
 
 @dataclass
