@@ -56,9 +56,10 @@ RESCHEDULE_CAP_S = 300.0
 RESCHEDULED = frozenset({"stream_delete"})
 
 
-class _Calm:
+class Calm:
     """Whether `quiet` has said yes at every look for QUIET_CALM_S (looked at every
-    QUIET_POLL_S at most; never, without `quiet`)."""
+    QUIET_POLL_S at most; never, without `quiet`). An armed crash point's wait and the run's
+    quiet period (runner.py) both end on it."""
 
     def __init__(self, quiet: Callable[[], Awaitable[bool]] | None) -> None:
         self.quiet = quiet
@@ -163,7 +164,7 @@ class FaultRunner:
         held failed after it (the time it was found dead is up to a poll later).
         """
         left, cap = ARMED_TIMEOUT_S, time.monotonic() + ARMED_CAP_S
-        calm = _Calm(self.quiet)
+        calm = Calm(self.quiet)
         # Dead at the first look: last seen alive when it listened (or now, if it never did).
         rec["died_at"] = rec.get("armed_listening_at", self.now())
         while time.monotonic() < cap:

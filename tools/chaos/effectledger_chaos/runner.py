@@ -27,7 +27,7 @@ from . import checker, collect, report
 from .attacker import Attacker
 from .badinput import BadInput
 from .config import ChaosConfig
-from .faults import QUIET_CALM_S, FaultRunner
+from .faults import Calm, FaultRunner
 from .schedule import Schedule, build
 from .stack import SUBJECT_PREFIX, Stack
 from .workload import History, Workload, webhook_faults
@@ -219,15 +219,11 @@ class Run:
 
     async def _quiet(self, stack: Stack, work: asyncio.Task[None], deadline: float) -> bool:
         """Wait until every operation is at rest and nothing is left in flight."""
-        calm_since: float | None = None
+        # A short calm: late webhooks, duplicate deliveries and sweeps show up within it.
+        calm = Calm(lambda: self._at_rest(stack, work))
         while time.monotonic() < deadline:
-            if await self._at_rest(stack, work):
-                calm_since = calm_since or time.monotonic()
-                # A short calm: late webhooks, duplicate deliveries and sweeps show up here.
-                if time.monotonic() - calm_since >= QUIET_CALM_S:
-                    return True
-            else:
-                calm_since = None
+            if await calm.held():
+                return True
             await asyncio.sleep(1.0)  # polling the database and the broker
         return False
 
