@@ -65,3 +65,11 @@ def test_bench_quick_check_finds_no_lost_or_duplicated_effect(tmp_path: Path) ->
             assert all(isinstance(stages[s]["p50"], float) for s in
                        ("accepted_to_claimed", "claimed_to_outcome", "outcome_to_recorded")), phase
     assert "accepted → claimed" in (out / "report.md").read_text()
+    # pgbench replayed one operation's SQL at the half phase's rate: the tail's floor, with a
+    # latency for every transaction it ran (not a speed: that there is one, at that rate).
+    (half,) = [p for p in results["phases"] if p["scenario"] == "half"]
+    (paced,) = [p for p in results["peers"] if p["peer"] == "pgbench_paced"]
+    assert "error" not in paced, paced
+    assert paced["rate"] == half["params"]["rate"] and paced["transactions"] > 0, paced
+    assert paced["failed"] == 0 and paced["latency_ms"]["p99"] > 0, paced
+    assert "paced at the half rate" in (out / "report.md").read_text()

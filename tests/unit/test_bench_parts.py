@@ -211,6 +211,33 @@ def test_report_renders_targets_and_tables(tmp_path: Path) -> None:
     assert "Not measured: dbos_direct: not installed" in text
 
 
+def test_paced_pgbench_log_gives_each_transactions_latency_from_its_schedule() -> None:
+    """pgbench's `-R` log counts `time` from the scheduled start, lag included: the lag is not
+    added twice, and a failed or skipped transaction is counted, not read as a latency."""
+    from effectledger_bench.peers import paced_latencies
+
+    log = ["0 1 3919 0 1796656924 223189 96", "1 1 1595 0 1796656924 223214 95",
+           "2 1 skipped 0 1796656924 244415 93", "3 1 failed 0 1796656924 254225 118",
+           "", "short line"]
+    lat, lag, failed = paced_latencies(log)
+    assert lat == [3.919, 1.595] and lag == [0.096, 0.095] and failed == 2
+
+
+def test_report_puts_the_paced_pgbench_floor_beside_the_half_rate_tail(tmp_path: Path) -> None:
+    half = {"scenario": "half", "params": {"rate": 100.0}, "ops_per_s": 100.0,
+            "latency_ms": {"p50": 9.0, "p99": 60.0}}
+    paced = [{"peer": "pgbench_paced", "rep": r, "rate": 100.0, "ops_per_s": 99.0,
+              "latency_ms": {"p50": 4.0 + r, "p99": 40.0 + 10 * r}} for r in range(3)]
+    results = {"phases": [half, {**half, "scenario": "max"}],
+               "peers": [*paced, {"peer": "pgbench_paced", "rep": 3, "error": "no pgbench"}]}
+    rows = {r[0].split(",")[0]: r for r in targets(results)}
+    floor = rows["the floor under it: pgbench replaying one operation's SQL at the same rate"]
+    assert floor[1] == "50.0 (40.0-60.0) ms (5.0 (4.0-6.0) ms)" and floor[2] == "n/a"
+    text = render(results, tmp_path)
+    assert "pgbench: one operation's SQL paced at the half rate (100.0/s, rep 2) | 99.0" in text
+    assert "pgbench_paced: no pgbench" in text
+
+
 def test_proc_sampling_reads_this_process() -> None:
     """CPU seconds grow with work; peak RSS is at least the current RSS; gone pids give None."""
     import os
@@ -373,3 +400,28 @@ def test_report_puts_wakeups_beside_the_probe(tmp_path: Path) -> None:
     assert "| max | 1 | n/a | n/a | n/a | 0.42 | n/a | n/a |" in preempted
     failed = render({"phases": [phase], "wakeup_cost": {"error": "no fork"}}, tmp_path)
     assert "Wake-up probe failed: no fork" in failed
+
+
+def test_run_queue_wait_counts_the_time_a_process_waited_for_a_cpu() -> None:
+    """Two processes that each need 0.2 s of CPU, pinned to one core: while one runs the other
+    waits, so their run-queue waits add up to about 0.2 s. A process that is gone reads 0."""
+    import os
+    import subprocess
+    import sys
+
+    from effectledger_bench.procs import _runq_wait
+
+    if not os.path.exists("/proc/self/schedstat") or not hasattr(os, "sched_setaffinity"):
+        pytest.skip("the kernel keeps no scheduler statistics here")
+    cpu = min(os.sched_getaffinity(0))
+    child = ("import os, time\n"
+             "from effectledger_bench.procs import _runq_wait\n"
+             "t = time.process_time()\n"
+             "while time.process_time() - t < 0.2: pass\n"
+             "print(_runq_wait(os.getpid()))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+             for _ in range(2)]
+    waits = [float(p.communicate(timeout=30)[0]) for p in procs]
+    assert sum(waits) > 0.1, waits
+    assert _runq_wait(2**22 + 12345) == 0.0

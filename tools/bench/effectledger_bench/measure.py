@@ -71,7 +71,8 @@ def slowest(rows: list[dict[str, datetime | None]], share: float = 0.01) -> dict
     """The tail's evidence: of the slowest `share` of operations (accepted to recorded), the
     median of each stage (which stage the tail lives in) and when each was accepted, in
     seconds since the first operation (a periodic cause, a timer or a sweep, shows as a
-    regular spacing)."""
+    regular spacing), and when the first was accepted (`first_accepted`, UTC), so that the
+    seconds can be laid beside a timeline kept outside the run (the services' logs)."""
     def ms(r: dict[str, datetime | None], start: str, end: str) -> float | None:
         a, b = r[start], r[end]
         return (b - a).total_seconds() * 1000 if a is not None and b is not None else None
@@ -87,6 +88,7 @@ def slowest(rows: list[dict[str, datetime | None]], share: float = 0.01) -> dict
     for name, start, end in STAGES:
         values = [v for v in (ms(r, start, end) for r in tail) if v is not None]
         out[f"{name}_p50"] = _round(percentile(values, 50))
+    out["first_accepted"] = first.isoformat() if isinstance(first, datetime) else None
     out["accepted_at_s"] = sorted(round((r["accepted"] - first).total_seconds(), 2)
                                   for r in tail if r["accepted"] is not None)
     return out

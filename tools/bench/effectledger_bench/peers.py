@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .measure import percentile
+
 
 def dbos(db_dsn: str, endpoint: str, api_key: str, *, mode: str, n: int, concurrency: int,
          prefix: str, timeout_s: float = 600) -> dict[str, Any]:
@@ -74,3 +76,61 @@ def pgbench(pgbench_bin: str, dsn: str, script: Path, *, clients: int, seconds: 
             "latency_avg_ms": float(lat.group(1)) if lat else None,
             "transactions": int(done.group(1)) if done else None,
             "failed": int(failed.group(1)) if failed else 0}
+
+
+def pgbench_paced(pgbench_bin: str, dsn: str, script: Path, *, rate: float, clients: int,
+                  seconds: float, log_dir: Path, threads: int = 2) -> dict[str, Any]:
+    """pgbench replaying one operation's SQL at `rate` per second, every transaction logged.
+
+    The floor under the `half` phase's tail: what PostgreSQL alone, on this machine's disk and
+    in the same repetition, gives one operation's statements (each of its transactions a
+    commit with its WAL flush) at the rate the pipeline was offered. pgbench's `-R` schedules
+    transactions as a Poisson process, burstier than the load generator's even spacing, so at
+    the same rate its queueing is, if anything, worse than ours: a floor, not a bound. A
+    transaction's latency is counted from its scheduled start, as pgbench does under `-R`."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    for old in log_dir.glob("paced.*"):
+        old.unlink()
+    cmd = [pgbench_bin, "-n", "-M", "simple", "-f", str(script), "-c", str(clients),
+           "-j", str(min(threads, clients)), "-T", str(max(1, int(seconds))),
+           "-R", f"{rate:.1f}", "-l", "--log-prefix", str(log_dir / "paced"), dsn]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
+    text = out.stdout + out.stderr
+    m = _TPS.search(text)
+    if out.returncode != 0 or m is None:
+        return {"error": text[-1500:], "clients": clients, "rate": round(rate, 1)}
+    lat, lag, failed = paced_latencies(
+        line for f in sorted(log_dir.glob("paced.*")) for line in f.read_text().splitlines())
+    return {"clients": clients, "rate": round(rate, 1), "ops_per_s": round(float(m.group(1)), 1),
+            "transactions": len(lat), "failed": failed,
+            "latency_ms": _percentiles(lat), "schedule_lag_ms": _percentiles(lag)}
+
+
+def paced_latencies(lines: Any) -> tuple[list[float], list[float], int]:
+    """(latency ms, schedule lag ms, failed or skipped count) from pgbench's per-transaction
+    log under `-R`: `client_id transaction_no time script_no time_epoch time_us schedule_lag`,
+    in µs. Under `-R` pgbench counts `time` from the transaction's scheduled start, so it holds
+    the lag already (PostgreSQL 15 logged no line with `time` below `schedule_lag`, and its
+    summary's average latency is the mean of `time`). A transaction that failed or was skipped
+    has a word in place of `time`."""
+    lat: list[float] = []
+    lag: list[float] = []
+    failed = 0
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 7:
+            continue
+        if not fields[2].isdigit():
+            failed += 1
+            continue
+        lat.append(int(fields[2]) / 1000)
+        lag.append(int(fields[6]) / 1000)
+    return lat, lag, failed
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for name, p in (("p50", 50.0), ("p95", 95.0), ("p99", 99.0), ("max", 100.0)):
+        v = percentile(values, p)
+        out[name] = round(v, 2) if v is not None else None
+    return out

@@ -17,6 +17,10 @@
   side of TCP and wakes it, so a write costs far more than the bytes it copies. The counter
   covers write(2) and writev(2) (uvloop, Go), not send(2): PostgreSQL's answers go by send(2),
   so its figure is its WAL and data file writes.
+- run-queue wait: the seconds the process's threads were ready to run but waited for a CPU
+  (`/proc/<pid>/task/*/schedstat`, second field). Where the processes of one call are busy
+  on two cores, this is the time an operation's messages wait for the CPU rather than for
+  the database or the network; threads that ended take theirs with them.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class CpuSample:
     wakeups: int = 0  # voluntary context switches, all threads (and, for a tree, live processes)
     writes: int = 0  # write syscalls (and, for a tree, its live processes'), see `_writes`
     preemptions: int = 0  # involuntary context switches, counted like the wake-ups
+    runq_wait_s: float = 0.0  # ready to run, waiting for a CPU (all threads), see `_runq_wait`
 
 
 def _stat(pid: int) -> tuple[int, list[str]] | None:
@@ -91,6 +96,19 @@ def _switches(pid: int) -> tuple[int, int]:
     return woken, preempted
 
 
+def _runq_wait(pid: int) -> float:
+    """Seconds the process's live threads spent ready to run but waiting for a CPU (the
+    second field of each thread's schedstat, in ns); 0.0 if it is gone or the kernel does not
+    keep scheduler statistics."""
+    waited = 0
+    with contextlib.suppress(OSError):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError, ValueError, IndexError), \
+                    open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                waited += int(f.read().split()[1])
+    return waited / 1e9
+
+
 def _writes(pid: int) -> int:
     """The write syscalls the process made (`syscw` of `/proc/<pid>/io`, which counts every
     thread, ended ones too); 0 if it is gone or its io file cannot be read (another user's)."""
@@ -122,7 +140,7 @@ def sample(pid: int, *, tree: bool = False) -> CpuSample | None:
         return None
     cpu, sys_s = _times(st[1], children=tree)
     rss, hwm = _status(pid)
-    (wakeups, preemptions), writes = _switches(pid), _writes(pid)
+    (wakeups, preemptions), writes, runq = _switches(pid), _writes(pid), _runq_wait(pid)
     if tree:
         for child in _descendants(pid):
             cst = _stat(child)
@@ -135,7 +153,8 @@ def sample(pid: int, *, tree: bool = False) -> CpuSample | None:
                 wakeups += woken
                 preemptions += preempted
                 writes += _writes(child)
-    return CpuSample(cpu, rss, hwm, sys_s, wakeups, writes, preemptions)
+                runq += _runq_wait(child)
+    return CpuSample(cpu, rss, hwm, sys_s, wakeups, writes, preemptions, runq)
 
 
 def self_cpu() -> float:

@@ -66,6 +66,7 @@ COST: list[tuple[str, str, int]] = [
 WAKEUPS = per_process("wakeups_per_op", 1)
 WRITES = per_process("writes_per_op", 1)
 PREEMPTIONS = per_process("preemptions_per_op", 2)
+RUNQ = per_process("runq_wait_ms_per_op", 2)
 
 
 def scenario_table(phases: list[Phase], scenario: str, key: str | None, label: str,
@@ -168,6 +169,12 @@ def best_peer(results: dict[str, Any], family: str) -> tuple[str, float] | None:
     return (mode, value) if value else None
 
 
+def _paced(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """pgbench's paced runs (peers.pgbench_paced), one per repetition, that measured."""
+    return [p for p in results.get("peers", [])
+            if p["peer"] == "pgbench_paced" and _get(p, "latency_ms.p99") is not None]
+
+
 def pgbench_best(results: dict[str, Any]) -> tuple[int | None, list[float]]:
     by_clients: dict[int, list[float]] = {}
     for p in results.get("peers", []):
@@ -222,6 +229,11 @@ def targets(results: dict[str, Any]) -> list[list[str]]:
     hm = med(half)
     rows.append(["p99 intent→succeeded ≤ 25 ms at half the max rate", mmm(half) + " ms"
                  + gap(hm, 25, higher=False), verdict(None if hm is None else hm <= 25)])
+    paced = _paced(results)
+    if paced:
+        rows.append(["the floor under it: pgbench replaying one operation's SQL at the same rate,"
+                     " p99 (p50), shown", mmm(_get(p, "latency_ms.p99") for p in paced)
+                     + f" ms ({mmm(_get(p, 'latency_ms.p50') for p in paced)} ms)", "n/a"])
     cpu_max = med(p.get("system_cpu_ms_per_op") for p in phases if p["scenario"] == "max")
     cpu_half = med(p.get("system_cpu_ms_per_op") for p in phases if p["scenario"] == "half")
     if cpu_max:
@@ -295,6 +307,11 @@ _COUNTED: list[tuple[str, str, list[tuple[str, str, int]]]] = [
      "Preemptions per operation by process (involuntary context switches, all threads): how "
      "often a process that could have run on lost its CPU to another. The same work cut up "
      "and interleaved more finely on two shared cores costs more CPU.", PREEMPTIONS),
+    ("runq_wait_ms_per_op",
+     "Run-queue wait per operation by process, ms (`/proc/<pid>/task/*/schedstat`, all "
+     "threads): the time a process was ready to run but waited for a CPU. Beside the "
+     "latency it says how much of an operation's time was spent waiting for a core rather "
+     "than for the database, the broker or the provider.", RUNQ),
 ]
 
 
@@ -436,6 +453,10 @@ def render(results: dict[str, Any], out_dir: Path) -> str:
             label += f", concurrency {_best_setting(results, name)}"
         rows.append([label, mmm(vals), mmm(lat),
                      f"{m / pm:.2f}" if m and pm else "n/a"])
+    for p in _paced(results):
+        rows.append([f"pgbench: one operation's SQL paced at the half rate ({p['rate']}/s, "
+                     f"rep {p.get('rep', 0) + 1})", fmt(p.get("ops_per_s")),
+                     fmt(_get(p, "latency_ms.p99")), "n/a"])
     if m:
         rows.insert(0, ["effectledger (max, closed loop)", mmm(
             p.get("ops_per_s") for p in phases if p["scenario"] == "max"),

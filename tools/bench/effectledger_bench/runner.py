@@ -213,6 +213,7 @@ class Runner:
         n = max(1, stats["operations"])
         cpu: dict[str, float] = {}
         kernel: dict[str, float] = {}
+        runq: dict[str, float] = {}  # seconds ready to run, waiting for a CPU
         # Per process kind: how often it was woken, wrote and was preempted (CpuSample's).
         counts: dict[str, dict[str, int]] = {name: {} for name in COUNTS}
         ended = [((name, pid), (kind, smp)) for name, pid, kind, smp in self.stack.retired[r0:]]
@@ -220,6 +221,9 @@ class Runner:
             b = s0[key][1] if key in s0 else None  # started during the phase: count it all
             cpu[kind] = cpu.get(kind, 0.0) + (smp.cpu_s - (b.cpu_s if b else 0.0))
             kernel[kind] = kernel.get(kind, 0.0) + (smp.sys_s - (b.sys_s if b else 0.0))
+            # A thread that ended takes its wait with it: never count a negative difference.
+            runq[kind] = runq.get(kind, 0.0) + max(
+                0.0, smp.runq_wait_s - (b.runq_wait_s if b else 0.0))
             # A PostgreSQL backend that ended during the phase takes its counts with it.
             for name, by_kind in counts.items():
                 by_kind[kind] = by_kind.get(kind, 0) + max(
@@ -228,6 +232,7 @@ class Runner:
         assert own0 is not None and own1 is not None  # this process: never gone
         for name, by_kind in counts.items():
             by_kind["loadgen"] = getattr(own1, name) - getattr(own0, name)
+        runq["loadgen"] = max(0.0, own1.runq_wait_s - own0.runq_wait_s)
         system = sum(v for k, v in cpu.items()
                      if k in ("ledger", "dispatcher", "nats", "postgres", "reconciler"))
         pg: dict[str, Any] = {}
@@ -253,6 +258,7 @@ class Runner:
             "kernel_share": {k: round(kernel[k] / cpu[k], 2) for k in kernel if cpu.get(k)},
             **{f"{name}_per_op": {k: round(v / n, COUNTS[name]) for k, v in sorted(by_kind.items())}
                for name, by_kind in counts.items()},
+            "runq_wait_ms_per_op": {k: round(1000 * v / n, 3) for k, v in sorted(runq.items())},
             "rss_mib": {name: round(smp.rss_bytes / 2**20, 1)
                         for (name, _pid), (_k, smp) in s1.items()},
             "pg": pg, "load": [ld.to_json() for ld in loads],
@@ -310,10 +316,21 @@ class Runner:
         self.save()
         return res
 
-    async def run_peers(self, rep: int, max_rate: float | None) -> None:
+    async def run_peers(self, rep: int, max_rate: float | None, half_rate: float) -> None:
         st, cfg = self.stack, self.cfg
         endpoint = f"{st.sandbox_url}/v1/idempotent/effects"
         await self.set_latency(0)
+        if st.pg is not None and self.pgbench_script is not None:
+            # First, so that it sees the machine the `half` phase just saw.
+            paced_clients = max(cfg.pgbench_clients)
+            log(f"peer: pgbench paced at the half rate ({half_rate:.1f}/s), {paced_clients} "
+                f"clients, rep {rep + 1}")
+            r = await asyncio.to_thread(
+                peers.pgbench_paced, st.pg.bin("pgbench"), st.pg.dsn("pgbench_limit"),
+                self.pgbench_script, rate=half_rate, clients=paced_clients,
+                seconds=cfg.duration_s,
+                log_dir=st.workdir / f"pgbench-paced-r{rep}")
+            self.add_peer("pgbench_paced", rep, r)
         assert st.catalog_path is not None
         for procs in self.peer_settings("no_durability", cfg.direct_processes, rep):
             log(f"peer: no durability ({procs} process(es), the dispatcher's client) "
@@ -567,7 +584,7 @@ class Runner:
                 half = cfg.half_rate or max(5.0, max_rate / 2)
                 await self.open(lg, "half", {"dispatchers": cfg.dispatchers}, half, rep)
                 if cfg.peers:
-                    await self.run_peers(rep, max_rate)
+                    await self.run_peers(rep, max_rate, half)
                 for n in cfg.replicas:
                     st.scale_dispatchers(n)
                     await self.closed(lg, "replicas", {"dispatchers": n}, rep)
