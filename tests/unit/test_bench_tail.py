@@ -70,3 +70,22 @@ def test_stalls_of_several_processes_are_summed_and_a_vanished_one_left_out() ->
     assert out["loop_lag"]["samples"] == 20
     assert out["loop_lag"]["over_25ms"] == 3
     assert pauses.delta_many({}, {"x": None}) is None
+
+
+def test_the_slowest_carry_when_the_first_operation_was_accepted() -> None:
+    """Seconds into the phase are counted from the first operation accepted, which is given as
+    a UTC time so the stalls can be found in the services' logs and the database's."""
+    from datetime import UTC, datetime, timedelta
+
+    from effectledger_bench.measure import slowest
+
+    t0 = datetime(2026, 12, 7, 15, 27, 59, 93284, tzinfo=UTC)
+
+    def op(at_s: float, total_ms: float) -> dict[str, datetime | None]:
+        a = t0 + timedelta(seconds=at_s)
+        return {"accepted": a, "claimed": a, "outcome": a,
+                "recorded": a + timedelta(milliseconds=total_ms)}
+
+    out = slowest([op(0.0, 5.0), op(5.62, 40.0), *[op(1.0 + i / 100, 4.0) for i in range(98)]])
+    assert out["first_accepted"] == "2026-12-07T15:27:59.093284+00:00"
+    assert out["n"] == 1 and out["accepted_at_s"] == [5.62]
