@@ -96,6 +96,12 @@ def _switches(pid: int) -> tuple[int, int]:
     return woken, preempted
 
 
+def schedstat_kept() -> bool:
+    """Whether this kernel keeps the scheduler statistics `_runq_wait` reads: without them
+    every wait reads 0, which a report must not show as a measurement."""
+    return os.path.exists("/proc/self/schedstat")
+
+
 def _runq_wait(pid: int) -> float:
     """Seconds the process's live threads spent ready to run but waiting for a CPU (the
     second field of each thread's schedstat, in ns); 0.0 if it is gone or the kernel does not

@@ -31,7 +31,7 @@ from .measure import (
     stage_latencies,
 )
 from .pg import PgCounters, log_since, log_size, read_counters, slow_statements, wal_commit_records
-from .procs import CpuSample, machine_shares, machine_ticks, sample, self_cpu
+from .procs import CpuSample, machine_shares, machine_ticks, sample, schedstat_kept, self_cpu
 from .sqlcapture import extract, pgbench_script
 from .stack import TOOL, Stack
 
@@ -258,7 +258,9 @@ class Runner:
             "kernel_share": {k: round(kernel[k] / cpu[k], 2) for k in kernel if cpu.get(k)},
             **{f"{name}_per_op": {k: round(v / n, COUNTS[name]) for k, v in sorted(by_kind.items())}
                for name, by_kind in counts.items()},
-            "runq_wait_ms_per_op": {k: round(1000 * v / n, 3) for k, v in sorted(runq.items())},
+            **({"runq_wait_ms_per_op": {k: round(1000 * v / n, 3)
+                                        for k, v in sorted(runq.items())}}
+               if schedstat_kept() else {}),
             "rss_mib": {name: round(smp.rss_bytes / 2**20, 1)
                         for (name, _pid), (_k, smp) in s1.items()},
             "pg": pg, "load": [ld.to_json() for ld in loads],
