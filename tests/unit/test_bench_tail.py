@@ -89,3 +89,17 @@ def test_the_slowest_carry_when_the_first_operation_was_accepted() -> None:
     out = slowest([op(0.0, 5.0), op(5.62, 40.0), *[op(1.0 + i / 100, 4.0) for i in range(98)]])
     assert out["first_accepted"] == "2026-12-07T15:27:59.093284+00:00"
     assert out["n"] == 1 and out["accepted_at_s"] == [5.62]
+
+
+def test_the_ledgers_writer_time_is_read_from_its_transactions_histogram() -> None:
+    """The phase's group-commit transactions: their count, the seconds they took (how long
+    the writer was busy) and the mean; a service without the histogram (a dispatcher) has no
+    such figure rather than a zero."""
+    tx = "effectledger_db_transaction_duration_seconds"
+    lbl = (("writer", "ledger"),)
+    before = {(f"{tx}_count", lbl): 100.0, (f"{tx}_sum", lbl): 0.5}
+    after = {(f"{tx}_count", lbl): 300.0, (f"{tx}_sum", lbl): 1.1}
+    out = pauses.delta(before, after)
+    assert out is not None
+    assert out["writer"] == {"transactions": 200, "busy_s": 0.6, "mean_ms": 3.0}
+    assert "writer" not in pauses.summarise({})

@@ -16,10 +16,14 @@ log = logging.getLogger(__name__)
 
 Scrape = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 GC, LAG = "effectledger_gc_pause_seconds", "effectledger_event_loop_lag_seconds"
+# The ledger's group-commit transactions (commit included): their summed time is how long its
+# writers were busy, which says whether one writer was the queue the operations waited in.
+WRITER = "effectledger_db_transaction_duration_seconds"
 
 
 async def scrape(base_url: str) -> Scrape | None:
-    """The two histograms' samples, or None when the service does not answer."""
+    """The histograms' samples (GC, loop lag, and on the ledger its writers' transactions),
+    or None when the service does not answer."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -31,7 +35,7 @@ async def scrape(base_url: str) -> Scrape | None:
         return None
     out: Scrape = {}
     for family in text_string_to_metric_families(text):
-        if family.name in (GC, LAG):
+        if family.name in (GC, LAG, WRITER):
             for s in family.samples:
                 out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
@@ -93,7 +97,8 @@ def delta_many(before: Mapping[str, Scrape | None],
 
 
 def summarise(d: Scrape) -> dict[str, Any]:
-    """GC pauses per generation and loop-lag samples of a phase's histogram deltas."""
+    """GC pauses per generation, loop-lag samples and (the ledger's) group-commit
+    transactions of a phase's histogram deltas."""
     out: dict[str, Any] = {}
     gens = sorted({dict(labels).get("generation", "?") for (s, labels) in d
                    if s == f"{GC}_count"})
@@ -104,6 +109,13 @@ def summarise(d: Scrape) -> dict[str, Any]:
         out[f"gc_gen{gen}"] = {"count": round(b[-1][1]) if b else 0,
                                "total_ms": round(total_s * 1000, 1),
                                "over_10ms": _over(b, 0.01)}
+    tx = [(sample, v) for (sample, _labels), v in d.items()
+          if sample in (f"{WRITER}_count", f"{WRITER}_sum")]
+    if tx:
+        count = sum(v for sample, v in tx if sample.endswith("_count"))
+        busy = sum(v for sample, v in tx if sample.endswith("_sum"))
+        out["writer"] = {"transactions": round(count), "busy_s": round(busy, 3),
+                         "mean_ms": round(1000 * busy / count, 2) if count else None}
     lag = _buckets(d, LAG)
     out["loop_lag"] = {"samples": round(lag[-1][1]) if lag else 0,
                        "p99_at_most_ms": _pct_bound(lag, 99),

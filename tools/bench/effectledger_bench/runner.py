@@ -265,6 +265,12 @@ class Runner:
                         for (name, _pid), (_k, smp) in s1.items()},
             "pg": pg, "load": [ld.to_json() for ld in loads],
         }
+        writer = (stalls or {}).get("writer")
+        load_s = sum(ld.wall_s for ld in loads)
+        if writer and load_s > 0:
+            # Busy seconds per second of offered load (settling left out): near 1, the
+            # ledger's one writer was the queue; above 1, the express lane ran beside it.
+            writer["busy_share"] = round(writer["busy_s"] / load_s, 3)
         lat = stats.get("latency_ms", {})
         log(f"  -> {stats['succeeded']}/{stats['operations']} succeeded, "
             f"{stats.get('ops_per_s')} ops/s, p50 {lat.get('p50')} ms, p99 {lat.get('p99')} ms, "
