@@ -29,10 +29,11 @@ class Settings(BaseSettings):
     db_pool_size: int = 10
     # Group commit: at most this many intents/claims/outcomes share one transaction (1: off).
     db_batch_max: int = Field(default=64, ge=1, le=1024)
-    # Group-commit transactions in flight at once. One writer makes the largest batches, so
-    # the least CPU per operation; on the 2-core benchmark machine it cut the p99 at 150 ops/s
-    # from 180-195 ms (2 writers) to 108-143 ms, at the same saturated throughput. More may
-    # help when PostgreSQL is remote and each round trip is slow. (None: the default, 1.)
+    # Group-commit transactions in flight at once (None: the default, `default_batch_workers`:
+    # 2 on PostgreSQL, 1 on SQLite, which has one connection). With one writer, a call that
+    # arrives while a transaction is in flight waits for its commit: at half the maximum rate
+    # the one writer was busy 98 % of the time and that queue was most of an operation's
+    # latency; a second writer takes such a call at once (docs/benchmark.md, round nineteen).
     db_batch_workers: int | None = Field(default=None, ge=1, le=64)
 
     # broker
@@ -161,3 +162,10 @@ class Settings(BaseSettings):
     @property
     def subjects(self) -> Subjects:
         return Subjects(prefix=self.subject_prefix, stream_prefix=self.stream_prefix)
+
+
+def default_batch_workers(is_postgres: bool) -> int:
+    """Group-commit writers when `db_batch_workers` is not set: two on PostgreSQL, so a call
+    never waits for another transaction's commit when a writer is free; one on SQLite, whose
+    single connection would only make the second wait."""
+    return 2 if is_postgres else 1

@@ -232,3 +232,48 @@ async def test_mark_published_skips_a_row_a_claim_holds_instead_of_waiting(
         got = {r.id: (r.status, r.stream_seq) for r in
                (await conn.execute(sa.select(outbox.c.id, outbox.c.status, outbox.c.stream_seq)))}
     assert got == {"a": ("consumed", None), "b": ("published", 8)}
+
+
+async def test_with_two_writers_a_call_does_not_wait_for_another_transactions_commit(
+        store: Store) -> None:
+    """While one writer's transaction is held open, a second call is served and committed by
+    the other writer (the reason PostgreSQL's default is two, config.default_batch_workers)."""
+    if not store.is_postgres:
+        pytest.skip("SQLite has one connection: its ledger has one writer")
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def held(conn: AsyncConnection, n: int) -> int:
+        entered.set()
+        await release.wait()
+        return await write(conn, n)
+
+    group = GroupCommit(store, name="t", max_batch=64, workers=2)
+    try:
+        first = asyncio.create_task(group.run(held, 1))
+        await entered.wait()
+        assert await asyncio.wait_for(group.run(write, 2), 10) == 20
+        assert await written(store) == [2]  # committed while the first is still open
+        release.set()
+        assert await first == 10
+    finally:
+        release.set()
+        await group.close()
+    assert await written(store) == [1, 2]
+
+
+async def test_the_ledger_has_two_writers_on_postgresql_one_on_sqlite_unless_told(
+        store: Store) -> None:
+    from effectledger_core.catalog import Catalog
+    from effectledger_core.config import DEMO_CATALOG
+    from effectledger_ledger.service import LedgerService
+    from tests.support.ledger import SUBJECTS
+
+    catalog = Catalog.load(DEMO_CATALOG)
+    default = LedgerService(store=store, catalog=catalog, subjects=SUBJECTS)
+    told = LedgerService(store=store, catalog=catalog, subjects=SUBJECTS, batch_workers=3)
+    try:
+        assert default.writes.workers == (2 if store.is_postgres else 1)
+        assert told.writes.workers == 3
+    finally:
+        await default.close()
+        await told.close()

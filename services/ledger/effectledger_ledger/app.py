@@ -55,7 +55,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     # Before it listens: the first batches after a (re)start must not pay for cold connections
     # and first compiles while agents wait (db/warmup.py). One connection per batch worker and
     # one for the express lane; SQLite has one connection.
-    busy = min(settings.db_pool_size, (settings.db_batch_workers or 1) + 1)
+    busy = min(settings.db_pool_size, service.writes.workers + 1)
     await warm(store, catalog, settings.subjects, connections=busy if store.is_postgres else 1)
 
     # The database is the ledger's only hard dependency: it listens and accepts intents,

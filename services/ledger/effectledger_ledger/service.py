@@ -14,6 +14,7 @@ from sqlalchemy.exc import IntegrityError
 
 from effectledger_core.argschema import check_arguments
 from effectledger_core.catalog import Catalog, Tool
+from effectledger_core.config import default_batch_workers
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import EffectLedgerError, NotFound, UnknownTool
 from effectledger_core.failures import Failure
@@ -80,7 +81,7 @@ class LedgerService:
     budget: RetryBudget = field(default_factory=lambda: RetryBudget(now=time.monotonic()))
     # Intents, claims and outcomes arriving together share a transaction (db/batch.py).
     batch_max: int = 64
-    batch_workers: int | None = None  # default 1: see Settings.db_batch_workers
+    batch_workers: int | None = None  # None: config.default_batch_workers
     writes: GroupCommit = field(init=False)
     # Publishes new intents' commands right after their commit (relay.DirectPublisher); set by
     # the app once NATS is connected. Without it every command goes through the relay.
@@ -99,7 +100,7 @@ class LedgerService:
 
     def __post_init__(self) -> None:
         self.rates = TenantRates(self.quotas.rate_per_s, self.quotas.burst)
-        workers = self.batch_workers or 1
+        workers = self.batch_workers or default_batch_workers(self.store.is_postgres)
         self.writes = GroupCommit(self.store, name="ledger", max_batch=self.batch_max,
                                   workers=workers)
         self.waiters = Waiters(self._states_of, recheck_s=self.wait_recheck_s)
