@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -425,3 +426,19 @@ def test_run_queue_wait_counts_the_time_a_process_waited_for_a_cpu() -> None:
     waits = [float(p.communicate(timeout=30)[0]) for p in procs]
     assert sum(waits) > 0.1, waits
     assert _runq_wait(2**22 + 12345) == 0.0
+
+
+def test_report_shows_the_ledgers_writers_per_phase(tmp_path: Path) -> None:
+    """Transactions per operation, the mean transaction and how busy the writers were; a run
+    from before the figure existed shows no such table."""
+    def phase(scenario: str, busy: float) -> dict[str, Any]:
+        return {"scenario": scenario, "params": {}, "operations": 1000, "ops_per_s": 300.0,
+                "latency_ms": {"p99": 50.0},
+                "ledger_stalls": {"writer": {"transactions": 690, "busy_s": 19.7,
+                                             "mean_ms": 4.05, "busy_share": busy}}}
+    text = render({"phases": [phase("max", 0.9), phase("half", 0.98)], "peers": []}, tmp_path)
+    assert "| half | 1 | 0.69 | 4.05 | 0.98 |" in text
+    assert "| max | 1 | 0.69 | 4.05 | 0.90 |" in text
+    assert "group-commit writers" not in render({"phases": [{**phase("half", 1.0),
+                                                             "ledger_stalls": {}}],
+                                                 "peers": []}, tmp_path)

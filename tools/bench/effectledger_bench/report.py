@@ -315,6 +315,28 @@ _COUNTED: list[tuple[str, str, list[tuple[str, str, int]]]] = [
 ]
 
 
+WRITER: list[tuple[str, str, int]] = [
+    ("transactions/op", "writer_per_op", 2),
+    ("mean transaction ms", "ledger_stalls.writer.mean_ms", 2),
+    ("writers busy (s per s of load)", "ledger_stalls.writer.busy_share", 2),
+]
+
+
+def writer_section(phases: list[Phase]) -> list[str]:
+    """The ledger's group-commit writers in each phase (`pauses.summarise`): how many
+    transactions an operation took, how long one took, and how busy the writers were."""
+    shown = [{**p, "writer_per_op": round(p["ledger_stalls"]["writer"]["transactions"]
+                                          / max(1, p.get("operations") or 0), 2)}
+             for p in phases if _get(p, "ledger_stalls.writer.transactions") is not None]
+    if not shown:
+        return []
+    return ["The ledger's group-commit writers (its transaction-duration histogram): "
+            "transactions per operation, the mean transaction (commit included), and the "
+            "seconds the writers were in a transaction per second of offered load. At the "
+            "number of writers (`DB_BATCH_WORKERS`) every call queued for a commit.", "",
+            multi_table(shown, ("max", "half", "failure_mix"), WRITER), ""]
+
+
 def wakeup_section(phases: list[Phase], probe: dict[str, Any] | None) -> list[str]:
     """Wake-ups per operation by process, beside what one wake-up costs on this machine."""
     if not any("wakeups_per_op" in p for p in phases):
@@ -397,6 +419,7 @@ def render(results: dict[str, Any], out_dir: Path) -> str:
     parts += [multi_table(phases, ("max", "half", "failure_mix"), COST), ""]
     parts += wakeup_section(phases, results.get("wakeup_cost"))
     parts += tail_section(phases)
+    parts += writer_section(phases)
     parts += observability_section(phases)
     curves = [
         ("backlog", "backlog", "operations queued first",

@@ -268,8 +268,8 @@ class Runner:
         writer = (stalls or {}).get("writer")
         load_s = sum(ld.wall_s for ld in loads)
         if writer and load_s > 0:
-            # Busy seconds per second of offered load (settling left out): near 1, the
-            # ledger's one writer was the queue; above 1, the express lane ran beside it.
+            # Busy seconds per second of offered load (settling left out): near the number of
+            # writers, they were the queue (the express lane, beside them, adds to it).
             writer["busy_share"] = round(writer["busy_s"] / load_s, 3)
         lat = stats.get("latency_ms", {})
         log(f"  -> {stats['succeeded']}/{stats['operations']} succeeded, "
