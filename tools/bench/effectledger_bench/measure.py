@@ -146,11 +146,17 @@ def latency_stats(rows: Sequence[OpRow]) -> dict[str, Any]:
         span = (last - first).total_seconds()  # type: ignore[operator]
         out["span_s"] = round(span, 3)
         out["ops_per_s"] = round(len(ok) / span, 1) if span > 0 else None
-        out["latency_ms"] = {name: _round(v) for name, v in (
-            ("p50", percentile(lat, 50)), ("p95", percentile(lat, 95)),
-            ("p99", percentile(lat, 99)), ("p99_9", percentile(lat, 99.9)),
-            ("max", max(lat)), ("mean", sum(lat) / len(lat)))}
+        out["latency_ms"] = latency_ms(lat)
     return out
+
+
+def latency_ms(lat: Sequence[float]) -> dict[str, float | None]:
+    """The report's latency figures of non-empty `lat` (ms): p50, p95, p99, p99.9 (nearest
+    rank), max and mean, rounded to 0.01 ms."""
+    return {name: _round(v) for name, v in (
+        ("p50", percentile(lat, 50)), ("p95", percentile(lat, 95)),
+        ("p99", percentile(lat, 99)), ("p99_9", percentile(lat, 99.9)),
+        ("max", max(lat)), ("mean", sum(lat) / len(lat)))}
 
 
 async def fetch_ops(dsn: str, tags: Sequence[str]) -> list[OpRow]:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .measure import percentile
+from .measure import latency_ms
 
 
 def dbos(db_dsn: str, endpoint: str, api_key: str, *, mode: str, n: int, concurrency: int,
@@ -59,20 +59,28 @@ _FAILED = re.compile(r"number of failed transactions: (\d+)")
 _DONE = re.compile(r"number of transactions actually processed: (\d+)")
 
 
-def pgbench(pgbench_bin: str, dsn: str, script: Path, *, clients: int, seconds: float,
-            threads: int = 2) -> dict[str, Any]:
-    """pgbench with the captured script; one pgbench transaction = one operation's SQL."""
+def _run_pgbench(pgbench_bin: str, dsn: str, script: Path, *, clients: int, seconds: float,
+                 threads: int, extra: tuple[str, ...] = ()) -> tuple[str, float | None]:
+    """pgbench's output and its tps (None when it failed) for one run of the script."""
     cmd = [pgbench_bin, "-n", "-M", "simple", "-f", str(script), "-c", str(clients),
-           "-j", str(min(threads, clients)), "-T", str(max(1, int(seconds))), dsn]
+           "-j", str(min(threads, clients)), "-T", str(max(1, int(seconds))), *extra, dsn]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
     text = out.stdout + out.stderr
     m = _TPS.search(text)
-    if out.returncode != 0 or m is None:
+    return text, (float(m.group(1)) if out.returncode == 0 and m is not None else None)
+
+
+def pgbench(pgbench_bin: str, dsn: str, script: Path, *, clients: int, seconds: float,
+            threads: int = 2) -> dict[str, Any]:
+    """pgbench with the captured script; one pgbench transaction = one operation's SQL."""
+    text, tps = _run_pgbench(pgbench_bin, dsn, script, clients=clients, seconds=seconds,
+                             threads=threads)
+    if tps is None:
         return {"error": text[-1500:], "clients": clients}
     lat = _LAT.search(text)
     failed = _FAILED.search(text)
     done = _DONE.search(text)
-    return {"clients": clients, "ops_per_s": round(float(m.group(1)), 1),
+    return {"clients": clients, "ops_per_s": round(tps, 1),
             "latency_avg_ms": float(lat.group(1)) if lat else None,
             "transactions": int(done.group(1)) if done else None,
             "failed": int(failed.group(1)) if failed else 0}
@@ -91,19 +99,19 @@ def pgbench_paced(pgbench_bin: str, dsn: str, script: Path, *, rate: float, clie
     log_dir.mkdir(parents=True, exist_ok=True)
     for old in log_dir.glob("paced.*"):
         old.unlink()
-    cmd = [pgbench_bin, "-n", "-M", "simple", "-f", str(script), "-c", str(clients),
-           "-j", str(min(threads, clients)), "-T", str(max(1, int(seconds))),
-           "-R", f"{rate:.1f}", "-l", "--log-prefix", str(log_dir / "paced"), dsn]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
-    text = out.stdout + out.stderr
-    m = _TPS.search(text)
-    if out.returncode != 0 or m is None:
+    text, tps = _run_pgbench(
+        pgbench_bin, dsn, script, clients=clients, seconds=seconds, threads=threads,
+        extra=("-R", f"{rate:.1f}", "-l", "--log-prefix", str(log_dir / "paced")))
+    if tps is None:
         return {"error": text[-1500:], "clients": clients, "rate": round(rate, 1)}
     lat, lag, failed = paced_latencies(
         line for f in sorted(log_dir.glob("paced.*")) for line in f.read_text().splitlines())
-    return {"clients": clients, "rate": round(rate, 1), "ops_per_s": round(float(m.group(1)), 1),
+    if not lat:
+        return {"error": "pgbench logged no transaction", "clients": clients,
+                "rate": round(rate, 1)}
+    return {"clients": clients, "rate": round(rate, 1), "ops_per_s": round(tps, 1),
             "transactions": len(lat), "failed": failed,
-            "latency_ms": _percentiles(lat), "schedule_lag_ms": _percentiles(lag)}
+            "latency_ms": latency_ms(lat), "schedule_lag_ms": latency_ms(lag)}
 
 
 def paced_latencies(lines: Any) -> tuple[list[float], list[float], int]:
@@ -127,10 +135,3 @@ def paced_latencies(lines: Any) -> tuple[list[float], list[float], int]:
         lag.append(int(fields[6]) / 1000)
     return lat, lag, failed
 
-
-def _percentiles(values: list[float]) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-    for name, p in (("p50", 50.0), ("p95", 95.0), ("p99", 99.0), ("max", 100.0)):
-        v = percentile(values, p)
-        out[name] = round(v, 2) if v is not None else None
-    return out

@@ -285,6 +285,7 @@ class FaultRunner:
             await self._wait_steady()
             rec["started_at"] = self.now()
             s.held_down = True
+            claims: int | None = None  # counted only when the point was not reached
             try:
                 s.signal(signal.SIGKILL, "fault:pause_before_send_arm")
                 await self._wait_dead(s)
@@ -305,11 +306,12 @@ class FaultRunner:
                     s.start()
             finally:
                 s.held_down = False
-        self.log(f"fault: {armed} on {f.target}: "
-                 f"{'stopped ' + str(f.params['seconds']) + 's' if hit else 'not reached'}"
-                 + ("" if hit else f" ({claims} claim(s) of its tool while armed)"))
-        return {"armed": armed, "hit": hit} if hit else {
-            "armed": armed, "hit": hit, "claims_while_armed": claims}
+        if hit:
+            self.log(f"fault: {armed} on {f.target}: stopped {f.params['seconds']}s")
+            return {"armed": armed, "hit": True}
+        self.log(f"fault: {armed} on {f.target}: not reached "
+                 f"({claims} claim(s) of its tool while armed)")
+        return {"armed": armed, "hit": False, "claims_while_armed": claims}
 
     async def _claims_since(self, dispatcher: str, tool: str, since: datetime) -> int | None:
         """How many attempts of `tool` `dispatcher` claimed since `since` (its armed process
