@@ -287,3 +287,67 @@ async def test_a_call_taken_over_after_its_statement_wrote_nothing_is_marked_aft
     [row] = await outbox_rows(store)
     assert (row["status"], row["stream_seq"]) == ("published", 2)
     assert len(js.published) == 2 and not publisher._written
+
+
+def _claim_of(payload: bytes) -> ClaimAttempt:
+    command = json.loads(payload)
+    return ClaimAttempt(operation_id=command["operation_id"], epoch=command["epoch"],
+                        attempt_id="a1", dispatcher_id="d1", tool=command["tool"],
+                        arguments_digest=command["arguments_digest"])
+
+
+async def test_a_claim_that_comes_before_its_intent_has_answered_waits_for_it(
+        store: Store) -> None:
+    """With two writers, a claim need not queue behind its intent's transaction: a free writer
+    would decide it while the intent's statement still runs (held here on a lock), find no
+    operation and answer `not_found`, a 20 ms nak for the dispatcher. It waits for the
+    statement's answer instead, and is granted."""
+    _postgres_only(store)
+    js = FakeJetStream()
+    svc = service(store, js)
+    publisher = svc.publisher
+    assert publisher is not None and svc.writes.workers == 2  # PostgreSQL's default
+    submit, holder, release = await _submit_while_held(store, svc, js, "k-claim", commit=False)
+    try:
+        claim = asyncio.create_task(svc.claim(_claim_of(js.payloads[0])))
+        await asyncio.sleep(0)  # one turn of the loop: the new task runs to its first wait
+        assert publisher.claims_waiting == 1 and not submit.done()  # both wait for it
+        release.set()  # the holder rolls back: the statement writes, then the claim goes
+        async with asyncio.timeout(10):
+            reply = await claim
+            sub = await submit
+            await holder
+            await publisher.drain()
+    finally:
+        release.set()
+        await svc.close()
+    assert sub.created and reply.status is ClaimStatus.GRANTED
+    assert (publisher.claims_waited, publisher.claims_waiting) == (1, 0)
+    assert not publisher._unanswered
+
+
+async def test_a_claim_waits_for_its_intent_only_so_long(store: Store) -> None:
+    """A statement still unanswered after `claim_wait_s` waits on a lock and may write
+    nothing: the claim is decided meanwhile, not found, and the dispatcher asks again."""
+    _postgres_only(store)
+    js = FakeJetStream()
+    svc = service(store, js)
+    publisher = svc.publisher
+    assert publisher is not None
+    publisher.claim_wait_s = 0.05
+    submit, holder, release = await _submit_while_held(store, svc, js, "k-slow", commit=True)
+    try:
+        async with asyncio.timeout(10):
+            reply = await svc.claim(_claim_of(js.payloads[0]))  # the statement still waits
+        assert not submit.done()
+        release.set()
+        async with asyncio.timeout(10):
+            sub = await submit
+            await holder
+            await publisher.drain()
+    finally:
+        release.set()
+        await svc.close()
+    assert reply.status is ClaimStatus.NOT_FOUND and publisher.claims_waited == 1
+    assert (sub.created, sub.operation["id"]) == (False, "op-holder")
+    assert not publisher._unanswered

@@ -38,6 +38,11 @@ from .db.store import Store
 
 log = logging.getLogger(__name__)
 
+# How long a claim waits for its intent's statement to answer (`DirectPublisher.answered`):
+# far longer than a commit (a WAL flush stalls for tens of milliseconds here), shorter than a
+# dispatcher's claim request (`claim_timeout_s`, 5 s).
+CLAIM_WAIT_S = 1.0
+
 
 async def publish_item(js: JetStreamContext, item: OutboxItem, timeout_s: float) -> int:
     """Publish one outbox row under its Nats-Msg-Id; returns the stream sequence of the ack.
@@ -153,7 +158,8 @@ class DirectPublisher:
     one statement is sent (`early`), so the publish, the delivery and the dispatcher's claim
     request travel while the commit's WAL flush does; the claim is decided only on a committed
     operation (docs/design.md, "A command published with its commit"). Its marks, or its
-    release, wait until the statement has answered, and are skipped when it wrote nothing.
+    release, wait until the statement has answered, and are skipped when it wrote nothing. A
+    claim for it that reaches this ledger first waits for that answer too (`answered`).
     """
 
     def __init__(self, js: JetStreamContext, writes: GroupCommit, store: Store, wake: asyncio.Event,
@@ -172,6 +178,11 @@ class DirectPublisher:
         self._claimed: dict[str, asyncio.Future[None]] = {}
         # Per outbox id handed over `early`: whether its statement wrote the row (see `early`).
         self._written: dict[str, asyncio.Future[bool]] = {}
+        # The same futures by operation (id, epoch), only until they are done (see `answered`).
+        self._unanswered: dict[tuple[str, int], asyncio.Future[bool]] = {}
+        self.claim_wait_s = CLAIM_WAIT_S
+        self.claims_waiting = 0  # claims in `answered` now
+        self.claims_waited = 0  # claims that found their intent's statement unanswered
         self._queue: asyncio.Queue[OutboxItem] = asyncio.Queue()
         self._tasks: set[asyncio.Task[None]] = set()
         self._worker: asyncio.Task[None] | None = None
@@ -208,12 +219,40 @@ class DirectPublisher:
             # New, or a replay of a call whose earlier statement wrote nothing (it failed and
             # is retried): published again, JetStream drops the copy, and this one is marked.
             known = self._written[item.id] = asyncio.get_running_loop().create_future()
+            self._unanswered[operation] = known
+            known.add_done_callback(lambda done: self._answered(operation, done))
             self.submit(item, operation=operation)
 
         def settle(written: bool) -> None:
             if not known.done():
                 known.set_result(written)
         return settle
+
+    def _answered(self, operation: tuple[str, int], done: asyncio.Future[bool]) -> None:
+        if self._unanswered.get(operation) is done:  # not a replay's, handed over since
+            del self._unanswered[operation]
+
+    async def answered(self, operation_id: str, epoch: int) -> None:
+        """Return once the statement writing this operation, if its command was handed over
+        `early` and it has not answered yet, has answered (or after `claim_wait_s`).
+
+        A claim waits here before it is queued for a writer. With one writer it always came
+        after the intent's transaction anyway; with two (PostgreSQL's default) a free writer
+        would decide it while the other still runs the intent's statement, find no committed
+        operation, and answer `not_found`, which costs the dispatcher a 20 ms nak. A statement
+        that has not answered within `claim_wait_s` is waiting on a lock (its key held by
+        another transaction) and may write nothing: the claim is decided then as before, and a
+        `not_found` is asked again (docs/design.md, "A command published with its commit").
+        """
+        pending = self._unanswered.get((operation_id, epoch))
+        if pending is None or pending.done():
+            return
+        self.claims_waited += 1
+        self.claims_waiting += 1
+        try:
+            await asyncio.wait((pending,), timeout=self.claim_wait_s)  # never cancels it
+        finally:
+            self.claims_waiting -= 1
 
     def consumed(self, operation_id: str, epoch: int) -> None:
         """A claim for this operation and epoch was granted and committed: it marked the

@@ -206,6 +206,8 @@ class LedgerService:
         # The message's trace context, taken here: the group-committed transaction runs in
         # another task, which does not carry it (None, at no cost, when not traced).
         traceparent = tracing.current_traceparent()
+        if self.publisher is not None:  # its command may be out before its intent's commit
+            await self.publisher.answered(claim.operation_id, claim.epoch)
         for _ in range(3):
             try:
                 reply = await self.writes.call(ClaimCall(claim, now=self.clock(),
