@@ -277,3 +277,18 @@ async def test_the_ledger_has_two_writers_on_postgresql_one_on_sqlite_unless_tol
     finally:
         await default.close()
         await told.close()
+
+
+async def test_a_call_wakes_one_idle_writer_and_not_the_express_lane(store: Store) -> None:
+    """One call at a time (an agent's), with both writers and the express lane idle: the call
+    wakes one writer. Waking them all cost a task step each that found nothing to do: the
+    express lane opens only beside a large background batch (`test_an_urgent_call_runs_beside_
+    a_large_background_batch`), and the other writer has no call to take."""
+    group = GroupCommit(store, name="t", max_batch=64, workers=2)
+    try:
+        for n in range(5):
+            assert await group.call(UrgentWrite(n)) == n * 10
+            assert await group.run(write, 100 + n) == (100 + n) * 10
+    finally:
+        await group.close()
+    assert (group.stats.batches, group.stats.idle_wakes) == (10, 0)

@@ -69,6 +69,7 @@ class BatchStats:
     calls: int = 0
     fallbacks: int = 0  # batches rolled back and replayed call by call
     largest: int = 0
+    idle_wakes: int = 0  # a writer or the express lane woken with nothing to do
 
 
 class GroupCommit:
@@ -82,10 +83,13 @@ class GroupCommit:
         self.stats = BatchStats()
         self._urgent: deque[_Call[Any]] = deque()
         self._background: deque[_Call[Any]] = deque()
-        self._ready: asyncio.Event | None = None  # set while either queue holds a call
+        # The writers waiting for a call, each on a future of its own: a call wakes one of
+        # them (an asyncio.Event would wake all, and the rest would find nothing to take).
+        self._idle: deque[asyncio.Future[None]] = deque()
         self._tasks: list[asyncio.Task[None]] = []
-        # The express lane (see `_express`): woken by each urgent call; open while a worker
-        # runs a large batch of background calls only.
+        # The express lane (see `_express`): open while a worker runs a large batch of
+        # background calls only, and woken by urgent calls only then (each wake-up that found
+        # it closed was a task step for nothing, two per operation).
         self._urgent_ready: asyncio.Event | None = None
         self._express_open = 0
         self._express_task: asyncio.Task[None] | None = None
@@ -102,21 +106,25 @@ class GroupCommit:
         if self.max_batch == 1:
             return await self.store.run(call.fn, *call.args, **call.kwargs)
         self._start()
-        assert self._ready is not None
         # Retrieve the outcome even when the caller is gone, so asyncio does not log it as lost.
         call.future.add_done_callback(_consume)
         urgent = _is_urgent(call)
         (self._urgent if urgent else self._background).append(call)
-        self._ready.set()
-        if urgent and self._urgent_ready is not None:
-            self._urgent_ready.set()
+        self._wake_one()
+        if urgent and self._express_open and self._urgent_ready is not None:
+            self._urgent_ready.set()  # beside a large background batch only (`_express`)
         # The caller may be cancelled (a client went away); the call itself still runs and
         # commits or not as a unit with its batch, like a transaction whose reply was lost.
         return await asyncio.shield(call.future)
 
+    def _wake_one(self) -> None:
+        while self._idle:
+            waiter = self._idle.popleft()
+            if not waiter.done():  # else its writer was cancelled while it waited
+                waiter.set_result(None)
+                return
+
     def _start(self) -> None:
-        if self._ready is None:
-            self._ready = asyncio.Event()
         self._tasks = [t for t in self._tasks if not t.done()]
         while len(self._tasks) < self.workers:
             self._tasks.append(asyncio.create_task(self._work(), name=f"group-commit-{self.name}"))
@@ -149,8 +157,7 @@ class GroupCommit:
         return batch
 
     async def _work(self) -> None:
-        assert self._ready is not None
-        ready = self._ready
+        woken = False
         # A worker runs one transaction at a time: it keeps its connection between them
         # (pgtx.Pinned) instead of a pool checkout and check-in for each.
         pinned = self.store.pinned()
@@ -158,9 +165,14 @@ class GroupCommit:
             while True:
                 batch = self._take()
                 if not batch:
-                    ready.clear()
-                    await ready.wait()
+                    # Woken, and another writer took the call first (it was between batches).
+                    self.stats.idle_wakes += woken
+                    waiter = asyncio.get_running_loop().create_future()
+                    self._idle.append(waiter)
+                    await waiter
+                    woken = True
                     continue
+                woken = False
                 # Urgent calls arriving now need not wait for this batch's commit (`_express`).
                 express = len(batch) >= EXPRESS_AFTER and not any(_is_urgent(c) for c in batch)
                 self._express_open += express
@@ -188,6 +200,7 @@ class GroupCommit:
             await urgent_ready.wait()
             urgent_ready.clear()
             if not self._express_open:
+                self.stats.idle_wakes += 1
                 continue  # the workers take urgent calls first anyway
             batch: list[_Call[Any]] = []
             while self._urgent and len(batch) < self.max_batch:
