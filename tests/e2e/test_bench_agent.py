@@ -31,6 +31,10 @@ def test_bench_agent_measures_and_answers_every_waiter(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     for figure in ("bare_provider_ms", "submit_and_wait_ms", "overhead_ms"):
         assert isinstance(result[figure]["p50"], float), result
+    # Each operation so far claimed once, and (the ledger waits for the intent's statement
+    # before deciding a claim) none found before its commit.
+    claims = {status: n for status, n in result["claims"].items() if n}
+    assert claims == {"granted": 90 + 4 * 20}, result["claims"]
     # The latency budget: every hop of both paths measured, beside floors measured in the run.
     budget = result["latency_budget"]
     floors = budget["floors_ms"]

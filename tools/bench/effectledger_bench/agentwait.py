@@ -335,6 +335,22 @@ async def _cpu_percent(pid: int, window_s: float) -> float:
     return round(100 * (last.cpu_s - first.cpu_s) / (time.perf_counter() - t), 1)
 
 
+CLAIMS = "effectledger_claims_total"
+
+
+async def claims_by_status(stack: Stack) -> dict[str, int] | None:
+    """The ledger's claims so far by reply status. Every call here has a key of its own, so a
+    `not_found` is a claim decided before its intent's statement had committed (a 20 ms nak
+    for the dispatcher: docs/design.md, "A command published with its commit")."""
+    from .pauses import scrape
+
+    got = await scrape(stack.ledger_url, (CLAIMS,))
+    if got is None:
+        return None
+    return {dict(labels)["status"]: round(v) for (name, labels), v in sorted(got.items())
+            if name == CLAIMS}
+
+
 async def measure(stack: Stack, n: int, count: int) -> dict[str, Any]:
     from . import budget
 
@@ -357,6 +373,9 @@ async def measure(stack: Stack, n: int, count: int) -> dict[str, Any]:
         # identical calls apart.
         "mcp_over_joining_client_ms": {k: round((m[k] or 0) - (j[k] or 0), 2) for k in c},
         "target": "tools_call p50 <= submit_and_wait p50 + 2 ms"}
+    # After 90 + 4 n operations, one at a time (the warm-up, the run, and three per round of
+    # `client_vs_mcp`, 20 rounds of its warm-up included).
+    result["claims"] = await claims_by_status(stack)
     # The chain's own floor (skeleton.py), interleaved with ours; its hops go in the budget.
     try:
         result["skeleton"] = await skeleton_vs_ours(stack, n, hops.setdefault("skeleton", []))

@@ -21,9 +21,10 @@ GC, LAG = "effectledger_gc_pause_seconds", "effectledger_event_loop_lag_seconds"
 WRITER = "effectledger_db_transaction_duration_seconds"
 
 
-async def scrape(base_url: str) -> Scrape | None:
-    """The histograms' samples (GC, loop lag, and on the ledger its writers' transactions),
-    or None when the service does not answer."""
+async def scrape(base_url: str, families: tuple[str, ...] = (GC, LAG, WRITER)
+                 ) -> Scrape | None:
+    """The samples of `families` (by default the histograms: GC, loop lag, and on the ledger
+    its writers' transactions), or None when the service does not answer."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -35,7 +36,7 @@ async def scrape(base_url: str) -> Scrape | None:
         return None
     out: Scrape = {}
     for family in text_string_to_metric_families(text):
-        if family.name in (GC, LAG, WRITER):
+        if family.name in families or f"{family.name}_total" in families:  # a counter's
             for s in family.samples:
                 out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
