@@ -45,7 +45,7 @@ def test_bench_quick_check_finds_no_lost_or_duplicated_effect(tmp_path: Path) ->
     out = tmp_path / "bench"
     proc = subprocess.run(
         [sys.executable, "-m", "effectledger_cli", "bench", "--quick", "--check",
-         "--no-progress", *CI_SIZES, "--out", str(out)],
+         "--no-progress", *CI_SIZES, "--rates", "0.3", "--out", str(out)],
         capture_output=True, text=True, timeout=TIME_LIMIT_S, cwd=tmp_path)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     results = json.loads((out / "results.json").read_text())
@@ -73,3 +73,10 @@ def test_bench_quick_check_finds_no_lost_or_duplicated_effect(tmp_path: Path) ->
     assert paced["rate"] == half["params"]["rate"] and paced["transactions"] > 0, paced
     assert paced["failed"] == 0 and paced["latency_ms"]["p99"] > 0, paced
     assert "paced at the half rate" in (out / "report.md").read_text()
+    # The rate sweep's one point: an open loop at 0.3 of the max rate, its floor beside it.
+    (point,) = [p for p in results["phases"] if p["scenario"] == "rate"]
+    (top,) = closed
+    assert point["params"]["share"] == 0.3 and point["succeeded"] > 0, point
+    assert point["params"]["rate"] == round(max(5.0, 0.3 * top["ops_per_s"]), 1), point
+    assert point["floor_ms"]["p99"] > 0, point
+    assert "## The rate sweep" in (out / "report.md").read_text()

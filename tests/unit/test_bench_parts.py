@@ -442,3 +442,64 @@ def test_report_shows_the_ledgers_writers_per_phase(tmp_path: Path) -> None:
     assert "group-commit writers" not in render({"phases": [{**phase("half", 1.0),
                                                              "ledger_stalls": {}}],
                                                  "peers": []}, tmp_path)
+
+
+def _sweep_phase(share: float, rate: float, p99: float, floor_p99: float | None,
+                 idle: float) -> dict[str, Any]:
+    return {"scenario": "rate", "params": {"share": share, "rate": rate, "dispatchers": 1},
+            "ops_per_s": rate - 1, "latency_ms": {"p50": p99 / 4, "p99": p99},
+            "system_cpu_ms_per_op": 3.0, "machine_cpu_share": {"idle": idle},
+            **({"floor_ms": {"p50": 4.0, "p99": floor_p99}} if floor_p99 is not None
+               else {"floor_ms": {"error": "pgbench logged no transaction"}})}
+
+
+def test_report_shows_the_rate_sweep_beside_its_floor_per_share(tmp_path: Path) -> None:
+    from effectledger_bench.sweep import rows
+
+    phases = [_sweep_phase(0.5, 200.0, 80.0, 20.0, 0.1), _sweep_phase(0.2, 80.0, 12.0, 8.0, 0.6),
+              _sweep_phase(0.2, 90.0, 16.0, None, 0.5)]  # a second repetition, no floor
+    assert rows(phases) == [
+        ["0.2", "85.0 (80.0-90.0)", "84.0 (79.0-89.0)", "3.5 (3.0-4.0)", "14.0 (12.0-16.0)",
+         "4.0", "8.0", "3.00 (3.00-3.00)", "45.0 (40.0-50.0)", "2"],
+        ["0.5", "200.0", "199.0", "20.0", "80.0", "4.0", "20.0", "3.00", "90.0", "1"]]
+    text = render({"phases": phases, "peers": []}, tmp_path)
+    assert "## The rate sweep" in text and "| 0.5 | 200.0 | 199.0 | 20.0 | 80.0 |" in text
+    assert render({"phases": [], "peers": []}, tmp_path).count("rate sweep") == 0
+
+
+def test_the_rate_sweep_is_drawn_against_the_offered_rate(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="the plots need the bench extra (matplotlib)")
+    from effectledger_bench.sweep import plot
+
+    phases = [_sweep_phase(s, 400 * s, 100 * s, 20 * s, 0.5) for s in (0.2, 0.5)]
+    assert plot(phases, tmp_path / "curve-rate.png") == "curve-rate.png"
+    assert (tmp_path / "curve-rate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot([], tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
+@pytest.mark.parametrize(("given", "shares"), [("0.5,0.2", [0.2, 0.5]), ("0.35", [0.35]),
+                                               ("0.2,0.2,1.5", [0.2, 1.5])])
+def test_rates_are_shares_of_the_max_rate(given: str, shares: list[float]) -> None:
+    import argparse
+
+    from effectledger_bench.cli import add_arguments, build_config
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    cfg = build_config(ap.parse_args(["--quick", "--rates", given, "--out", "x"]))
+    assert cfg.rate_shares == shares  # type: ignore[attr-defined]
+    assert build_config(ap.parse_args(["--quick", "--out", "x"])).rate_shares == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("given", ["0", "-0.2", "2", "half", ","])
+def test_a_share_outside_the_max_rate_is_refused_clearly(
+        given: str, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from effectledger_bench.cli import add_arguments
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--rates", given])
+    assert "--rates" in capsys.readouterr().err

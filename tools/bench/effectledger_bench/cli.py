@@ -19,6 +19,20 @@ def _ints(text: str) -> list[int]:
     return [int(x.replace("k", "000")) for x in text.split(",") if x.strip()]
 
 
+def _shares(text: str) -> list[float]:
+    """Shares of the max rate, e.g. `0.2,0.35,0.5`: each above 0 and at most 1.5."""
+    try:
+        shares = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected numbers, e.g. 0.2,0.35,0.5"
+                                         ) from exc
+    bad = [x for x in shares if not 0 < x <= 1.5]
+    if bad or not shares:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: each share must be above 0 and at most 1.5 (of the max rate)")
+    return sorted(set(shares))
+
+
 # `effectledger <name> --help` line (entry-point group effectledger.commands)
 HELP = "the benchmark: throughput, latency and cost vs the limit and peers"
 
@@ -51,6 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="skip pgbench, DBOS, Temporal and the ceiling (A/B runs of the pipeline)")
     p.add_argument("--half-rate", type=float,
                    help="ops/s of the `half` scenario instead of half the max rate (A/B runs)")
+    p.add_argument("--rates", type=_shares, metavar="SHARES",
+                   help="the rate sweep: open loops at these shares of each repetition's max "
+                        "rate, e.g. 0.2,0.35,0.5,0.65, each with pgbench paced at the same rate "
+                        "(its floor) unless --no-peers")
     p.add_argument("--service-env", action="append", default=[], metavar="NAME=VALUE",
                    help="an EFFECTLEDGER_* setting for the ledger and dispatchers (repeatable)")
     p.add_argument("--direct-processes", type=_ints,
@@ -97,6 +115,7 @@ def build_config(args: argparse.Namespace) -> object:
         "time_budget_s": args.time_budget * 60 if args.time_budget else None,
         "large_backlog": args.large_backlog, "direct_processes": args.direct_processes,
         "peer_concurrencies": args.peer_concurrency, "half_rate": args.half_rate,
+        "rate_shares": args.rates,
         "observability_rounds": args.observability_rounds,
     }
     for name, value in overrides.items():

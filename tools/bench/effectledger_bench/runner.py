@@ -64,6 +64,9 @@ class Config:
     temporal: bool = True
     peers: bool = True
     half_rate: float | None = None  # a fixed rate for `half` (A/B runs); default max / 2
+    # The rate sweep (`rate`): open loops at these shares of each repetition's max rate, each
+    # with its floor (pgbench paced at the same rate) right after it; none by default.
+    rate_shares: list[float] = field(default_factory=list)
     # EFFECTLEDGER_* settings for the ledger and the dispatchers (A/B runs of a setting).
     service_env: dict[str, str] = field(default_factory=dict)
     pgbench_s: float = 10.0
@@ -322,6 +325,24 @@ class Runner:
         load_rows = await fetch_ops(self.dsn, [ltag])
         res["load_ops"] = latency_stats(load_rows)
         self.save()
+        return res
+
+    async def sweep_point(self, lg: LoadGenerator, share: float, max_rate: float, rep: int
+                          ) -> dict[str, Any]:
+        """One point of the rate sweep: an open loop at `share` of this repetition's max rate,
+        then (with peers, on the private cluster) pgbench paced at the same rate on the same
+        disk, the latency nothing on our side could go under at that rate (`floor_ms`)."""
+        st, cfg = self.stack, self.cfg
+        rate = max(5.0, max_rate * share)
+        res = await self.open(lg, "rate", {"share": share, "dispatchers": cfg.dispatchers},
+                              rate, rep)
+        if cfg.peers and st.pg is not None and self.pgbench_script is not None:
+            floor = await asyncio.to_thread(
+                peers.pgbench_paced, st.pg.bin("pgbench"), st.pg.dsn("pgbench_limit"),
+                self.pgbench_script, rate=rate, clients=max(cfg.pgbench_clients),
+                seconds=cfg.duration_s, log_dir=st.workdir / f"pgbench-rate-r{rep}-{share}")
+            res["floor_ms"] = floor.get("latency_ms") or {"error": floor.get("error")}
+            self.save()
         return res
 
     async def run_peers(self, rep: int, max_rate: float | None, half_rate: float) -> None:
@@ -593,6 +614,8 @@ class Runner:
                 await self.open(lg, "half", {"dispatchers": cfg.dispatchers}, half, rep)
                 if cfg.peers:
                     await self.run_peers(rep, max_rate, half)
+                for share in cfg.rate_shares:
+                    await self.sweep_point(lg, share, max_rate, rep)
                 for n in cfg.replicas:
                     st.scale_dispatchers(n)
                     await self.closed(lg, "replicas", {"dispatchers": n}, rep)
