@@ -296,6 +296,19 @@ def _claim_of(payload: bytes) -> ClaimAttempt:
                         arguments_digest=command["arguments_digest"])
 
 
+async def _ended(svc: LedgerService, submit: asyncio.Task[Any], holder: asyncio.Task[None],
+                 release: asyncio.Event) -> Any:
+    """Let the holder of `_submit_while_held` end: the submit's answer, once its publishes are
+    settled."""
+    assert svc.publisher is not None
+    release.set()
+    async with asyncio.timeout(10):
+        sub = await submit
+        await holder
+        await svc.publisher.drain()
+    return sub
+
+
 async def test_a_claim_that_comes_before_its_intent_has_answered_waits_for_it(
         store: Store) -> None:
     """With two writers, a claim need not queue behind its intent's transaction: a free writer
@@ -315,9 +328,7 @@ async def test_a_claim_that_comes_before_its_intent_has_answered_waits_for_it(
         release.set()  # the holder rolls back: the statement writes, then the claim goes
         async with asyncio.timeout(10):
             reply = await claim
-            sub = await submit
-            await holder
-            await publisher.drain()
+        sub = await _ended(svc, submit, holder, release)
     finally:
         release.set()
         await svc.close()
@@ -340,11 +351,7 @@ async def test_a_claim_waits_for_its_intent_only_so_long(store: Store) -> None:
         async with asyncio.timeout(10):
             reply = await svc.claim(_claim_of(js.payloads[0]))  # the statement still waits
         assert not submit.done()
-        release.set()
-        async with asyncio.timeout(10):
-            sub = await submit
-            await holder
-            await publisher.drain()
+        sub = await _ended(svc, submit, holder, release)
     finally:
         release.set()
         await svc.close()

@@ -332,18 +332,27 @@ class Runner:
         """One point of the rate sweep: an open loop at `share` of this repetition's max rate,
         then (with peers, on the private cluster) pgbench paced at the same rate on the same
         disk, the latency nothing on our side could go under at that rate (`floor_ms`)."""
-        st, cfg = self.stack, self.cfg
+        cfg = self.cfg
         rate = max(5.0, max_rate * share)
         res = await self.open(lg, "rate", {"share": share, "dispatchers": cfg.dispatchers},
                               rate, rep)
-        if cfg.peers and st.pg is not None and self.pgbench_script is not None:
-            floor = await asyncio.to_thread(
-                peers.pgbench_paced, st.pg.bin("pgbench"), st.pg.dsn("pgbench_limit"),
-                self.pgbench_script, rate=rate, clients=max(cfg.pgbench_clients),
-                seconds=cfg.duration_s, log_dir=st.workdir / f"pgbench-rate-r{rep}-{share}")
-            res["floor_ms"] = floor.get("latency_ms") or {"error": floor.get("error")}
-            self.save()
+        if cfg.peers:
+            floor = await self.paced_floor(rate, f"pgbench-rate-r{rep}-{share}")
+            if floor is not None:
+                res["floor_ms"] = floor.get("latency_ms") or {"error": floor.get("error")}
+                self.save()
         return res
+
+    async def paced_floor(self, rate: float, log_name: str) -> dict[str, Any] | None:
+        """pgbench replaying one operation's SQL at `rate` for a phase's duration on the
+        private cluster (`peers.pgbench_paced`), its log under `log_name`; None without one."""
+        st, cfg = self.stack, self.cfg
+        if st.pg is None or self.pgbench_script is None:
+            return None
+        return await asyncio.to_thread(
+            peers.pgbench_paced, st.pg.bin("pgbench"), st.pg.dsn("pgbench_limit"),
+            self.pgbench_script, rate=rate, clients=max(cfg.pgbench_clients),
+            seconds=cfg.duration_s, log_dir=st.workdir / log_name)
 
     async def run_peers(self, rep: int, max_rate: float | None, half_rate: float) -> None:
         st, cfg = self.stack, self.cfg
@@ -351,14 +360,10 @@ class Runner:
         await self.set_latency(0)
         if st.pg is not None and self.pgbench_script is not None:
             # First, so that it sees the machine the `half` phase just saw.
-            paced_clients = max(cfg.pgbench_clients)
-            log(f"peer: pgbench paced at the half rate ({half_rate:.1f}/s), {paced_clients} "
-                f"clients, rep {rep + 1}")
-            r = await asyncio.to_thread(
-                peers.pgbench_paced, st.pg.bin("pgbench"), st.pg.dsn("pgbench_limit"),
-                self.pgbench_script, rate=half_rate, clients=paced_clients,
-                seconds=cfg.duration_s,
-                log_dir=st.workdir / f"pgbench-paced-r{rep}")
+            log(f"peer: pgbench paced at the half rate ({half_rate:.1f}/s), "
+                f"{max(cfg.pgbench_clients)} clients, rep {rep + 1}")
+            r = await self.paced_floor(half_rate, f"pgbench-paced-r{rep}")
+            assert r is not None  # the cluster and the script are there
             self.add_peer("pgbench_paced", rep, r)
         assert st.catalog_path is not None
         for procs in self.peer_settings("no_durability", cfg.direct_processes, rep):
