@@ -22,6 +22,7 @@ from effectledger_core.messages import (
     WebhookReceived,
     parse,
 )
+from effectledger_ledger.db.outbox import lease_batch_txn, mark_published_txn, sweep_unclaimed_txn
 from effectledger_ledger.db.resolution import Recorded
 from effectledger_ledger.db.schema import operations, outbox, webhook_events
 from effectledger_ledger.db.store import Store
@@ -115,6 +116,48 @@ async def test_each_verdict_is_journaled_as_what_it_says(
     assert (entry["detail"]["verdict"], entry["to_state"]) == (verdict, to_state)
     for other in set(kinds.values()) - {kinds[verdict]}:
         assert await led.entries(op_id, other) == [], other
+
+
+@pytest.mark.parametrize("published", [False, True])
+@pytest.mark.parametrize("verdict", ["applied", "not_applied", "undecidable"])
+async def test_a_verdict_answers_its_reconcile_command_even_before_the_publish_ack(
+        store: Store, verdict: Literal["applied", "not_applied", "undecidable"],
+        published: bool) -> None:
+    """A verdict consumes its epoch's reconcile command whether or not the relay has marked
+    it published yet (a webhook can settle an operation within the publish's round trip): a
+    row left behind stayed `published` with nothing to answer it until the sweeper's
+    reconcile horizon (15 minutes by default), counted as backlog all that time. The relay's
+    later mark leaves the consumed row alone, and no sweep brings it back."""
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.ambiguous(op_id)
+    leased = await store.run(lease_batch_txn, now=NOW, limit=100, lease_s=30)
+    [row] = await led.outbox_rows(op_id, "reconcile")
+    assert row["id"] in {i.id for i in leased} and row["status"] == "publishing"
+    if published:
+        assert await store.run(mark_published_txn, [row["id"]], now=NOW) == 1
+    await led.verdict(op_id, verdict)
+    assert [r["status"] for r in await led.outbox_rows(op_id, "reconcile")] == ["consumed"]
+    assert await store.run(mark_published_txn, [row["id"]], now=NOW) == 0
+    far = NOW + timedelta(days=1)
+    assert await store.run(sweep_unclaimed_txn, now=far, older_than_s=60,
+                           kind="reconcile") == 0
+    assert [r["status"] for r in await led.outbox_rows(op_id, "reconcile")] == ["consumed"]
+
+
+async def test_a_verdict_leaves_a_queued_reconcile_command_of_another_epoch_alone(
+        store: Store) -> None:
+    """Only the verdict's own epoch's command is answered: one for a later epoch (ambiguous
+    again after a retry) is still wanted."""
+    led = Ledger(store)
+    op_id = await led.submit()
+    await led.ambiguous(op_id)
+    assert (await led.verdict(op_id, "not_applied")).to_state == "pending"
+    await led.ambiguous(op_id, 2)
+    assert await led.verdict(op_id, "applied", epoch=1) == Recorded(
+        "rejected", reason="stale_epoch")
+    rows = await led.outbox_rows(op_id, "reconcile")
+    assert [(r["epoch"], r["status"]) for r in rows] == [(1, "consumed"), (2, "pending")]
 
 
 async def test_not_applied_verdict_retries_under_policy_with_the_same_key(

@@ -416,6 +416,9 @@ RELEASE_CALL_IDENTITY = operations.update().where(
 _INSERT_OUTBOX = outbox.insert()
 
 
+_LIVE = sorted(s.value for s in OUTBOX_LIVE)
+
+
 async def _simple_effects(conn: AsyncConnection, items: Sequence[tuple[Change, Causes]]
                           ) -> None:
     consume: list[dict[str, Any]] = []
@@ -423,17 +426,21 @@ async def _simple_effects(conn: AsyncConnection, items: Sequence[tuple[Change, C
         if Effect.CONSUME_DISPATCH in causes.effects:
             consume.append({"b_id": change.operation_id, "b_epoch": change.epoch})
         if Effect.CONSUME_RECONCILE in causes.effects:
-            # Only a published command is answered; one still queued goes out and is then
-            # answered by the epoch fence (kept as it always was).
+            # Whatever its status, as a claim consumes its dispatch command: a webhook can
+            # settle the operation while the command's publish is still in flight, and a row
+            # marked published after that had nothing left to answer it but the sweeper's
+            # reconcile horizon (15 minutes by default). The relay's mark only moves rows
+            # still `publishing`, so it leaves this one alone; a copy already out is answered
+            # by the epoch fence in the reconciler, as before.
             await conn.execute(outbox.update().where(
                 outbox.c.operation_id == change.operation_id, outbox.c.epoch == change.epoch,
                 outbox.c.kind == OutboxKind.RECONCILE.value,
-                on_the_row(outbox.c.status == OutboxStatus.PUBLISHED.value))
+                on_the_row(outbox.c.status.in_(_LIVE)))
                 .values(status=OutboxStatus.CONSUMED.value))
         if Effect.OBSOLETE_COMMANDS in causes.effects:
             await conn.execute(outbox.update().where(
                 outbox.c.operation_id == change.operation_id,
-                on_the_row(outbox.c.status.in_([s.value for s in OUTBOX_LIVE])))
+                on_the_row(outbox.c.status.in_(_LIVE)))
                 .values(status=OutboxStatus.OBSOLETE.value))
     await execute_rows(conn, _CONSUME_DISPATCH, consume, row_key=("b_id", "b_epoch"))
 
