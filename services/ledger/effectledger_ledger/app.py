@@ -31,6 +31,7 @@ from .db.warmup import warm
 from .gauges import DbGauges
 from .messaging import build_inbox, serve_requests
 from .migrate import upgrade_when_reachable
+from .peers import Peers
 from .relay import DirectPublisher, Relay, Sweeper, listen_notify, stream_position
 from .service import LedgerService
 
@@ -64,6 +65,11 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     plane = NatsPlane(settings, service, store)
     plane_task = asyncio.create_task(plane.run(), name="nats-plane")
     janitor = asyncio.create_task(_janitor(store, settings), name="janitor")
+    # Another replica's commit wakes this one's waits at once, not at the re-check (peers.py;
+    # nothing runs on SQLite, and nothing is sent while this ledger is alone).
+    peers = Peers(store, service.waiters, deployment=settings.subjects.prefix)
+    service.commit_hooks.append(peers.committed)
+    peers_task = asyncio.create_task(peers.run(), name="peers")
 
     async def ready() -> dict[str, bool]:
         return {"database": await store.ping(), "nats": plane.nc.is_connected,
@@ -83,7 +89,7 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
         await server.serve()
     finally:
         watcher.cancel()
-        for t in (plane_task, janitor):
+        for t in (plane_task, janitor, peers_task):
             t.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t

@@ -52,8 +52,8 @@ from .db.claims import ClaimCall
 from .db.intents import SubmitCall, Submitted
 from .db.outcomes import OutcomeCall, record_dead_letter_txn
 from .db.resolution import record_verdict_txn, record_webhook_txn
-from .db.rows import OperationRow, Recorded
-from .db.store import Store
+from .db.rows import JournalRow, OperationRow, Recorded
+from .db.store import OnCommit, Store
 from .db.watch import states_of
 from .observe import Observer, keep_trace_txn
 from .waiters import Waiters
@@ -104,8 +104,15 @@ class LedgerService:
         self.writes = GroupCommit(self.store, name="ledger", max_batch=self.batch_max,
                                   workers=workers)
         self.waiters = Waiters(self._states_of, recheck_s=self.wait_recheck_s)
-        self.store.on_commit = self.observer.committed
+        # What sees every committed transition: the observer, and (with PostgreSQL, from
+        # app.py) the announcements to the other replicas' waits (peers.py).
+        self.commit_hooks: list[OnCommit] = [self.observer.committed]
+        self.store.on_commit = self._committed
         metrics.RETRY_BUDGET_TOKENS.set_function(lambda: self.budget.tokens)
+
+    def _committed(self, rows: list[JournalRow]) -> None:
+        for hook in self.commit_hooks:
+            hook(rows)
 
     async def close(self) -> None:
         await self.waiters.close()
