@@ -33,6 +33,17 @@ def new_id() -> str:
     return f"{value:032x}"
 
 
+def id_unix_ms(value: str) -> int | None:
+    """The Unix milliseconds a `new_id` was made at; None for any other string (ids made
+    elsewhere, such as a test's counted ids, or a forger's)."""
+    if len(value) != 32 or value[12] != "7":
+        return None
+    try:
+        return int(value[:12], 16)
+    except ValueError:
+        return None
+
+
 def utcnow() -> datetime:
     return datetime.now(UTC)
 

@@ -223,6 +223,9 @@ async def test_a_command_whose_statement_wrote_nothing_is_refused_at_its_claim(
     assert (sub.created, sub.operation["id"]) == (False, "op-holder")
     assert stray["operation_id"] not in await _operation_ids(store)
     assert reply.status is ClaimStatus.NOT_FOUND
+    # Its id is young, but this ledger knows its statement wrote nothing: not asked again as
+    # an intent another replica may be committing (service.py, `_committing_elsewhere`).
+    assert svc.claims_asked_again == 0
     [row] = await outbox_rows(store)  # the holder's own row only, untouched by the publisher
     assert (row["id"], row["status"], row["stream_seq"]) == ("ob-holder", "pending", None)
     assert svc.publisher.published == 0 and not svc.publisher._written

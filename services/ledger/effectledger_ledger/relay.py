@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 # far longer than a commit (a WAL flush stalls for tens of milliseconds here), shorter than a
 # dispatcher's claim request (`claim_timeout_s`, 5 s).
 CLAIM_WAIT_S = 1.0
+# How many operations handed over early `DirectPublisher.handed_over` remembers once answered:
+# a claim comes within milliseconds of its command, so a few seconds' worth at any rate.
+HANDED_OVER_KEPT = 4096
 
 
 async def publish_item(js: JetStreamContext, item: OutboxItem, timeout_s: float) -> int:
@@ -180,6 +184,8 @@ class DirectPublisher:
         self._written: dict[str, asyncio.Future[bool]] = {}
         # The same futures by operation (id, epoch), only until they are done (see `answered`).
         self._unanswered: dict[tuple[str, int], asyncio.Future[bool]] = {}
+        # The same operations once answered, the latest HANDED_OVER_KEPT (see `handed_over`).
+        self._answered_ops: OrderedDict[tuple[str, int], None] = OrderedDict()
         self.claim_wait_s = CLAIM_WAIT_S
         self.claims_waiting = 0  # claims in `answered` now
         self.claims_waited = 0  # claims that found their intent's statement unanswered
@@ -231,6 +237,18 @@ class DirectPublisher:
     def _answered(self, operation: tuple[str, int], done: asyncio.Future[bool]) -> None:
         if self._unanswered.get(operation) is done:  # not a replay's, handed over since
             del self._unanswered[operation]
+        self._answered_ops[operation] = None
+        self._answered_ops.move_to_end(operation)
+        if len(self._answered_ops) > HANDED_OVER_KEPT:
+            self._answered_ops.popitem(last=False)
+
+    def handed_over(self, operation_id: str, epoch: int) -> bool:
+        """Whether this ledger handed over that operation's command `early` (lately: the
+        last HANDED_OVER_KEPT answered, and any not answered yet). Its claim has then waited
+        for the statement in `answered`, and a `not_found` after that is final: the statement
+        wrote nothing (a retried key)."""
+        operation = (operation_id, epoch)
+        return operation in self._unanswered or operation in self._answered_ops
 
     async def answered(self, operation_id: str, epoch: int) -> None:
         """Return once the statement writing this operation, if its command was handed over

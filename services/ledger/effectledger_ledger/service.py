@@ -6,6 +6,7 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ from effectledger_core.config import default_batch_workers
 from effectledger_core.crash import crash_point
 from effectledger_core.errors import EffectLedgerError, NotFound, UnknownTool
 from effectledger_core.failures import Failure
-from effectledger_core.ids import Clock, IdFactory, new_id, utcnow
+from effectledger_core.ids import Clock, IdFactory, id_unix_ms, new_id, utcnow
 from effectledger_core.messages import (
     ClaimAttempt,
     ClaimReply,
@@ -64,6 +65,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # The consumers that record dead letters (a label must not take a message's free text).
 DEAD_LETTER_CONSUMERS = frozenset({"ledger-inbox", "dispatcher", "reconciler"})
+# A claim not found for an operation whose id was made less than this long ago (by any
+# replica's clock: skew beyond it only forgoes the second look) is asked again after each of
+# these delays before `not_found` goes back: another replica may be committing its intent
+# (docs/design.md, "A command published with its commit"). Far below the dispatcher's 20 ms
+# nak, which follows a `not_found` answer.
+YOUNG_ID_MS = 1000
+NOT_FOUND_AGAIN_S = (0.002, 0.006)
 # States an outcome leaves with a new outbox command (reconcile, or a retry's dispatch).
 _NEW_COMMAND = frozenset({State.AMBIGUOUS.value, State.PENDING.value})
 
@@ -97,6 +105,10 @@ class LedgerService:
     rates: TenantRates = field(init=False)
     # Counts, times and logs committed transitions (observe.py), fed by the store.
     observer: Observer = field(default_factory=Observer)
+    # The pause before a claim not found is asked again (injected: a test lets another
+    # replica commit there).
+    sleep: Callable[[float], Awaitable[None]] = field(default_factory=lambda: asyncio.sleep)
+    claims_asked_again: int = 0  # claims not found at first for a young operation (see `claim`)
 
     def __post_init__(self) -> None:
         self.rates = TenantRates(self.quotas.rate_per_s, self.quotas.burst)
@@ -215,19 +227,44 @@ class LedgerService:
         traceparent = tracing.current_traceparent()
         if self.publisher is not None:  # its command may be out before its intent's commit
             await self.publisher.answered(claim.operation_id, claim.epoch)
+        reply = await self._decide_claim(claim, traceparent)
+        if reply.status is ClaimStatus.NOT_FOUND and self._committing_elsewhere(claim):
+            # Another replica's intent, published with its commit: its commit is likely a
+            # moment away. Asked again here, a few milliseconds later, rather than answered
+            # now and asked again by the dispatcher 20 ms later after a nak and a redelivery.
+            self.claims_asked_again += 1
+            for delay_s in NOT_FOUND_AGAIN_S:
+                await self.sleep(delay_s)
+                reply = await self._decide_claim(claim, traceparent)
+                if reply.status is not ClaimStatus.NOT_FOUND:
+                    break
+        metrics.child(metrics.CLAIMS, reply.status.value).inc()
+        if reply.status is ClaimStatus.GRANTED:
+            self.waiters.changed(claim.operation_id, State.IN_FLIGHT)
+            if self.publisher is not None:
+                self.publisher.consumed(claim.operation_id, claim.epoch)
+        return reply
+
+    async def _decide_claim(self, claim: ClaimAttempt, traceparent: str | None) -> ClaimReply:
         for _ in range(3):
             try:
-                reply = await self.writes.call(ClaimCall(claim, now=self.clock(),
-                                                         traceparent=traceparent))
-                metrics.child(metrics.CLAIMS, reply.status.value).inc()
-                if reply.status is ClaimStatus.GRANTED:
-                    self.waiters.changed(claim.operation_id, State.IN_FLIGHT)
-                    if self.publisher is not None:
-                        self.publisher.consumed(claim.operation_id, claim.epoch)
-                return reply
+                return await self.writes.call(ClaimCall(claim, now=self.clock(),
+                                                        traceparent=traceparent))
             except IntegrityError:
                 continue  # a concurrent claim for this epoch won; re-read answers "already"
         raise RuntimeError("claim kept conflicting")
+
+    def _committing_elsewhere(self, claim: ClaimAttempt) -> bool:
+        """Whether the claim's operation may be an intent another replica is committing
+        now: its id was made moments ago (ids are UUIDv7), and not by an intent this replica
+        handed over (whose statement `answered` has already waited for: one that wrote
+        nothing is a retried key's command, which will never be found)."""
+        made = id_unix_ms(claim.operation_id)
+        # The wall clock the id was made with (`new_id`), not the injected one.
+        if made is None or abs(time.time() * 1000 - made) > YOUNG_ID_MS:
+            return False
+        return self.publisher is None or not self.publisher.handed_over(claim.operation_id,
+                                                                        claim.epoch)
 
     async def record_outcome(self, outcome: Outcome, *, consumer: str,
                              message_id: str) -> Recorded:

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -338,20 +339,28 @@ async def _cpu_percent(pid: int, window_s: float) -> float:
 CLAIMS = "effectledger_claims_total"
 
 
-async def claims_by_status(stack: Stack) -> dict[str, int] | None:
-    """The ledger's claims so far by reply status. Every call here has a key of its own, so a
-    `not_found` is a claim decided before its intent's statement had committed (a 20 ms nak
-    for the dispatcher: docs/design.md, "A command published with its commit")."""
+async def claims_by_status(stack: Stack, replicas: Sequence[str] = ()) -> dict[str, int] | None:
+    """The ledgers' claims so far by reply status (summed over the replicas). Every call here
+    has a key of its own, so a `not_found` is a claim decided before its intent's statement
+    had committed (a 20 ms nak for the dispatcher: docs/design.md, "A command published with
+    its commit")."""
     from .pauses import scrape
 
-    got = await scrape(stack.ledger_url, (CLAIMS,))
-    if got is None:
-        return None
-    return {dict(labels)["status"]: round(v) for (name, labels), v in sorted(got.items())
-            if name == CLAIMS}
+    out: dict[str, int] = {}
+    for url in (stack.ledger_url, *replicas):
+        got = await scrape(url, (CLAIMS,))
+        if got is None:
+            return None
+        for (name, labels), v in got.items():
+            if name == CLAIMS:
+                status = dict(labels)["status"]
+                out[status] = out.get(status, 0) + round(v)
+    return dict(sorted(out.items()))
 
 
-async def measure(stack: Stack, n: int, count: int) -> dict[str, Any]:
+async def measure(stack: Stack, n: int, count: int, replicas: Sequence[str] = ()
+                  ) -> dict[str, Any]:
+    """`replicas`: the URLs of ledger replicas beside the first, which every call goes to."""
     from . import budget
 
     await submit_and_wait(stack, 30, "warm")
@@ -375,7 +384,8 @@ async def measure(stack: Stack, n: int, count: int) -> dict[str, Any]:
         "target": "tools_call p50 <= submit_and_wait p50 + 2 ms"}
     # After 90 + 4 n operations, one at a time (the warm-up, the run, and three per round of
     # `client_vs_mcp`, 20 rounds of its warm-up included).
-    result["claims"] = await claims_by_status(stack)
+    result["claims"] = await claims_by_status(stack, replicas)
+    result["ledgers"] = 1 + len(replicas)
     # The chain's own floor (skeleton.py), interleaved with ours; its hops go in the budget.
     try:
         result["skeleton"] = await skeleton_vs_ours(stack, n, hops.setdefault("skeleton", []))
@@ -408,6 +418,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--database-url", help="use this PostgreSQL (default: a private one)")
     ap.add_argument("--nats-url", help="use this NATS (default: a private nats-server)")
     ap.add_argument("--out", type=Path, help="also write the JSON document here")
+    ap.add_argument("--ledgers", type=int, default=1, choices=range(1, 6), metavar="N",
+                    help="ledger replicas on the one database (default 1; the Kubernetes "
+                         "base runs 2): the calls go to the first, any may settle them")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -419,7 +432,8 @@ def run(args: argparse.Namespace) -> int:
                       ledger_env={"EFFECTLEDGER_WAIT_MAX_S": "900"})
         try:
             stack.start(dispatchers=1)
-            result = asyncio.run(measure(stack, args.n, args.waiters))
+            replicas = [stack.start_replica(i) for i in range(2, args.ledgers + 1)]
+            result = asyncio.run(measure(stack, args.n, args.waiters, replicas))
         finally:
             stack.close()
     text = json.dumps(result, indent=2)

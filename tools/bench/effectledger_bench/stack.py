@@ -189,6 +189,17 @@ class Stack:
         # only once its NATS side runs (plain /readyz holds as soon as the database answers).
         self._wait_http(svc, f"{self.ledger_url}/readyz/relay", timeout=90 * self.slow_start)
 
+    def start_replica(self, index: int) -> str:
+        """Ledger replica `index` (2, 3, …) beside the first, on the same database and broker,
+        as the Kubernetes base runs two; its URL. The load still goes to the first."""
+        port = free_port()
+        name = f"ledger-{index}"
+        svc = self._spawn(name, "ledger", ["ledger"],
+                          self.env({**self.ledger_env, "EFFECTLEDGER_LEDGER_PORT": str(port)}))
+        url = f"http://127.0.0.1:{port}"
+        self._wait_http(svc, f"{url}/readyz/relay", timeout=90 * self.slow_start)
+        return url
+
     def start_dispatcher(self, index: int) -> None:
         name = f"dispatcher-{index}"
         # Its health port serves /metrics: its loop lag and GC pauses are the tail's evidence.

@@ -1,5 +1,6 @@
-"""Waits woken by another replica's commits (peers.py), on PostgreSQL: two ledger replicas on
-one database, the wait on one, the outcome recorded by the other."""
+"""Two ledger replicas on one PostgreSQL database: a wait on one ends on the other's commit
+(peers.py), and a claim that reaches one before the other's intent has committed is asked
+again rather than answered `not_found` (service.py, `LedgerService.claim`)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from typing import Any
 
 import pytest
 
-from effectledger_core.messages import AttemptSucceeded
+from effectledger_core.ids import new_id
+from effectledger_core.messages import AttemptSucceeded, ClaimAttempt, ClaimStatus
 from effectledger_ledger.db.store import Store
 from effectledger_ledger.peers import CHANNEL, Peers
+from effectledger_ledger.service import NOT_FOUND_AGAIN_S
 from tests.support.cluster import wait_until
 from tests.support.ledger import DEMO, LedgerDriver
 
@@ -130,3 +133,49 @@ async def _raw(store: Store) -> Any:
 
     return await asyncpg.connect(
         store.url.set(drivername="postgresql").render_as_string(hide_password=False))
+
+
+async def test_a_claim_ahead_of_the_other_replicas_commit_is_asked_again(
+        pair: list[tuple[Ledger, Peers]]) -> None:
+    """The dispatcher's claim reaches replica B while replica A's intent, whose command went
+    out with its statement, has not committed yet: B finds nothing, and asks again a few
+    milliseconds later (the pause is where A commits here) instead of answering `not_found`,
+    which costs the dispatcher a 20 ms nak."""
+    (a, _), (b, _) = pair
+    op_id = new_id()
+    made = iter([op_id])
+    a.svc.ids = lambda: next(made, None) or new_id()
+    pauses: list[float] = []
+
+    async def a_commits_meanwhile(delay_s: float) -> None:
+        pauses.append(delay_s)
+        if len(pauses) == 1:
+            assert await a.submit(title="t") == op_id
+
+    b.svc.sleep = a_commits_meanwhile
+    reply = await b.svc.claim(ClaimAttempt(operation_id=op_id, epoch=1, attempt_id="at1",
+                                           dispatcher_id="d1"))
+    assert reply.status is ClaimStatus.GRANTED, reply
+    assert b.svc.claims_asked_again == 1 and len(pauses) == 1
+
+
+async def test_a_claim_for_an_old_or_foreign_id_is_answered_at_once(
+        pair: list[tuple[Ledger, Peers]]) -> None:
+    """Only a young id (made within YOUNG_ID_MS) may still be committing: an older one, or an
+    id not made by `new_id`, is `not_found` at once, and a young one that never appears is
+    `not_found` after the pauses, no later."""
+    (_, _), (b, _) = pair
+    pauses: list[float] = []
+
+    async def note(delay_s: float) -> None:
+        pauses.append(delay_s)
+
+    b.svc.sleep = note
+    young = new_id()
+    old = f"{int(young[:12], 16) - 60_000:012x}{young[12:]}"
+    for op_id, asked in ((old, 0), ("counted-id-7", 0), (young, 1)):
+        reply = await b.svc.claim(ClaimAttempt(operation_id=op_id, epoch=1, attempt_id="at1",
+                                               dispatcher_id="d1"))
+        assert reply.status is ClaimStatus.NOT_FOUND, (op_id, reply)
+        assert b.svc.claims_asked_again == asked, op_id
+    assert pauses == list(NOT_FOUND_AGAIN_S)
