@@ -89,6 +89,11 @@ LATENCY_UNTRACKED = Counter(
 CLAIMS = Counter(
     "effectledger_claims_total", "Claim requests answered by the ledger, by reply status.",
     ["status"])
+CLAIMS_ASKED_AGAIN = Counter(
+    "effectledger_claims_asked_again_total",
+    "Claims not found at first for an operation made under a second ago, asked again by the "
+    "ledger in case another replica was committing it, by what the last look answered.",
+    ["status"])
 OUTCOMES = Counter(
     "effectledger_outcomes_total",
     "Attempt outcomes the ledger's inbox handled (from the stream or by request), by outcome "

@@ -238,6 +238,7 @@ class LedgerService:
                 reply = await self._decide_claim(claim, traceparent)
                 if reply.status is not ClaimStatus.NOT_FOUND:
                     break
+            metrics.child(metrics.CLAIMS_ASKED_AGAIN, reply.status.value).inc()
         metrics.child(metrics.CLAIMS, reply.status.value).inc()
         if reply.status is ClaimStatus.GRANTED:
             self.waiters.changed(claim.operation_id, State.IN_FLIGHT)

@@ -337,9 +337,11 @@ async def _cpu_percent(pid: int, window_s: float) -> float:
 
 
 CLAIMS = "effectledger_claims_total"
+CLAIMS_ASKED_AGAIN = "effectledger_claims_asked_again_total"
 
 
-async def claims_by_status(stack: Stack, replicas: Sequence[str] = ()) -> dict[str, int] | None:
+async def claims_by_status(stack: Stack, replicas: Sequence[str] = (), *,
+                           family: str = CLAIMS) -> dict[str, int] | None:
     """The ledgers' claims so far by reply status (summed over the replicas). Every call here
     has a key of its own, so a `not_found` is a claim decided before its intent's statement
     had committed (a 20 ms nak for the dispatcher: docs/design.md, "A command published with
@@ -348,11 +350,11 @@ async def claims_by_status(stack: Stack, replicas: Sequence[str] = ()) -> dict[s
 
     out: dict[str, int] = {}
     for url in (stack.ledger_url, *replicas):
-        got = await scrape(url, (CLAIMS,))
+        got = await scrape(url, (family,))
         if got is None:
             return None
         for (name, labels), v in got.items():
-            if name == CLAIMS:
+            if name == family:
                 status = dict(labels)["status"]
                 out[status] = out.get(status, 0) + round(v)
     return dict(sorted(out.items()))
@@ -385,6 +387,9 @@ async def measure(stack: Stack, n: int, count: int, replicas: Sequence[str] = ()
     # After 90 + 4 n operations, one at a time (the warm-up, the run, and three per round of
     # `client_vs_mcp`, 20 rounds of its warm-up included).
     result["claims"] = await claims_by_status(stack, replicas)
+    # Of those, not found at first and asked again by the ledger (another replica's intent).
+    result["claims_asked_again"] = await claims_by_status(stack, replicas,
+                                                          family=CLAIMS_ASKED_AGAIN)
     result["ledgers"] = 1 + len(replicas)
     # The chain's own floor (skeleton.py), interleaved with ours; its hops go in the budget.
     try:
