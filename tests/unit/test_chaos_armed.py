@@ -23,6 +23,8 @@ class FakeProcess:
 class FakeService:
     """A process that dies at `dies_at` (runner time), between two of the runner's looks."""
 
+    kind = "dispatcher"
+
     def __init__(self, runner: FaultRunner, dies_at: float) -> None:
         self.runner, self.dies_at = runner, dies_at
         self.current = FakeProcess()
@@ -36,10 +38,22 @@ class FakeService:
         return True
 
 
+class FakeLedger:
+    kind = "ledger"
+
+    def __init__(self) -> None:
+        self.up = True
+
+    def ready(self) -> bool:
+        return self.up
+
+
 class FakeStack:
     def __init__(self) -> None:
         self.exits: list[Any] = []
         self.down = False
+        self.ledger = FakeLedger()
+        self.services: dict[str, Any] = {"ledger": self.ledger}
 
     def record_exit(self, s: Any) -> None:
         self.exits.append(s)
@@ -140,3 +154,23 @@ async def test_traffic_between_quiet_looks_starts_the_calm_again(
     rec: dict[str, Any] = {"armed_listening_at": runner.now()}
     assert await asyncio.wait_for(runner._wait_armed(cast(Any, service), rec), 5)
     assert "not_reached" not in rec
+
+
+async def test_a_dispatchers_window_does_not_count_while_no_ledger_is_ready(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every dispatcher crash point comes after a claim the ledger grants: while the ledger
+    restarts, the armed window stands still (it ran out during a chain of ledger restarts
+    in CI, with nothing tried), and it counts again once a ledger is ready."""
+    monkeypatch.setattr(faults, "ARMED_TIMEOUT_S", 0.3)
+    stack = FakeStack()
+    stack.ledger.up = False
+    runner = FaultRunner(cast(Stack, stack), cast(Schedule, None), log=lambda _m: None)
+    runner.phase_start = asyncio.get_running_loop().time() - 100.0
+    service = FakeService(runner, dies_at=runner.now() + 1000.0)
+    waiting = asyncio.create_task(runner._wait_armed(cast(Any, service), {}))
+    with pytest.raises(TimeoutError):  # three windows' worth with the ledger down: still armed
+        await asyncio.wait_for(asyncio.shield(waiting), 0.9)
+    stack.ledger.up = True
+    back = time.monotonic()
+    assert not await asyncio.wait_for(waiting, 5)  # not reached, once its window has run
+    assert time.monotonic() - back >= 0.15  # two looks at least: counted from the return
