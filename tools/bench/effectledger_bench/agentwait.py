@@ -362,7 +362,7 @@ async def claims_by_status(stack: Stack, replicas: Sequence[str] = (), *,
 
 async def measure(stack: Stack, n: int, count: int, replicas: Sequence[str] = ()
                   ) -> dict[str, Any]:
-    """`replicas`: the URLs of ledger replicas beside the first, which every call goes to."""
+    """`replicas`: the URLs of ledger replicas beside the first (every call goes to the first)."""
     from . import budget
 
     await submit_and_wait(stack, 30, "warm")
