@@ -179,3 +179,24 @@ async def test_a_claim_for_an_old_or_foreign_id_is_answered_at_once(
         assert reply.status is ClaimStatus.NOT_FOUND, (op_id, reply)
         assert b.svc.claims_asked_again == asked, op_id
     assert pauses == list(NOT_FOUND_AGAIN_S)
+
+
+async def test_the_listening_connection_wakes_the_relay_on_any_replicas_outbox_notify(
+        pg_store: Store) -> None:
+    """The one listening connection also serves the relay: an outbox NOTIFY (another
+    replica's new rows) sets its wake-up, as the relay's own listener did."""
+    led = Ledger(pg_store)
+    wake = asyncio.Event()
+    peers = Peers(pg_store, led.svc.waiters, deployment=f"t{secrets.token_hex(4)}",
+                  look_s=0.1, outbox_wake=wake)
+    task = asyncio.create_task(peers.run())
+    conn: Any = await _raw(pg_store)
+    try:
+        await wait_until(lambda: peers.looks >= 1, 30, what="listening")
+        wake.clear()  # set once on connecting (catch-up)
+        await conn.execute("SELECT pg_notify('effectledger_outbox', '')")
+        await asyncio.wait_for(wake.wait(), 10)
+    finally:
+        await conn.close()
+        await _stop(task)
+        await led.svc.close()

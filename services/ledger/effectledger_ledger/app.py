@@ -32,7 +32,7 @@ from .gauges import DbGauges
 from .messaging import build_inbox, serve_requests
 from .migrate import upgrade_when_reachable
 from .peers import Peers
-from .relay import DirectPublisher, Relay, Sweeper, listen_notify, stream_position
+from .relay import DirectPublisher, Relay, Sweeper, stream_position
 from .service import LedgerService
 
 log = logging.getLogger("effectledger.ledger")
@@ -65,9 +65,11 @@ async def serve(settings: Settings, *, started: asyncio.Event | None = None) -> 
     plane = NatsPlane(settings, service, store)
     plane_task = asyncio.create_task(plane.run(), name="nats-plane")
     janitor = asyncio.create_task(_janitor(store, settings), name="janitor")
-    # Another replica's commit wakes this one's waits at once, not at the re-check (peers.py;
-    # nothing runs on SQLite, and nothing is sent while this ledger is alone).
-    peers = Peers(store, service.waiters, deployment=settings.subjects.prefix)
+    # The ledger's one listening connection (peers.py; none on SQLite): any replica's new
+    # outbox rows wake the relay, and another replica's commit wakes this one's waits at once,
+    # not at the re-check (nothing is sent while this ledger is alone).
+    peers = Peers(store, service.waiters, deployment=settings.subjects.prefix,
+                  outbox_wake=service.outbox_wake)
     service.commit_hooks.append(peers.committed)
     peers_task = asyncio.create_task(peers.run(), name="peers")
 
@@ -111,9 +113,8 @@ class NatsPlane:
         self.requests: RequestServer | None = None
 
     def relay_running(self) -> bool:
-        """The relay and the sweeper started and neither ended (the NOTIFY listener ends at
-        once on SQLite, which has no NOTIFY, so it is not counted)."""
-        return bool(self.tasks) and not any(t.done() for t in self.tasks[:2])
+        """The relay and the sweeper started and neither ended."""
+        return bool(self.tasks) and not any(t.done() for t in self.tasks)
 
     async def run(self) -> None:
         try:
@@ -150,9 +151,7 @@ class NatsPlane:
                           repair_lost_outcomes=lambda: service.repair_lost_outcomes(
                               settings.lost_outcome_after_s))
         self.tasks = [asyncio.create_task(relay.run(), name="relay"),
-                      asyncio.create_task(sweeper.run(), name="sweeper"),
-                      asyncio.create_task(listen_notify(store, service.outbox_wake),
-                                          name="listen")]
+                      asyncio.create_task(sweeper.run(), name="sweeper")]
         service.outbox_wake.set()  # what was accepted while NATS was away goes out now
         log.info("ledger connected to NATS: relay, inbox and request-reply running")
 

@@ -17,6 +17,9 @@ the waits it holds on those ids, which read the state themselves: the payload is
 never a state, so a forged or stale one costs a read and changes nothing. A replica ignores
 its own announcements. Whatever a lost connection or a late look misses, the re-check still
 catches.
+
+The same connection listens for new outbox rows, which wake the relay (the count every
+`PEER_LOOK_S` doubles as its liveness check); a lost connection leaves the relay its poll.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from .waiters import Waiters
 log = logging.getLogger(__name__)
 
 CHANNEL = "effectledger_settled"
+OUTBOX_CHANNEL = "effectledger_outbox"  # new outbox rows, any replica's (db/store.py's NOTIFY)
 PEER_LOOK_S = 5.0  # how often the listening connection counts the deployment's other replicas
 RETRY_S = 2.0  # after a lost connection
 # PostgreSQL refuses a payload of 8000 bytes or more: ids (32 hex digits and a comma) go out in
@@ -73,8 +77,11 @@ class Peers:
     """One replica's side: count the peers, announce settled operations, wake local waits."""
 
     def __init__(self, store: Store, waiters: Waiters, *, deployment: str,
-                 look_s: float = PEER_LOOK_S) -> None:
+                 look_s: float = PEER_LOOK_S, outbox_wake: asyncio.Event | None = None) -> None:
         self.store, self.waiters, self.look_s = store, waiters, look_s
+        # The relay's wake-up, set on any replica's outbox NOTIFY: the same connection
+        # listens for both, so a ledger holds one listening connection, not two.
+        self.outbox_wake = outbox_wake
         # The listening connection's name: PostgreSQL keeps at most 63 bytes of it.
         self.app_name = f"effectledger-ledger {deployment}"[:63]
         self.tag = secrets.token_hex(8)  # this process: its own notifications come back too
@@ -101,6 +108,10 @@ class Peers:
                 self.woken += 1
                 self.waiters.changed(op_id)  # no state: each wait reads it
 
+    def _on_outbox(self, *_: Any) -> None:
+        assert self.outbox_wake is not None
+        self.outbox_wake.set()
+
     async def run(self) -> None:
         """Listen and send until cancelled; reconnects after a lost connection."""
         if not self.store.is_postgres:
@@ -114,6 +125,9 @@ class Peers:
                 conn = await asyncpg.connect(dsn, server_settings={
                     "application_name": self.app_name})
                 await conn.add_listener(CHANNEL, self._on_notify)
+                if self.outbox_wake is not None:
+                    await conn.add_listener(OUTBOX_CHANNEL, self._on_outbox)
+                    self.outbox_wake.set()  # catch up on what was committed while not listening
                 await self._serve(conn)
             except asyncio.CancelledError:
                 raise

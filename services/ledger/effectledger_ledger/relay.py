@@ -434,36 +434,6 @@ class Sweeper:
             await asyncio.sleep(self.interval_s)  # a period, not synchronisation
 
 
-async def listen_notify(store: Store, wake: asyncio.Event) -> None:
-    """Wake the relay on NOTIFY from any ledger replica (PostgreSQL only); reconnects."""
-    if not store.is_postgres:
-        return
-    import asyncpg
-
-    dsn = store.url.set(drivername="postgresql").render_as_string(hide_password=False)
-
-    def on_notify(*_: Any) -> None:
-        wake.set()
-
-    while True:
-        conn = None
-        try:
-            conn = await asyncpg.connect(dsn)
-            await conn.add_listener("effectledger_outbox", on_notify)
-            wake.set()  # catch up on anything committed while we were not listening
-            while not conn.is_closed():
-                await asyncio.sleep(5.0)  # liveness check interval of the listener
-                await conn.execute("SELECT 1")
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("outbox LISTEN connection lost (%s); polling continues", exc)
-            await asyncio.sleep(2.0)
-        finally:
-            if conn is not None and not conn.is_closed():
-                await conn.close()
-
-
 async def stream_position(js: JetStreamContext, stream: str,
                           consumer: str) -> StreamPosition | None:
     """The stream's bounds and the consumer's ack floor; None when JetStream cannot say."""
